@@ -1,0 +1,132 @@
+"""Portable backend: tiled pure-PyTorch log-probs and entropy with a recomputing backward.
+
+Rows go through in tiles of `tile_rows`; each tile's fp32 logits live only while
+that tile is processed. The forward keeps three fp32 numbers per scored row
+(row max, log of the shifted sum-exp, shifted mean logit); the backward
+recomputes a tile's logits from them. Across tensor-parallel ranks only these
+per-row statistics travel: one MAX and one SUM all-reduce per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from .problem import LogProbProblem
+from .statistics import combine_row_statistics, scatter_rows
+
+
+def _row_temperature(temperature: float | torch.Tensor, rows: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        return temperature.index_select(0, rows).unsqueeze(1)
+    return temperature
+
+
+def _tile_logits(hidden: torch.Tensor, weight32: torch.Tensor, rows: torch.Tensor, temperature) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits of the given rows against the valid columns, and the fp32 rows themselves."""
+    h32 = hidden.index_select(0, rows).float()
+    return (h32 @ weight32.t()) / _row_temperature(temperature, rows), h32
+
+
+def _local_columns(labels: torch.Tensor, rows: torch.Tensor, vocab_start: int, valid_columns: int):
+    local = labels.index_select(0, rows) - vocab_start
+    in_shard = (local >= 0) & (local < valid_columns)
+    return local.clamp(0, max(valid_columns - 1, 0)), in_shard
+
+
+def _forward_statistics(p: LogProbProblem, weight32: torch.Tensor):
+    """Per scored row: global max, log sum-exp and mean logit (both shifted by the max), label logit."""
+    n_active = p.active_rows.numel()
+    device = p.hidden.device
+    local_max = torch.full((n_active,), float("-inf"), device=device)
+    local_sum = torch.zeros(n_active, device=device)
+    local_shifted_dot = torch.zeros(n_active, device=device)
+    label_logit = torch.zeros(n_active, device=device)
+    if p.valid_columns > 0:
+        for start in range(0, n_active, p.tile_rows):
+            part = slice(start, min(start + p.tile_rows, n_active))
+            rows = p.active_rows[part]
+            logits, _ = _tile_logits(p.hidden, weight32, rows, p.temperature)
+            row_max = logits.amax(dim=1)
+            shifted = logits - row_max.unsqueeze(1)
+            exp_shifted = shifted.exp()
+            local_max[part] = row_max
+            local_sum[part] = exp_shifted.sum(dim=1)
+            if p.calculate_entropy:
+                local_shifted_dot[part] = (exp_shifted * shifted).sum(dim=1)
+            column, in_shard = _local_columns(p.labels, rows, p.vocab_start, p.valid_columns)
+            picked = logits.gather(1, column.unsqueeze(1)).squeeze(1)
+            label_logit[part] = torch.where(in_shard, picked, torch.zeros_like(picked))
+    return combine_row_statistics(p, local_max, local_sum, local_shifted_dot, label_logit)
+
+
+def _valid_weight32(p: LogProbProblem) -> torch.Tensor:
+    return p.weight[: p.valid_columns].float()
+
+
+class _TiledLogProbEntropy(torch.autograd.Function):
+    """Autograd wrapper: saves inputs plus O(N) statistics, recomputes logits tile by tile in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: LogProbProblem):
+        weight32 = _valid_weight32(p)
+        log_probs, entropy, row_max, log_sum, shifted_mean = _forward_statistics(p, weight32)
+        del weight32
+        temperature = p.temperature if isinstance(p.temperature, torch.Tensor) else None
+        ctx.save_for_backward(hidden, weight, p.labels, p.active_rows, row_max, log_sum, shifted_mean, temperature)
+        ctx.scalar_temperature = None if temperature is not None else p.temperature
+        ctx.layout = (p.vocab_start, p.valid_columns, p.tile_rows, p.calculate_entropy)
+        ctx.set_materialize_grads(False)
+        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, labels, active_rows, row_max, log_sum, shifted_mean, temperature = ctx.saved_tensors
+        vocab_start, valid_columns, tile_rows, calculate_entropy = ctx.layout
+        temperature = temperature if temperature is not None else ctx.scalar_temperature
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight32 = (
+            torch.zeros(valid_columns, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        if grad_entropy is None or not calculate_entropy:
+            grad_entropy = None
+        if valid_columns > 0 and (grad_log_probs is not None or grad_entropy is not None):
+            weight32 = weight[:valid_columns].float()
+            n_active = active_rows.numel()
+            for start in range(0, n_active, tile_rows):
+                part = slice(start, min(start + tile_rows, n_active))
+                rows = active_rows[part]
+                logits, h32 = _tile_logits(hidden, weight32, rows, temperature)
+                shifted = logits - row_max[part].unsqueeze(1)
+                probs = (shifted - log_sum[part].unsqueeze(1)).exp()
+                grad_logits = torch.zeros_like(probs)
+                if grad_log_probs is not None:
+                    # d log p_y / d z_j = [j == y] - p_j
+                    g = grad_log_probs.index_select(0, rows).float().unsqueeze(1)
+                    grad_logits -= g * probs
+                    column, in_shard = _local_columns(labels, rows, vocab_start, valid_columns)
+                    grad_logits.scatter_add_(1, column.unsqueeze(1), g * in_shard.unsqueeze(1).float())
+                if grad_entropy is not None:
+                    # d H / d z_j = p_j * (E[z] - z_j)
+                    g = grad_entropy.index_select(0, rows).float().unsqueeze(1)
+                    grad_logits += g * probs * (shifted_mean[part].unsqueeze(1) - shifted)
+                del logits, shifted, probs
+                grad_logits = grad_logits / _row_temperature(temperature, rows)
+                if grad_hidden is not None:
+                    grad_hidden.index_copy_(0, rows, (grad_logits @ weight32).to(hidden.dtype))
+                if grad_weight32 is not None:
+                    grad_weight32.addmm_(grad_logits.t(), h32)
+        grad_weight = None
+        if grad_weight32 is not None:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight[:valid_columns] = grad_weight32.to(weight.dtype)
+        return grad_hidden, grad_weight, None
+
+
+def run(p: LogProbProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy for `p`; differentiable in hidden and weight when they require grad."""
+    if not p.needs_grad:
+        with torch.no_grad():
+            log_probs, entropy, *_ = _forward_statistics(p, _valid_weight32(p))
+        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+    return _TiledLogProbEntropy.apply(p.hidden, p.weight, p)
