@@ -1,0 +1,254 @@
+"""megatron-core's `output_processor` hook: per-token log-probs and entropy instead of logits.
+
+`GPTModel.forward(..., output_processor=fused_output_processor,
+output_processor_context=FusedOutputProcessorContext(temperature=...))` returns
+log-probs and entropy of `labels` straight from the final hidden states, so the
+[tokens, vocab] logits and their gradient never exist. The processor is
+stateless: everything per-forward travels in the context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from .ops import BACKEND_CHOICES, log_probs_and_entropy
+
+# "verl" runs verl's own Triton kernel exactly as verl's forward does (bit-identical A/B runs).
+PROCESSOR_BACKENDS: tuple[str, ...] = (*BACKEND_CHOICES, "verl")
+
+
+def _check_temperature_field(temperature) -> None:
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or temperature.dim() > 2:
+            raise ValueError(
+                "FusedOutputProcessorContext.temperature: a tensor must be floating point and 0-d, [b] or [b, s], "
+                f"got {temperature.dtype} {tuple(temperature.shape)}"
+            )
+        if not bool(torch.isfinite(temperature).all()) or not bool((temperature > 0).all()):
+            raise ValueError("FusedOutputProcessorContext.temperature: every value must be finite and > 0")
+        return
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(
+            f"FusedOutputProcessorContext.temperature: expected a float > 0 or a tensor, got {type(temperature).__name__}"
+        )
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"FusedOutputProcessorContext.temperature: must be finite and > 0, got {temperature}")
+
+
+@dataclass(frozen=True)
+class FusedOutputProcessorContext:
+    """Per-forward options of `fused_output_processor` (passed as `output_processor_context=`).
+
+    temperature: float > 0, or a tensor: 0-d, per sample [b], or per token [b, s].
+    calculate_entropy: compute the entropy too (False returns entropy None).
+    score_mask: bool [b, s]; False positions are never multiplied by the output
+        weight (prompt, padding) and get log-prob 0, entropy 0.
+    backend: the op backend ("auto", "torch", GPU kernels), or "verl" for verl's
+        own Triton kernel (scalar temperature, no score_mask/vocab_size).
+    tile_rows: rows per tile (None: the op's default).
+    vocab_size: the true vocabulary; padded columns past it leave the softmax.
+    as_tuple: return `(log_probs, entropy)` tensors instead of an output object
+        (the combined-1F1B schedule plan only carries tensors).
+    """
+
+    temperature: float | torch.Tensor = 1.0
+    calculate_entropy: bool = True
+    score_mask: torch.Tensor | None = field(default=None, repr=False)
+    backend: str = "auto"
+    tile_rows: int | None = None
+    vocab_size: int | None = None
+    as_tuple: bool = False
+
+    def __post_init__(self):
+        _check_temperature_field(self.temperature)
+        if not isinstance(self.calculate_entropy, bool):
+            raise ValueError(f"FusedOutputProcessorContext.calculate_entropy: expected a bool, got {self.calculate_entropy!r}")
+        if not isinstance(self.as_tuple, bool):
+            raise ValueError(f"FusedOutputProcessorContext.as_tuple: expected a bool, got {self.as_tuple!r}")
+        if self.score_mask is not None and (
+            not isinstance(self.score_mask, torch.Tensor) or self.score_mask.dtype != torch.bool or self.score_mask.dim() != 2
+        ):
+            raise ValueError("FusedOutputProcessorContext.score_mask: expected None or a bool tensor [b, s] shaped like labels")
+        if self.backend not in PROCESSOR_BACKENDS:
+            raise ValueError(
+                f"FusedOutputProcessorContext.backend: unknown {self.backend!r}; allowed: {', '.join(PROCESSOR_BACKENDS)}"
+            )
+        if self.tile_rows is not None and (
+            isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int) or self.tile_rows < 1
+        ):
+            raise ValueError(f"FusedOutputProcessorContext.tile_rows: expected None or an int >= 1, got {self.tile_rows!r}")
+        if self.vocab_size is not None and (
+            isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1
+        ):
+            raise ValueError(f"FusedOutputProcessorContext.vocab_size: expected None or an int >= 1, got {self.vocab_size!r}")
+        if self.backend == "verl":
+            unsupported = [
+                name
+                for name, used in (
+                    ("score_mask", self.score_mask is not None),
+                    ("vocab_size", self.vocab_size is not None),
+                    ("temperature", isinstance(self.temperature, torch.Tensor) and self.temperature.dim() > 0),
+                    ("calculate_entropy", not self.calculate_entropy),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"FusedOutputProcessorContext.{unsupported[0]}: not supported with backend='verl' "
+                    f"(verl's kernel takes a scalar temperature over every row and column); "
+                    f"use backend in {', '.join(BACKEND_CHOICES)}"
+                )
+
+
+@dataclass
+class LogProbsOutput:
+    """Stand-in for verl's CausalLMOutputForPPO when verl is not installed (same fields)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: object = None
+    hidden_states: torch.Tensor | None = None
+    attentions: object = None
+
+
+def _make_output(log_probs: torch.Tensor, entropy: torch.Tensor | None, hidden_states: torch.Tensor):
+    try:
+        from verl.utils.model import CausalLMOutputForPPO
+    except ImportError:
+        return LogProbsOutput(log_probs=log_probs, entropy=entropy, hidden_states=hidden_states)
+    output = CausalLMOutputForPPO(loss=None, logits=None, past_key_values=None, hidden_states=hidden_states, attentions=None)
+    output.log_probs = log_probs
+    output.entropy = entropy
+    return output
+
+
+def resolve_output_weight(output_layer, output_weight) -> torch.Tensor:
+    """The vocab-parallel output weight: the shared embedding when tied, else the output layer's own."""
+    if output_weight is not None:
+        return output_weight
+    weight = getattr(output_layer, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+        raise ValueError(
+            f"output_layer ({type(output_layer).__name__}): no plain [V_local, H] weight Parameter to project with "
+            "(got output_weight=None and output_layer.weight="
+            f"{type(weight).__name__}); fused_output_processor needs the logits to be hidden @ weight.T, "
+            "so adapters on the output layer (e.g. LoRA) are not supported"
+        )
+    return weight
+
+
+def logit_multiplier(scale_logits, config) -> float:
+    """The factor Megatron's `_scale_logits` (MuP) applies to logits, checked to be a plain scale."""
+    if scale_logits is None or not getattr(config, "use_mup", False):
+        return 1.0
+    probe = scale_logits(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    factor = float(probe[0])
+    if not (math.isfinite(factor) and factor > 0 and float(probe[1]) == 2.0 * factor):
+        raise ValueError(
+            f"scale_logits: fused_output_processor supports a positive constant logit scale (MuP), got {probe.tolist()} for [1, 2]"
+        )
+    return factor
+
+
+def _tp_group_of(output_layer):
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    return group
+
+
+def _per_token(value: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Broadcast a 0-d, [b] or [b, s] tensor to labels' [b, s]."""
+    if value.dim() == 1:
+        value = value.unsqueeze(1)
+    return value.to(labels.device).expand(labels.shape)
+
+
+def fused_output_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: torch.nn.Module,
+    output_weight: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    context: FusedOutputProcessorContext | None = None,
+    config=None,
+    scale_logits=None,
+    **_later_arguments,
+):
+    """`GPTModel.forward(output_processor=...)` callback: log-probs and entropy of `labels`, [b, s] fp32.
+
+    hidden_states arrive [s, b, h] (sequence-sharded under sequence parallelism);
+    labels are [b, s]. With tensor parallelism the hidden-state gradient is summed
+    over the group: by the sequence-parallel gather's reduce-scatter, or, without
+    sequence parallelism, by an explicit all-reduce, exactly as Megatron's output
+    layer does in the default path. Returns verl's CausalLMOutputForPPO (or
+    LogProbsOutput without verl), or a `(log_probs, entropy)` tuple when
+    `context.as_tuple`.
+    """
+    context = context if context is not None else FusedOutputProcessorContext()
+    if not isinstance(context, FusedOutputProcessorContext):
+        raise ValueError(
+            f"output_processor_context: expected a FusedOutputProcessorContext, got {type(context).__name__}"
+        )
+    if labels is None:
+        raise ValueError("labels: fused_output_processor computes log-probs of the labels, so GPTModel.forward needs labels=")
+    weight = resolve_output_weight(output_layer, output_weight)
+    tp_group = _tp_group_of(output_layer)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    hidden = hidden_states
+    if tp_size > 1:
+        if getattr(output_layer, "sequence_parallel", False):
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    if hidden.shape[:2] != labels.shape[::-1]:
+        raise ValueError(
+            f"labels: expected [b, s] = {tuple(hidden.shape[1::-1])} to match hidden states [s, b, h] "
+            f"{tuple(hidden.shape)}, got {tuple(labels.shape)}"
+        )
+
+    temperature = context.temperature
+    multiplier = logit_multiplier(scale_logits, config)
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = (_per_token(temperature, labels).float() / multiplier).t()
+    else:
+        temperature = float(temperature) / multiplier
+    labels_sb = labels.t()
+
+    if context.backend == "verl":
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        log_probs, entropy = linear_cross_entropy(
+            hidden, weight, labels_sb.contiguous(), temperature, "none", tp_group if tp_size > 1 else None
+        )
+        log_probs, entropy = log_probs.view(labels_sb.shape), entropy.view(labels_sb.shape)
+    else:
+        log_probs, entropy = log_probs_and_entropy(
+            hidden,
+            weight,
+            labels_sb,
+            temperature=temperature,
+            tp_group=tp_group if tp_size > 1 else None,
+            score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
+            vocab_size=context.vocab_size,
+            calculate_entropy=context.calculate_entropy,
+            backend=context.backend,
+            tile_rows=context.tile_rows,
+        )
+    log_probs = log_probs.t().contiguous()
+    entropy = entropy.t().contiguous() if entropy is not None else None
+    if context.as_tuple:
+        return (log_probs, entropy) if entropy is not None else (log_probs,)
+    return _make_output(log_probs, entropy, hidden_states)

@@ -1,0 +1,247 @@
+"""Fused Triton backend for CUDA (Hopper first): logits never reach memory in the forward,
+and the backward recomputes them one vocabulary chunk at a time.
+
+Forward: one kernel reduces each scored row's logits, tile by tile, to softmax
+statistics; the vocabulary is split across programs when rows are few, and the
+splits are merged here with the same shifted formulas as statistics.py.
+Backward: per vocabulary chunk, a kernel recomputes the logits and writes
+d_logits (bf16); two cuBLAS GEMMs then give that chunk's complete d_weight rows
+and add its share of d_hidden into an fp32 accumulator. The chunk is sized so
+the extra memory stays under EXTRA_MEMORY_BUDGET. No float atomics anywhere, so
+two runs give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .problem import LogProbProblem
+from .statistics import combine_row_statistics, scatter_rows
+
+# Extra memory the backward may hold at once (fp32 d_hidden accumulator + d_logits chunk).
+EXTRA_MEMORY_BUDGET = 960 * 1024 * 1024
+# Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
+SPLIT_OVERHEAD_TILES = 0.5
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block shape and pipelining of one kernel launch; ctas_per_sm feeds the wave arithmetic."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+
+FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
+GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
+
+
+def unavailable_reason(p: LogProbProblem) -> str | None:
+    """None when this backend can run `p`, else why not (auto logs it and falls back)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if p.hidden.device.type != "cuda":
+        return f"hidden is on {p.hidden.device.type}"
+    if torch.cuda.get_device_capability(p.hidden.device)[0] < 9:
+        return "needs a Hopper or newer GPU (TMA descriptors)"
+    if p.hidden.dtype != torch.bfloat16 or p.weight.dtype != torch.bfloat16:
+        return f"hidden/weight must both be bfloat16, got {p.hidden.dtype} and {p.weight.dtype}"
+    if p.hidden.shape[1] % 8 != 0:
+        return f"H={p.hidden.shape[1]} not supported (TMA needs rows of a multiple of 8 bf16 elements)"
+    return None
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Row-major with a 16-byte aligned base, as TMA descriptors require (copies only if not)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
+    """Column tiles per program minimizing (waves x tiles per program): few rows get many splits."""
+    best, best_cost = col_tiles, math.inf
+    for per in range(1, col_tiles + 1):
+        splits = -(-col_tiles // per)
+        if splits * per - col_tiles >= per:  # an empty last split: same as a smaller `per`
+            continue
+        waves = -(-(row_blocks * splits) // slots)
+        cost = waves * (per + SPLIT_OVERHEAD_TILES)
+        if cost < best_cost:
+            best, best_cost = per, cost
+    return best
+
+
+def _row_inputs(p: LogProbProblem):
+    """Compacted scored rows: hidden, label column in this shard (-1 elsewhere), 1/temperature."""
+    rows = p.active_rows
+    all_rows = rows.numel() == p.num_rows
+    hidden = _tma_ready(p.hidden if all_rows else p.hidden.index_select(0, rows))
+    local = p.labels.index_select(0, rows) - p.vocab_start
+    label_col = torch.where((local >= 0) & (local < p.valid_columns), local, -1).to(torch.int32)
+    if isinstance(p.temperature, torch.Tensor):
+        inv_temp = p.temperature.index_select(0, rows).reciprocal()
+    else:
+        inv_temp = torch.full((rows.numel(),), 1.0 / p.temperature, dtype=torch.float32, device=rows.device)
+    return hidden, label_col, inv_temp
+
+
+def _merge_splits(part_max, part_sum, part_dot, part_label):
+    """Combine [splits, rows] partial statistics into one per row (same algebra as statistics.py)."""
+    row_max = part_max.amax(dim=0)
+    rescale = torch.exp(part_max - row_max)
+    total = (part_sum * rescale).sum(dim=0)
+    dot = (rescale * (part_dot + (part_max - row_max) * part_sum)).sum(dim=0)
+    return row_max, total, dot, part_label.sum(dim=0)
+
+
+def _local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp):
+    """This rank's (max, sum, shifted dot, label logit) per scored row, from the fused kernel."""
+    from . import triton_kernels as kernels
+
+    n = hidden.shape[0]
+    if p.valid_columns == 0 or n == 0:
+        device = hidden.device
+        return (torch.full((n,), float("-inf"), device=device), torch.zeros(n, device=device),
+                torch.zeros(n, device=device), torch.zeros(n, device=device))
+    c = FORWARD_CONFIG
+    row_blocks = -(-n // c.block_m)
+    col_tiles = -(-p.valid_columns // c.block_n)
+    per = choose_tiles_per_split(row_blocks, col_tiles, _num_sms(hidden.device) * c.ctas_per_sm)
+    splits = -(-col_tiles // per)
+    parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
+    kernels.forward_statistics_kernel[(row_blocks * splits,)](
+        _descriptor(hidden, [c.block_m, c.block_k]),
+        _descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
+        label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
+        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        ENTROPY=p.calculate_entropy, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    if splits == 1:
+        return parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0]
+    return _merge_splits(*parts.unbind(0))
+
+
+def _forward(p: LogProbProblem):
+    weight = _tma_ready(p.weight)
+    hidden, label_col, inv_temp = _row_inputs(p)
+    stats = _local_statistics(p, hidden, weight, label_col, inv_temp)
+    log_probs, entropy, row_max, log_sum, shifted_mean = combine_row_statistics(p, *stats)
+    return log_probs, entropy, row_max, log_sum, shifted_mean, (hidden, weight, label_col, inv_temp)
+
+
+def chunk_columns(rows: int, hidden_size: int, valid_columns: int, block_n: int) -> int:
+    """Vocabulary columns per backward chunk: the widest multiple of block_n whose bf16
+    d_logits fit beside the fp32 d_hidden accumulator inside EXTRA_MEMORY_BUDGET."""
+    left = max(EXTRA_MEMORY_BUDGET - 4 * rows * hidden_size, 0)
+    width = (left // (2 * max(rows, 1))) // block_n * block_n
+    return max(block_n, min(width, -(-valid_columns // block_n) * block_n))
+
+
+def _backward(saved, p_layout, grad_lp, grad_ent, want_hidden: bool, want_weight: bool):
+    """(d_hidden over scored rows in fp32 or None, d_weight over valid columns or None)."""
+    from . import triton_kernels as kernels
+
+    hidden, weight, label_col, inv_temp, lse, mean = saved
+    valid_columns = p_layout
+    n, h = hidden.shape
+    c = GRAD_CONFIG
+    width = chunk_columns(n, h, valid_columns, c.block_n)
+    dz_buffer = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
+    d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
+    d_weight = torch.empty(valid_columns, h, dtype=weight.dtype, device=weight.device) if want_weight else None
+    h_desc = _descriptor(hidden, [c.block_m, c.block_k])
+    w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
+    row_blocks = -(-n // c.block_m)
+    for start in range(0, valid_columns, width):
+        cols = min(width, valid_columns - start)
+        dz = dz_buffer[:, :cols]
+        kernels.grad_logits_kernel[(row_blocks * -(-cols // c.block_n),)](
+            h_desc, w_desc, _descriptor(dz, [c.block_m, c.block_n]),
+            label_col, inv_temp, lse, mean, grad_lp, grad_ent,
+            n, h, valid_columns, start, cols,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        if d_hidden is not None:
+            torch.addmm(d_hidden, dz, weight[start : start + cols], out_dtype=torch.float32, out=d_hidden)
+        if d_weight is not None:
+            torch.mm(dz.t(), hidden, out=d_weight[start : start + cols])
+    return d_hidden, d_weight
+
+
+class _FusedLogProbEntropy(torch.autograd.Function):
+    """Saves the compacted inputs plus two fp32 numbers per scored row (log sum-exp, mean logit)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: LogProbProblem):
+        log_probs, entropy, row_max, log_sum, shifted_mean, inputs = _forward(p)
+        lse = row_max + log_sum
+        mean = row_max + shifted_mean
+        ctx.save_for_backward(*inputs, lse, mean, p.active_rows)
+        ctx.layout = (p.valid_columns, p.num_rows, p.calculate_entropy)
+        ctx.set_materialize_grads(False)
+        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        *saved, active_rows = ctx.saved_tensors
+        valid_columns, num_rows, calculate_entropy = ctx.layout
+        hidden_full, weight_full = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        compact_hidden, weight = saved[0], saved[1]
+        full_shape = (num_rows, compact_hidden.shape[1])
+        n = active_rows.numel()
+
+        def rows_of(grad):
+            if grad is None:
+                return torch.zeros(n, dtype=torch.float32, device=compact_hidden.device)
+            return grad.index_select(0, active_rows).float()
+
+        grad_lp = rows_of(grad_log_probs)
+        grad_ent = rows_of(grad_entropy if calculate_entropy else None)
+        d_hidden = d_weight = None
+        nothing = grad_log_probs is None and (grad_entropy is None or not calculate_entropy)
+        if valid_columns > 0 and n > 0 and not nothing:
+            d_hidden, d_weight = _backward(saved, valid_columns, grad_lp, grad_ent, hidden_full, weight_full)
+        grad_hidden = grad_weight = None
+        if hidden_full:
+            grad_hidden = torch.zeros(full_shape, dtype=compact_hidden.dtype, device=compact_hidden.device)
+            if d_hidden is not None:
+                if n == num_rows:
+                    grad_hidden.copy_(d_hidden)
+                else:
+                    grad_hidden.index_copy_(0, active_rows, d_hidden.to(compact_hidden.dtype))
+        if weight_full:
+            grad_weight = torch.zeros_like(weight)
+            if d_weight is not None:
+                grad_weight[:valid_columns] = d_weight
+        return grad_hidden, grad_weight, None
+
+
+def run(p: LogProbProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy for `p`; differentiable in hidden and weight when they require grad."""
+    if not p.needs_grad:
+        with torch.no_grad():
+            log_probs, entropy, *_ = _forward(p)
+        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+    return _FusedLogProbEntropy.apply(p.hidden, p.weight, p)

@@ -1,0 +1,126 @@
+"""Triton kernels: the vocab-tiled GEMM with a softmax-statistics epilogue (forward)
+and with a d_logits epilogue (backward recompute).
+
+Both kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
+fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
+rows and columns read as zero) and never write logits to memory. Rows are the
+scored rows only (the caller compacts them); columns past `valid_columns` are
+vocabulary padding and are masked out. Tile sizes are host-chosen constants
+(see triton_backend.CONFIGS), so every launch is deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Finite stand-in for -inf: exp(NEG - m) is 0 and (NEG - m) * 0 is 0, so masked
+# columns and the empty starting state never produce inf * 0 = NaN.
+NEG = -1.0e30
+
+
+@triton.jit
+def _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K: tl.constexpr, acc):
+    """acc += hidden[off_m:+BM] @ weight[off_n:+BN].T, fp32 accumulation over H."""
+    for k in range(0, H, BLOCK_K):
+        a = h_desc.load([off_m, k])
+        b = w_desc.load([off_n, k])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear program id to (row block, column block) so that programs running
+    together share GROUP_M row blocks and a few column blocks (both stay in L2)."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def forward_statistics_kernel(
+    h_desc, w_desc,  # [rows, H], [valid_columns, H] tensor descriptors
+    label_col_ptr,  # int32 [rows]: label's column in this shard, -1 if elsewhere
+    inv_temp_ptr,  # fp32 [rows]: 1 / temperature
+    max_ptr, sum_ptr, dot_ptr, label_ptr,  # fp32 [num_splits, rows] partial statistics
+    rows, H, valid_columns, num_col_tiles, tiles_per_split, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, ENTROPY: tl.constexpr,
+):
+    """One program: one row block against one contiguous split of column tiles,
+    reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row."""
+    pid_m, split = _grouped_tile(tl.program_id(0), tl.cdiv(rows, BLOCK_M), num_splits, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    row_ids = off_m + tl.arange(0, BLOCK_M)
+    row_ok = row_ids < rows
+    label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
+    inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
+
+    run_max = tl.full((BLOCK_M,), NEG, tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), tl.float32)
+    run_dot = tl.zeros((BLOCK_M,), tl.float32)
+    label_logit = tl.zeros((BLOCK_M,), tl.float32)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_col_tiles)
+    for tile in range(first_tile, last_tile):
+        off_n = tile * BLOCK_N
+        acc = _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        cols = off_n + tl.arange(0, BLOCK_N)
+        z = tl.where(cols[None, :] < valid_columns, acc * inv_temp[:, None], NEG)
+        label_logit += tl.sum(tl.where(cols[None, :] == label_col[:, None], z, 0.0), axis=1)
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        shift = run_max - new_max
+        rescale = tl.exp(shift)
+        shifted = z - new_max[:, None]
+        e = tl.exp(shifted)
+        if ENTROPY:
+            # sum e^(z-M)(z-M) over old columns = rescale * (dot + shift * sum)
+            run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted, axis=1)
+        run_sum = run_sum * rescale + tl.sum(e, axis=1)
+        run_max = new_max
+
+    out = split * rows + row_ids
+    tl.store(max_ptr + out, run_max, mask=row_ok)
+    tl.store(sum_ptr + out, run_sum, mask=row_ok)
+    tl.store(dot_ptr + out, run_dot, mask=row_ok)
+    tl.store(label_ptr + out, label_logit, mask=row_ok)
+
+
+@triton.jit
+def grad_logits_kernel(
+    h_desc, w_desc, dz_desc,  # [rows, H], [valid_columns, H], [rows, chunk] (output)
+    label_col_ptr, inv_temp_ptr,  # int32 [rows], fp32 [rows]
+    lse_ptr, mean_ptr,  # fp32 [rows]: log sum-exp and mean logit E[z] over the whole vocabulary
+    grad_lp_ptr, grad_ent_ptr,  # fp32 [rows]: upstream gradients
+    rows, H, valid_columns, chunk_start, chunk_width,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """d_logits for columns [chunk_start, chunk_start + chunk_width), written in the input dtype:
+    dz_j = (g_lp * ([j == y] - p_j) + g_H * p_j * (E[z] - z_j)) / T."""
+    pid_m, pid_n = _grouped_tile(
+        tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(chunk_width, BLOCK_N), GROUP_M
+    )
+    off_m = pid_m * BLOCK_M
+    off_n = chunk_start + pid_n * BLOCK_N
+    row_ids = off_m + tl.arange(0, BLOCK_M)
+    row_ok = row_ids < rows
+    label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
+    inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
+    lse = tl.load(lse_ptr + row_ids, mask=row_ok, other=0.0)
+    mean = tl.load(mean_ptr + row_ids, mask=row_ok, other=0.0)
+    g_lp = tl.load(grad_lp_ptr + row_ids, mask=row_ok, other=0.0)
+    g_ent = tl.load(grad_ent_ptr + row_ids, mask=row_ok, other=0.0)
+
+    acc = _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+    cols = off_n + tl.arange(0, BLOCK_N)
+    z = acc * inv_temp[:, None]
+    p = tl.exp(z - lse[:, None])
+    dz = p * (g_ent[:, None] * (mean[:, None] - z) - g_lp[:, None])
+    dz = tl.where(cols[None, :] == label_col[:, None], dz + g_lp[:, None], dz)
+    dz = tl.where(cols[None, :] < valid_columns, dz * inv_temp[:, None], 0.0)
+    dz_desc.store([off_m, off_n - chunk_start], dz.to(dz_desc.dtype))
