@@ -1,15 +1,25 @@
-"""verl-fused-hook: fused log-probs and entropy for verl's Megatron engine via megatron-core's output_processor hook."""
+"""verl-fused-hook: fused log-probs and entropy for verl's Megatron engine via megatron-core's output_processor hook.
 
-from .hook import FusedOutputProcessorContext, LogProbsOutput, fused_output_processor
+The op imports only torch; the hook and the probe (which import megatron-core)
+load on first use, so `from verl_fused_hook import log_probs_and_entropy` stays light.
+"""
+
+import importlib
+
 from .ops import BACKEND_CHOICES, log_probs_and_entropy
-from .probe import OutputProcessorUnsupportedError, require_output_processor_support
 
-__all__ = [
-    "BACKEND_CHOICES",
-    "FusedOutputProcessorContext",
-    "LogProbsOutput",
-    "OutputProcessorUnsupportedError",
-    "fused_output_processor",
-    "log_probs_and_entropy",
-    "require_output_processor_support",
-]
+_LAZY = {
+    "FusedOutputProcessorContext": ".hook",
+    "LogProbsOutput": ".hook",
+    "fused_output_processor": ".hook",
+    "OutputProcessorUnsupportedError": ".probe",
+    "require_output_processor_support": ".probe",
+}
+
+__all__ = ["BACKEND_CHOICES", "log_probs_and_entropy", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,11 +35,12 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
+    "triton": Backend("triton", ".triton_backend"),
     "torch": Backend("torch", ".torch_backend"),
 }
 
 # Fastest first; "auto" takes the first whose unavailable_reason is None.
-PREFERENCE: tuple[str, ...] = ("torch",)
+PREFERENCE: tuple[str, ...] = ("triton", "torch")
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 

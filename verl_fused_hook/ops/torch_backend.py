@@ -23,7 +23,8 @@ def _row_temperature(temperature: float | torch.Tensor, rows: torch.Tensor) -> f
 def _tile_logits(hidden: torch.Tensor, weight32: torch.Tensor, rows: torch.Tensor, temperature) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits of the given rows against the valid columns, and the fp32 rows themselves."""
     h32 = hidden.index_select(0, rows).float()
-    return (h32 @ weight32.t()) / _row_temperature(temperature, rows), h32
+    logits = h32 @ weight32.t()
+    return logits.div_(_row_temperature(temperature, rows)), h32
 
 
 def _local_columns(labels: torch.Tensor, rows: torch.Tensor, vocab_start: int, valid_columns: int):
@@ -45,16 +46,18 @@ def _forward_statistics(p: LogProbProblem, weight32: torch.Tensor):
             part = slice(start, min(start + p.tile_rows, n_active))
             rows = p.active_rows[part]
             logits, _ = _tile_logits(p.hidden, weight32, rows, p.temperature)
+            column, in_shard = _local_columns(p.labels, rows, p.vocab_start, p.valid_columns)
+            picked = logits.gather(1, column.unsqueeze(1)).squeeze(1)
+            label_logit[part] = torch.where(in_shard, picked, torch.zeros_like(picked))
             row_max = logits.amax(dim=1)
-            shifted = logits - row_max.unsqueeze(1)
+            shifted = logits.sub_(row_max.unsqueeze(1))
             exp_shifted = shifted.exp()
             local_max[part] = row_max
             local_sum[part] = exp_shifted.sum(dim=1)
             if p.calculate_entropy:
-                local_shifted_dot[part] = (exp_shifted * shifted).sum(dim=1)
-            column, in_shard = _local_columns(p.labels, rows, p.vocab_start, p.valid_columns)
-            picked = logits.gather(1, column.unsqueeze(1)).squeeze(1)
-            label_logit[part] = torch.where(in_shard, picked, torch.zeros_like(picked))
+                # in place: no third [rows, V] temporary; sum() reduces pairwise, unlike a dot product
+                local_shifted_dot[part] = exp_shifted.mul_(shifted).sum(dim=1)
+            del logits, shifted, exp_shifted
     return combine_row_statistics(p, local_max, local_sum, local_shifted_dot, label_logit)
 
 
@@ -97,21 +100,24 @@ class _TiledLogProbEntropy(torch.autograd.Function):
                 part = slice(start, min(start + tile_rows, n_active))
                 rows = active_rows[part]
                 logits, h32 = _tile_logits(hidden, weight32, rows, temperature)
-                shifted = logits - row_max[part].unsqueeze(1)
-                probs = (shifted - log_sum[part].unsqueeze(1)).exp()
-                grad_logits = torch.zeros_like(probs)
-                if grad_log_probs is not None:
-                    # d log p_y / d z_j = [j == y] - p_j
-                    g = grad_log_probs.index_select(0, rows).float().unsqueeze(1)
-                    grad_logits -= g * probs
-                    column, in_shard = _local_columns(labels, rows, vocab_start, valid_columns)
-                    grad_logits.scatter_add_(1, column.unsqueeze(1), g * in_shard.unsqueeze(1).float())
+                shifted = logits.sub_(row_max[part].unsqueeze(1))
+                probs = (shifted - log_sum[part].unsqueeze(1)).exp_()
+                # d_z = p * (g_H * (E[z] - z) - g_lp) + g_lp * onehot(y), built in place in `shifted`
+                grad_logits = shifted
                 if grad_entropy is not None:
-                    # d H / d z_j = p_j * (E[z] - z_j)
-                    g = grad_entropy.index_select(0, rows).float().unsqueeze(1)
-                    grad_logits += g * probs * (shifted_mean[part].unsqueeze(1) - shifted)
+                    g_entropy = grad_entropy.index_select(0, rows).float().unsqueeze(1)
+                    grad_logits.neg_().add_(shifted_mean[part].unsqueeze(1)).mul_(g_entropy)
+                else:
+                    grad_logits.zero_()
+                if grad_log_probs is not None:
+                    g_log_probs = grad_log_probs.index_select(0, rows).float().unsqueeze(1)
+                    grad_logits.sub_(g_log_probs)
+                grad_logits.mul_(probs)
                 del logits, shifted, probs
-                grad_logits = grad_logits / _row_temperature(temperature, rows)
+                if grad_log_probs is not None:
+                    column, in_shard = _local_columns(labels, rows, vocab_start, valid_columns)
+                    grad_logits.scatter_add_(1, column.unsqueeze(1), g_log_probs * in_shard.unsqueeze(1).float())
+                grad_logits.div_(_row_temperature(temperature, rows))
                 if grad_hidden is not None:
                     grad_hidden.index_copy_(0, rows, (grad_logits @ weight32).to(hidden.dtype))
                 if grad_weight32 is not None:

@@ -158,18 +158,16 @@ def chunk_columns(rows: int, hidden_size: int, valid_columns: int, block_n: int)
     return max(block_n, min(width, -(-valid_columns // block_n) * block_n))
 
 
-def _backward(saved, p_layout, grad_lp, grad_ent, want_hidden: bool, want_weight: bool):
-    """(d_hidden over scored rows in fp32 or None, d_weight over valid columns or None)."""
+def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d_weight):
+    """fp32 d_hidden over the scored rows (or None); fills d_weight[:valid_columns] when given."""
     from . import triton_kernels as kernels
 
     hidden, weight, label_col, inv_temp, lse, mean = saved
-    valid_columns = p_layout
     n, h = hidden.shape
     c = GRAD_CONFIG
     width = chunk_columns(n, h, valid_columns, c.block_n)
     dz_buffer = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
-    d_weight = torch.empty(valid_columns, h, dtype=weight.dtype, device=weight.device) if want_weight else None
     h_desc = _descriptor(hidden, [c.block_m, c.block_k])
     w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
     row_blocks = -(-n // c.block_m)
@@ -187,7 +185,7 @@ def _backward(saved, p_layout, grad_lp, grad_ent, want_hidden: bool, want_weight
             torch.addmm(d_hidden, dz, weight[start : start + cols], out_dtype=torch.float32, out=d_hidden)
         if d_weight is not None:
             torch.mm(dz.t(), hidden, out=d_weight[start : start + cols])
-    return d_hidden, d_weight
+    return d_hidden
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):
@@ -196,9 +194,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, p: LogProbProblem):
         log_probs, entropy, row_max, log_sum, shifted_mean, inputs = _forward(p)
-        lse = row_max + log_sum
-        mean = row_max + shifted_mean
-        ctx.save_for_backward(*inputs, lse, mean, p.active_rows)
+        ctx.save_for_backward(*inputs, row_max + log_sum, row_max + shifted_mean, p.active_rows)
         ctx.layout = (p.valid_columns, p.num_rows, p.calculate_entropy)
         ctx.set_materialize_grads(False)
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)
@@ -207,34 +203,34 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         *saved, active_rows = ctx.saved_tensors
         valid_columns, num_rows, calculate_entropy = ctx.layout
-        hidden_full, weight_full = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        compact_hidden, weight = saved[0], saved[1]
-        full_shape = (num_rows, compact_hidden.shape[1])
+        hidden, weight = saved[0], saved[1]
+        if not calculate_entropy:
+            grad_entropy = None
         n = active_rows.numel()
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.zeros(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.empty_like(weight)
+            grad_weight[valid_columns:].zero_()
+        if valid_columns == 0 or n == 0 or (grad_log_probs is None and grad_entropy is None):
+            if grad_weight is not None:
+                grad_weight.zero_()
+            return grad_hidden, grad_weight, None
 
         def rows_of(grad):
             if grad is None:
-                return torch.zeros(n, dtype=torch.float32, device=compact_hidden.device)
+                return torch.zeros(n, dtype=torch.float32, device=hidden.device)
             return grad.index_select(0, active_rows).float()
 
-        grad_lp = rows_of(grad_log_probs)
-        grad_ent = rows_of(grad_entropy if calculate_entropy else None)
-        d_hidden = d_weight = None
-        nothing = grad_log_probs is None and (grad_entropy is None or not calculate_entropy)
-        if valid_columns > 0 and n > 0 and not nothing:
-            d_hidden, d_weight = _backward(saved, valid_columns, grad_lp, grad_ent, hidden_full, weight_full)
-        grad_hidden = grad_weight = None
-        if hidden_full:
-            grad_hidden = torch.zeros(full_shape, dtype=compact_hidden.dtype, device=compact_hidden.device)
-            if d_hidden is not None:
-                if n == num_rows:
-                    grad_hidden.copy_(d_hidden)
-                else:
-                    grad_hidden.index_copy_(0, active_rows, d_hidden.to(compact_hidden.dtype))
-        if weight_full:
-            grad_weight = torch.zeros_like(weight)
-            if d_weight is not None:
-                grad_weight[:valid_columns] = d_weight
+        d_hidden = _backward(
+            saved, valid_columns, rows_of(grad_log_probs), rows_of(grad_entropy), grad_hidden is not None, grad_weight
+        )
+        if d_hidden is not None:
+            if n == num_rows:
+                grad_hidden.copy_(d_hidden)
+            else:
+                grad_hidden.index_copy_(0, active_rows, d_hidden.to(hidden.dtype))
         return grad_hidden, grad_weight, None
 
 

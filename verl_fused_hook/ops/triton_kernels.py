@@ -16,7 +16,7 @@ import triton.language as tl
 
 # Finite stand-in for -inf: exp(NEG - m) is 0 and (NEG - m) * 0 is 0, so masked
 # columns and the empty starting state never produce inf * 0 = NaN.
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

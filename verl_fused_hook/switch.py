@@ -1,0 +1,130 @@
+"""Which fused forward an engine uses: the environment switch, the trainer config entries, and their precedence.
+
+Why one module: the environment variable, the two config entries and their
+precedence must be read the same way by the engine integration, the A/B
+script and the tests, and every bad value must fail at start-up with the same
+message naming the field and the allowed values.
+
+Precedence (documented in docs/usage.md):
+1. `VERL_FUSED_USE_OP_HOOK` when set ("1" hook, "0" legacy) wins; a config entry
+   that disagrees is overridden, and the log line says so.
+2. Otherwise `actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook`
+   (true hook, false legacy).
+3. Neither set: mode "unset", the plugin leaves verl's fused path as verl ships it.
+The op backend comes only from `...fused_kernel_options.output_processor_backend`
+(default "auto") and only matters in hook mode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .hook import PROCESSOR_BACKENDS
+
+ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
+ENV_VALUES = {"1": "hook", "0": "legacy"}
+
+CONFIG_PREFIX = "actor_rollout_ref.model.fused_kernel_options"
+CONFIG_HOOK_KEY = "use_output_processor_hook"
+CONFIG_BACKEND_KEY = "output_processor_backend"
+
+# "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
+# the others are the op's backends ("auto", "torch", GPU kernels).
+VERL_BACKEND = "verl"
+ALLOWED_BACKENDS: tuple[str, ...] = PROCESSOR_BACKENDS
+DEFAULT_BACKEND = "auto"
+
+HOOK = "hook"
+LEGACY = "legacy"
+UNSET = "unset"
+
+
+@dataclass(frozen=True)
+class FusedForwardPlan:
+    """The resolved choice for one engine: mode, op backend, and where each came from."""
+
+    mode: str  # HOOK, LEGACY or UNSET
+    backend: str | None  # the op backend in hook mode, else None
+    source: str  # human-readable origin of the mode
+    note: str | None = None  # an override or ignored entry worth a log line
+
+    @property
+    def is_set(self) -> bool:
+        return self.mode != UNSET
+
+    def log_line(self, engine_name: str) -> str:
+        if self.mode == HOOK:
+            text = f"verl_fused_hook: {engine_name} uses the output_processor hook, backend={self.backend} ({self.source})"
+        elif self.mode == LEGACY:
+            text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
+        else:
+            text = f"verl_fused_hook: {engine_name} left as verl ships it ({self.source})"
+        return f"{text}; {self.note}" if self.note else text
+
+
+def parse_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The mode the environment asks for (HOOK/LEGACY) or None when the variable is unset."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV_VAR)
+    if raw is None:
+        return None
+    value = raw.strip()
+    if value not in ENV_VALUES:
+        raise ValueError(
+            f"{ENV_VAR}={raw!r} is not allowed; use 1 (output_processor hook), 0 (verl's legacy fused forward) "
+            f"or leave it unset (plugin inactive)"
+        )
+    return ENV_VALUES[value]
+
+
+def parse_config_mode(options: Mapping | None) -> str | None:
+    """The mode `fused_kernel_options.use_output_processor_hook` asks for, or None when absent/null."""
+    value = None if options is None else options.get(CONFIG_HOOK_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_HOOK_KEY}={value!r} is not allowed; use true, false or null (unset)"
+        )
+    return HOOK if value else LEGACY
+
+
+def parse_config_backend(options: Mapping | None) -> str | None:
+    """The op backend `fused_kernel_options.output_processor_backend` names, or None when absent/null."""
+    value = None if options is None else options.get(CONFIG_BACKEND_KEY)
+    if value is None:
+        return None
+    if value not in ALLOWED_BACKENDS:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={value!r} is not allowed; use one of {', '.join(ALLOWED_BACKENDS)}"
+        )
+    return value
+
+
+def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | None = None) -> FusedForwardPlan:
+    """Combine the environment and an engine's `fused_kernel_options` into one plan (see module docstring)."""
+    env_mode = parse_env(environ)
+    config_mode = parse_config_mode(options)
+    config_backend = parse_config_backend(options)
+
+    notes = []
+    if env_mode is not None:
+        mode = env_mode
+        source = f"{ENV_VAR}={'1' if env_mode == HOOK else '0'}"
+        if config_mode is not None and config_mode != env_mode:
+            notes.append(f"{ENV_VAR} overrides {CONFIG_PREFIX}.{CONFIG_HOOK_KEY}={config_mode == HOOK}")
+    elif config_mode is not None:
+        mode = config_mode
+        source = f"{CONFIG_PREFIX}.{CONFIG_HOOK_KEY}={'true' if config_mode == HOOK else 'false'}"
+    else:
+        mode = UNSET
+        source = f"{ENV_VAR} and {CONFIG_PREFIX}.{CONFIG_HOOK_KEY} unset"
+
+    backend = None
+    if mode == HOOK:
+        backend = config_backend or DEFAULT_BACKEND
+    elif config_backend is not None:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={config_backend} ignored outside hook mode")
+    return FusedForwardPlan(mode=mode, backend=backend, source=source, note="; ".join(notes) or None)

@@ -1,0 +1,90 @@
+"""A megatron-core GPTModel from a Hugging Face config file, through mbridge's config conversion.
+
+Why: the A/B script and the integration tests must build the model verl would
+build for a real checkpoint's config (mbridge maps the HF fields to a
+TransformerConfig), with random weights from a fixed seed so that separate
+processes hold identical weights. Layers use Transformer Engine's spec when
+it is importable (as mbridge does) and otherwise the CPU-capable local spec
+(FACTS: the local attention refuses THD batches, so it gets one that honours
+`cu_seqlens`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+TINY_QWEN2 = Path(__file__).resolve().parent.parent / "configs" / "tiny_qwen2"
+VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of this times the TP size
+
+
+def load_hf_config(path: str | Path = TINY_QWEN2):
+    """A transformers config from a config.json file or a folder holding one."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"hf config: {path} does not exist; pass a config.json or a folder holding one")
+    return AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def _rope_base(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    multiple = VOCAB_MULTIPLE * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def build_gpt_from_hf(
+    hf_config,
+    *,
+    sequence_parallel: bool = False,
+    tied: bool | None = None,
+    seed: int = 1234,
+    dtype: torch.dtype = torch.float32,
+    use_transformer_engine: bool | None = None,
+) -> GPTModel:
+    """GPTModel for `hf_config` on the current model-parallel state, weights from `seed` (CPU-initialized).
+
+    tied: override the config's tie_word_embeddings (None keeps it).
+    """
+    from mbridge import AutoBridge
+
+    from .megatron_cpu import cpu_block_spec
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied
+    bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    bridge.set_extra_args(
+        use_cpu_initialization=True,  # one full weight, split per rank: identical weights in every process
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+    )
+    config = bridge.config
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    spec = bridge._get_transformer_layer_spec() if use_transformer_engine else cpu_block_spec(config)
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp_size),
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=_rope_base(hf_config),
+        share_embeddings_and_output_weights=share,
+    )

@@ -1,0 +1,59 @@
+"""verl's real Megatron engine object, holding models we built, for driving its build step and forward_step.
+
+Why: `MegatronEngine.initialize` needs GPUs, checkpoints and an optimizer,
+but the two methods the plugin wires into (`_maybe_enable_fused_kernels` at
+build, `forward_step` per micro-batch) read only a few fields. We create a
+real `MegatronEngineWithLMHead` without running its GPU set-up and give it
+real verl config dataclasses, a real (in-memory) tokenizer and the models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .hf_model import TINY_QWEN2
+
+
+def word_level_tokenizer(vocab_size: int, pad_token_id: int = 0):
+    """A real transformers tokenizer over ids 0..vocab_size-1 (no files needed)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=f"t{pad_token_id}"))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=f"t{pad_token_id}", unk_token=f"t{pad_token_id}")
+
+
+def megatron_engine(
+    models,
+    *,
+    fused_kernel_options: dict | None = None,
+    model_path: str | Path = TINY_QWEN2,
+    use_fused_kernels: bool = True,
+    forward_only: bool = False,
+    mtp_enable: bool = False,
+):
+    """A MegatronEngineWithLMHead over `models` (a list of model chunks), ready for
+    `_maybe_enable_fused_kernels()` and `forward_step(...)`."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from verl.workers.config.model import MtpConfig
+
+    model_config = HFModelConfig(
+        path=str(model_path),
+        load_tokenizer=False,
+        use_fused_kernels=use_fused_kernels,
+        fused_kernel_options=dict(fused_kernel_options or {}),
+        mtp=MtpConfig(enable=mtp_enable),
+    )
+    model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size)
+    engine = MegatronEngineWithLMHead.__new__(MegatronEngineWithLMHead)
+    engine.model_config = model_config
+    engine.engine_config = McoreEngineConfig(use_fused_kernels=use_fused_kernels, use_mbridge=True, forward_only=forward_only)
+    engine.is_value_model = False
+    engine.enable_routing_replay = False
+    engine.tf_config = models[0].config if hasattr(models[0], "config") else None
+    engine.module = list(models)
+    return engine

@@ -1,0 +1,163 @@
+"""Our functions at verl's call sites: module and class attributes verl looks up when it calls them.
+
+Why attributes and not edits: verl's engine imports `patch_fused_forward`,
+`get_mcore_forward_fused_model_engine_fn`, `patch_postprocess` inside the
+functions that use them and calls `_resolve_fused_temperature` and its methods
+through module/class lookups, so replacing those attributes reroutes every
+call without touching verl's files. Each replacement dispatches on the plan
+stored on the model and hands every model without one to verl's original.
+The originals are kept, so `restore()` puts verl back exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+from ..probe import require_output_processor_support
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, LEGACY, VERL_BACKEND, resolve_plan
+from .engine_forward import make_hook_engine_forward
+from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, inner_model, plan_of, set_plan
+from .mtp import make_patch_postprocess
+from .step_scoring import current_step, make_forward_step, make_resolve_fused_temperature
+
+logger = logging.getLogger(__name__)
+
+ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+VERL_HIDDEN_MULTIPLE = 128  # verl's Triton kernel asserts hidden_size % 128 == 0
+
+_originals: dict[tuple[object, str], object] = {}
+
+
+def _replace(owner, name: str, make) -> None:
+    if (owner, name) in _originals:
+        return
+    original = getattr(owner, name)
+    _originals[(owner, name)] = original
+    setattr(owner, name, make(original))
+
+
+def original(owner, name: str):
+    """verl's own object behind a replaced attribute (the attribute itself when not replaced)."""
+    return _originals.get((owner, name), getattr(owner, name))
+
+
+def restore() -> None:
+    """Put every replaced attribute back (tests, and switching a process back to plain verl)."""
+    for (owner, name), value in list(_originals.items()):
+        setattr(owner, name, value)
+        del _originals[(owner, name)]
+
+
+def _check_backend_at_build(backend: str, gpt) -> None:
+    """Fail at model build, not at the first step, when the configured backend cannot run."""
+    if backend == VERL_BACKEND:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl needs CUDA (verl's Triton kernel); none found")
+        if gpt.config.hidden_size % VERL_HIDDEN_MULTIPLE:
+            raise ValueError(
+                f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl needs hidden_size % {VERL_HIDDEN_MULTIPLE} == 0 "
+                f"(verl's kernel), got {gpt.config.hidden_size}"
+            )
+        return
+    if backend != "auto":
+        from ..ops.backends import BACKENDS
+
+        try:
+            BACKENDS[backend].load()
+        except ImportError as error:
+            raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot be imported here: {error}") from error
+
+
+def _make_patch_fused_forward(verl_patch):
+    @functools.wraps(verl_patch)
+    def patch_fused_forward(model):
+        plan = plan_of(model)
+        if plan is None:
+            return verl_patch(model)
+        if plan.mode == LEGACY:
+            setattr(inner_model(model), VERL_MODE_ATTRIBUTE, "legacy")  # verl then monkey-patches forward
+            return verl_patch(model)
+        gpt = require_output_processor_support(model)
+        _check_backend_at_build(plan.backend, gpt)
+        setattr(gpt, VERL_MODE_ATTRIBUTE, "hook")  # verl's unpatch/mode helpers then leave forward alone
+
+    return patch_fused_forward
+
+
+def _make_engine_fn_getter(verl_getter):
+    from verl.models.mcore.registry import supported_vlm
+
+    @functools.wraps(verl_getter)
+    def get_mcore_forward_fused_model_engine_fn(hf_config):
+        verl_forward = verl_getter(hf_config)
+        hook_forward = make_hook_engine_forward(vision_model=hf_config.architectures[0] in supported_vlm)
+
+        def fused_forward(model, *args, **kwargs):
+            if not in_hook_mode(model):
+                return verl_forward(model, *args, **kwargs)
+            step = current_step()
+            if step is not None and step.score_rows is not None:
+                kwargs.setdefault("score_rows", step.score_rows)
+            return hook_forward(model, *args, **kwargs)
+
+        return fused_forward
+
+    return get_mcore_forward_fused_model_engine_fn
+
+
+def install_call_sites() -> None:
+    """Reroute verl's fused-forward call sites through the plan on each model (idempotent)."""
+    mcore = importlib.import_module("verl.models.mcore")
+    fused = importlib.import_module("verl.models.mcore.model_forward_fused")
+    mtp_patch = importlib.import_module("verl.models.mcore.mtp_patch")
+    engine = importlib.import_module(ENGINE_MODULE)
+    _replace(fused, "patch_fused_forward", _make_patch_fused_forward)
+    _replace(mcore, "get_mcore_forward_fused_model_engine_fn", _make_engine_fn_getter)
+    _replace(mtp_patch, "patch_postprocess", make_patch_postprocess)
+    _replace(engine, "_resolve_fused_temperature", make_resolve_fused_temperature)
+    _replace(engine.MegatronEngineWithLMHead, "forward_step", make_forward_step)
+
+
+def _make_build_gate(verl_enable):
+    @functools.wraps(verl_enable)
+    def _maybe_enable_fused_kernels(self):
+        plan = resolve_plan(getattr(self.model_config, "fused_kernel_options", None))
+        name = type(self).__name__
+        if not plan.is_set:
+            logger.info(plan.log_line(name))
+            return verl_enable(self)
+        install_call_sites()
+        if not self.engine_config.use_fused_kernels:
+            logger.warning(
+                "%s; but actor_rollout_ref.model.use_fused_kernels is False, so the switch has no effect", plan.log_line(name)
+            )
+            return verl_enable(self)
+        for model in self.module:
+            set_plan(model, plan)
+        try:
+            verl_enable(self)
+        except BaseException:
+            for model in self.module:
+                set_plan(model, None)
+            raise
+        if not self.engine_config.use_fused_kernels:
+            for model in self.module:
+                set_plan(model, None)
+            logger.warning(
+                "%s; but verl turned fused kernels off for this engine (remove-padding off, value model or MTP), "
+                "so the switch has no effect",
+                plan.log_line(name),
+            )
+            return
+        logger.info(plan.log_line(name))
+
+    return _maybe_enable_fused_kernels
+
+
+def install_build_gate(engine_module) -> None:
+    """Read the switch where verl enables fused kernels (idempotent); everything else waits for a set plan."""
+    _replace(engine_module.MegatronEngine, "_maybe_enable_fused_kernels", _make_build_gate)

@@ -1,0 +1,137 @@
+"""Hook mode's engine forward: what `get_mcore_forward_fused_model_engine_fn` returns for a hook-mode model.
+
+Why our own: verl's engine forward hard-wires its processor, one float
+temperature and every row. Ours packs the same THD layout with verl's own
+`preprocess_thd_engine` / `postprocess_thd_engine` (CP layouts, fp8 padding,
+length buckets, VLM masks and router padding masks included), then calls the
+model with `fused_output_processor` and a context carrying per-token
+temperatures, the rows to score and the configured backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hook import FusedOutputProcessorContext, fused_output_processor
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
+from .model_plan import inner_model, plan_of
+
+MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _per_token_nested(per_sample: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A jagged tensor shaped like `like` holding per_sample[i] on every position of sequence i."""
+    offsets = like.offsets()
+    values = per_sample.to(offsets.device).repeat_interleave(offsets.diff())
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def _check_backend_accepts(backend: str, temperature, score_rows) -> None:
+    if backend != VERL_BACKEND:
+        return
+    if isinstance(temperature, torch.Tensor):
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl cannot take per-sample temperatures (verl's kernel takes "
+            "one float); choose another output_processor_backend, e.g. auto"
+        )
+    if score_rows is not None:
+        raise ValueError(f"score rows given with {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl, which scores every row")
+
+
+def make_hook_engine_forward(vision_model: bool):
+    """The engine forward for one architecture family (language model or VLM), like verl's factory."""
+    from verl.models.mcore.util import build_vlm_attn_mask_thd, postprocess_thd_engine, preprocess_thd_engine
+
+    def hook_engine_forward(
+        model,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        multi_modal_inputs: dict,
+        temperature: float | torch.Tensor,
+        calculate_entropy: bool,
+        pad_token_id: int,
+        cp_layout: str = "zigzag",
+        local_cp_size: int | None = None,
+        router_padding_mask: torch.Tensor | None = None,
+        pad_to_length_bucket: int | None = None,
+        score_rows: torch.Tensor | None = None,
+    ):
+        """Fused log-probs (and entropy) of nested `labels` through the output_processor hook.
+
+        temperature: a float, or per-sample values [batch] (mixed temperatures).
+        score_rows: optional jagged bool shaped like input_ids; False positions are
+            never computed and come back as 0 (only for callers that never read them).
+        Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's
+        engine forward, or the hidden states on a non-last pipeline stage.
+        """
+        gpt = inner_model(model)
+        backend = plan_of(model).backend
+        _check_backend_accepts(backend, temperature, score_rows)
+        config = gpt.config
+        layout = dict(
+            use_fp8_padding=config.fp8 in ("e4m3", "hybrid"),
+            min_local_rows=(
+                config.csa_window_size if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid" else None
+            ),
+            pad_to_length_bucket=pad_to_length_bucket,
+            cp_layout=cp_layout,
+            local_cp_size=local_cp_size,
+        )
+
+        def pack(nested: torch.Tensor, **extra) -> torch.Tensor:
+            return preprocess_thd_engine(nested, pre_process=True, **extra, **layout)[0].contiguous()
+
+        packed_ids, packed_seq_params, _ = preprocess_thd_engine(input_ids, pre_process=gpt.pre_process, **layout)
+        packed_ids = packed_ids.contiguous()
+        packed_labels = pack(labels, need_roll=True)
+
+        model_kwargs = {key: multi_modal_inputs[key].to(input_ids.device) for key in MULTI_MODAL_KEYS if key in multi_modal_inputs}
+        if router_padding_mask is not None:
+            model_kwargs["padding_mask"] = router_padding_mask
+        attention_mask = None
+        if vision_model:
+            packed_ids, attention_mask = build_vlm_attn_mask_thd(input_ids, pad_token_id)
+
+        if isinstance(temperature, torch.Tensor):
+            # Padding positions pack as 0; give them 1.0 so every row holds a valid temperature.
+            token_temperature = pack(_per_token_nested(temperature.float(), input_ids))
+            token_temperature = torch.where(token_temperature > 0, token_temperature, torch.ones_like(token_temperature))
+        else:
+            token_temperature = float(temperature)
+        context = FusedOutputProcessorContext(
+            temperature=token_temperature,
+            # verl's kernel always computes both; asking it for less is refused by the context.
+            calculate_entropy=bool(calculate_entropy) or backend == VERL_BACKEND,
+            score_mask=None if score_rows is None else pack(score_rows),
+            backend=backend,
+        )
+        output = model(
+            input_ids=packed_ids,
+            attention_mask=attention_mask,
+            position_ids=None,
+            packed_seq_params=packed_seq_params,
+            labels=packed_labels,
+            output_processor=fused_output_processor,
+            output_processor_context=context,
+            **model_kwargs,
+        )
+        if not gpt.post_process:
+            return output
+
+        def unpack(values: torch.Tensor) -> torch.Tensor:
+            return postprocess_thd_engine(
+                values,
+                packed_seq_params,
+                input_ids,
+                input_ids.shape[0],
+                post_process=True,
+                cp_layout=cp_layout,
+                local_cp_size=local_cp_size,
+            )
+
+        result = {"log_probs": unpack(output.log_probs)}
+        if calculate_entropy:
+            result["entropy"] = unpack(output.entropy)
+        return result
+
+    return hook_engine_forward

@@ -1,0 +1,40 @@
+"""Where an engine's resolved plan lives: on the GPTModel it applies to.
+
+Why on the model: verl hands its call sites only the model chunk
+(`patch_fused_forward(model)`, `fused_forward_fn(model=...)`), never the
+engine, so the plan must travel with the model, exactly as verl keeps its own
+`_verl_fused_forward_mode` there. Only the engine integration reads it; the
+output processor itself stays stateless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..probe import _unwrap
+from ..switch import HOOK, FusedForwardPlan
+
+PLAN_ATTRIBUTE = "_verl_fused_hook_plan"
+VERL_MODE_ATTRIBUTE = "_verl_fused_forward_mode"  # verl's own record of hook vs legacy (model_forward_fused)
+
+
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel (or whatever sits innermost) under verl/Megatron wrappers."""
+    return _unwrap(model)
+
+
+def set_plan(model: torch.nn.Module, plan: FusedForwardPlan | None) -> None:
+    inner = inner_model(model)
+    if plan is None:
+        inner.__dict__.pop(PLAN_ATTRIBUTE, None)
+    else:
+        setattr(inner, PLAN_ATTRIBUTE, plan)
+
+
+def plan_of(model: torch.nn.Module) -> FusedForwardPlan | None:
+    return getattr(inner_model(model), PLAN_ATTRIBUTE, None)
+
+
+def in_hook_mode(model: torch.nn.Module) -> bool:
+    plan = plan_of(model)
+    return plan is not None and plan.mode == HOOK

@@ -1,0 +1,126 @@
+"""Per-step inputs verl's `forward_step` does not pass to the fused forward: mixed temperatures and scored rows.
+
+Why: `MegatronEngineWithLMHead.forward_step` reduces the batch's temperatures
+to one float (raising NotImplementedError when they differ) and calls the
+fused forward without the batch, so the forward cannot know which rows its
+caller reads. In hook mode we wrap `forward_step` to note, for the duration of
+that one call, that per-sample temperatures may pass and which rows verl will
+read; `_resolve_fused_temperature` and the engine forward consult that note.
+Outside a hook-mode step both behave exactly as verl's originals.
+
+Rows verl reads: `no_padding_2_padding` (used by `ppo_loss` and by the trainer
+for old/ref log-probs and entropy) reads, per sequence of prompt length P and
+response length R, positions P-1 ... P+R-2: the predictions of response
+tokens. Steps whose loss is `ppo_loss` or None (forward only) and whose batch
+carries `prompts` and `responses` therefore score only those rows. Any other
+loss (SFT, distillation) may read every row, so every row is computed, and a
+line is logged once per reason.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..switch import HOOK, VERL_BACKEND
+from .model_plan import plan_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HookStep:
+    score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
+
+
+_current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
+
+
+def current_step() -> HookStep | None:
+    return _current_step.get()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def _reads_response_rows_only(loss_function) -> bool:
+    if loss_function is None:
+        return True
+    from verl.workers.utils.losses import ppo_loss
+
+    return getattr(loss_function, "func", loss_function) is ppo_loss
+
+
+def _prompt_and_response_lengths(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    prompts, responses = batch["prompts"], batch["responses"]
+    if prompts.is_nested:
+        return prompts.offsets().diff(), responses.offsets().diff()
+    attention_mask = batch["attention_mask"]
+    split = prompts.shape[1]
+    return attention_mask[:, :split].sum(dim=1), attention_mask[:, split:].sum(dim=1)
+
+
+def response_score_rows(batch, loss_function) -> torch.Tensor | None:
+    """Jagged bool shaped like batch["input_ids"]: True on the rows verl reads, or None for every row."""
+    name = getattr(getattr(loss_function, "func", loss_function), "__name__", repr(loss_function))
+    if not _reads_response_rows_only(loss_function):
+        _log_once(f"verl_fused_hook: score_mask off, loss {name} may read every row")
+        return None
+    if "prompts" not in batch.keys() or "responses" not in batch.keys():
+        _log_once(f"verl_fused_hook: score_mask off, the batch has no prompts/responses (loss {name})")
+        return None
+    input_ids = batch["input_ids"]
+    offsets = input_ids.offsets()
+    prompt_lens, response_lens = (t.to(offsets.device) for t in _prompt_and_response_lengths(batch))
+    if not torch.equal(prompt_lens + response_lens, offsets.diff()) or bool((prompt_lens < 1).any()):
+        _log_once("verl_fused_hook: score_mask off, prompt+response lengths do not match input_ids")
+        return None
+    position = torch.arange(int(offsets[-1]), device=offsets.device) - offsets[:-1].repeat_interleave(offsets.diff())
+    start = (prompt_lens - 1).repeat_interleave(offsets.diff())
+    stop = (prompt_lens + response_lens - 1).repeat_interleave(offsets.diff())
+    rows = (position >= start) & (position < stop)
+    return torch.nested.nested_tensor_from_jagged(rows, offsets=offsets)
+
+
+def make_forward_step(original):
+    """Wrap verl's forward_step: in hook mode, run it inside a HookStep; otherwise call it untouched."""
+
+    @functools.wraps(original)
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        plan = plan_of(model)
+        if not (self.engine_config.use_fused_kernels and plan is not None and plan.mode == HOOK):
+            return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        batch = next(batch_iter)
+        if plan.backend == VERL_BACKEND:
+            _log_once("verl_fused_hook: score_mask off, output_processor_backend=verl scores every row")
+            rows = None
+        else:
+            rows = response_score_rows(batch, logits_processor_func)
+        token = _current_step.set(HookStep(score_rows=rows))
+        try:
+            return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        finally:
+            _current_step.reset(token)
+
+    return forward_step
+
+
+def make_resolve_fused_temperature(original):
+    """Wrap verl's `_resolve_fused_temperature`: inside a hook step mixed temperatures pass as a tensor [batch]."""
+
+    @functools.wraps(original)
+    def resolve_fused_temperature(temperature):
+        if current_step() is None:
+            return original(temperature)
+        values = torch.as_tensor(temperature).detach().flatten()
+        if values.numel() == 0 or not bool(torch.isfinite(values).all()) or bool((values == values[0]).all()):
+            return original(temperature)  # verl's own checks and its float for uniform temperatures
+        return values.float().clamp_min(1e-8)  # verl's floor for non-positive (padding) temperatures
+
+    return resolve_fused_temperature
