@@ -37,7 +37,13 @@ def _inputs(n, h, v, *, seed, scale=1.0):
     return hidden, weight, g
 
 
-def _check(hidden, weight, labels, *, temperature=1.0, vocab_size=None, score_mask=None, entropy=True, grads=True):
+def _within(out, ref, rel_tol):
+    return bool(((out.double() - ref.double()).abs() <= VALUE_TOL + rel_tol * ref.double().abs()).all())
+
+
+def _check(
+    hidden, weight, labels, *, temperature=1.0, vocab_size=None, score_mask=None, entropy=True, grads=True, rel_tol=0.0
+):
     active = labels != -100 if score_mask is None else (labels != -100) & score_mask
     h = hidden.clone().requires_grad_(grads)
     w = weight.clone().requires_grad_(grads)
@@ -51,10 +57,10 @@ def _check(hidden, weight, labels, *, temperature=1.0, vocab_size=None, score_ma
         hidden, weight, labels.clamp(min=0), temperature=temperature, vocab_size=vocab_size, active=active,
         grad_outputs=(g_lp, g_ent) if grads else None,
     )
-    assert max_abs(lp, ref[0]) <= VALUE_TOL
+    assert _within(lp, ref[0], rel_tol), max_abs(lp, ref[0])
     assert bool((lp[~active] == 0).all())
     if entropy:
-        assert max_abs(ent, ref[1]) <= VALUE_TOL
+        assert _within(ent, ref[1], rel_tol), max_abs(ent, ref[1])
     else:
         assert ent is None
     if grads:
@@ -108,7 +114,8 @@ def test_log_probs_only():
 @pytest.mark.parametrize("offset", [0.0, -1.0e4])
 def test_extreme_logits(offset):
     """Logits spread over +-1e4 (and all near -1e4): built from one or two exact bf16 products
-    per logit, so the fp64 reference sees the same logits the kernel accumulates."""
+    per logit, so the fp64 reference sees the same logits the kernel accumulates. At
+    |log p| ~ 2e4 an fp32 output is only good to ~1e-3, hence the relative term."""
     n, h, v = 128, 64, 4099
     g = torch.Generator(device="cuda").manual_seed(17)
     hidden = torch.zeros(n, h, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +127,7 @@ def test_extreme_logits(offset):
         hidden[:, 1] = 1.0
         weight[:, 1] = offset
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
-    lp, ent = _check(hidden, weight, labels, temperature=0.5)
+    lp, ent = _check(hidden, weight, labels, temperature=0.5, rel_tol=2.0**-22)
     assert bool(torch.isfinite(lp).all()) and bool(torch.isfinite(ent).all())
 
 

@@ -1,0 +1,121 @@
+"""The switch: VERL_FUSED_USE_OP_HOOK's three states and bad values, the config entries, and their precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_fused_hook.hook import PROCESSOR_BACKENDS
+from verl_fused_hook.switch import (
+    ALLOWED_BACKENDS,
+    ENV_VAR,
+    HOOK,
+    LEGACY,
+    UNSET,
+    parse_config_backend,
+    parse_config_mode,
+    parse_env,
+    resolve_plan,
+)
+
+
+@pytest.mark.parametrize("raw, mode", [(None, None), ("1", HOOK), ("0", LEGACY), (" 1 ", HOOK)])
+def test_env_states(raw, mode):
+    environ = {} if raw is None else {ENV_VAR: raw}
+    assert parse_env(environ) == mode
+
+
+@pytest.mark.parametrize("raw", ["", "true", "yes", "2", "hook", "01"])
+def test_env_bad_value_names_variable_and_allowed_values(raw):
+    with pytest.raises(ValueError) as error:
+        parse_env({ENV_VAR: raw})
+    message = str(error.value)
+    assert ENV_VAR in message and repr(raw) in message
+    assert "use 1" in message and "0" in message and "unset" in message
+
+
+def test_env_bad_value_fails_resolution_even_with_config():
+    with pytest.raises(ValueError, match=ENV_VAR):
+        resolve_plan({"use_output_processor_hook": True}, environ={ENV_VAR: "on"})
+
+
+@pytest.mark.parametrize("value, mode", [(None, None), (True, HOOK), (False, LEGACY)])
+def test_config_mode(value, mode):
+    assert parse_config_mode({"use_output_processor_hook": value}) == mode
+    assert parse_config_mode({}) is None and parse_config_mode(None) is None
+
+
+@pytest.mark.parametrize("value", ["true", 1, 0, "1"])
+def test_config_mode_rejects_non_bool(value):
+    with pytest.raises(ValueError) as error:
+        parse_config_mode({"use_output_processor_hook": value})
+    message = str(error.value)
+    assert "actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook" in message
+    assert "true, false or null" in message
+
+
+def test_backends_are_verl_plus_the_processor_backends():
+    assert ALLOWED_BACKENDS == PROCESSOR_BACKENDS
+    assert {"verl", "auto", "torch"} <= set(ALLOWED_BACKENDS)
+    for backend in ALLOWED_BACKENDS:
+        assert parse_config_backend({"output_processor_backend": backend}) == backend
+
+
+def test_config_backend_rejects_unknown():
+    with pytest.raises(ValueError) as error:
+        parse_config_backend({"output_processor_backend": "cuda"})
+    message = str(error.value)
+    assert "actor_rollout_ref.model.fused_kernel_options.output_processor_backend='cuda'" in message
+    assert ", ".join(ALLOWED_BACKENDS) in message
+
+
+def test_unset_everywhere_is_unset():
+    plan = resolve_plan({}, environ={})
+    assert (plan.mode, plan.backend, plan.is_set) == (UNSET, None, False)
+    assert "left as verl ships it" in plan.log_line("E")
+
+
+def test_env_wins_over_config_and_says_so():
+    plan = resolve_plan({"use_output_processor_hook": True}, environ={ENV_VAR: "0"})
+    assert plan.mode == LEGACY and plan.source == f"{ENV_VAR}=0"
+    assert plan.note == f"{ENV_VAR} overrides actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True"
+    plan = resolve_plan({"use_output_processor_hook": False}, environ={ENV_VAR: "1"})
+    assert plan.mode == HOOK and "overrides" in plan.note
+
+
+def test_agreeing_sources_add_no_note():
+    plan = resolve_plan({"use_output_processor_hook": True}, environ={ENV_VAR: "1"})
+    assert plan.mode == HOOK and plan.note is None
+
+
+def test_config_alone_sets_mode_and_backend():
+    plan = resolve_plan({"use_output_processor_hook": True, "output_processor_backend": "torch"}, environ={})
+    assert (plan.mode, plan.backend) == (HOOK, "torch")
+    assert plan.source == "actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=true"
+    line = plan.log_line("MegatronEngineWithLMHead")
+    assert line == (
+        "verl_fused_hook: MegatronEngineWithLMHead uses the output_processor hook, backend=torch "
+        "(actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=true)"
+    )
+
+
+def test_hook_mode_defaults_to_auto_backend():
+    assert resolve_plan({}, environ={ENV_VAR: "1"}).backend == "auto"
+
+
+def test_backend_outside_hook_mode_is_ignored_with_a_note():
+    plan = resolve_plan({"output_processor_backend": "verl"}, environ={ENV_VAR: "0"})
+    assert (plan.mode, plan.backend) == (LEGACY, None)
+    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_backend=verl ignored outside hook mode"
+    assert "legacy fused forward" in plan.log_line("E") and plan.note in plan.log_line("E")
+
+
+def test_bad_backend_fails_even_when_unused():
+    with pytest.raises(ValueError, match="output_processor_backend"):
+        resolve_plan({"output_processor_backend": "nope"}, environ={})
+
+
+def test_reads_process_environment_by_default(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert resolve_plan({}).mode == HOOK
+    monkeypatch.delenv(ENV_VAR)
+    assert resolve_plan({}).mode == UNSET

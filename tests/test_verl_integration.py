@@ -1,0 +1,395 @@
+"""The verl plugin on real verl 0.9.1 and real megatron-core 0.19.2 GPTModels on the CPU.
+
+Every test drives verl's own objects: `MegatronEngine._maybe_enable_fused_kernels`
+(the build step), `MegatronEngineWithLMHead.forward_step`, the engine forward
+that `verl.models.mcore.get_mcore_forward_fused_model_engine_fn` returns, and
+verl's MTP `patch_postprocess`. The legacy side runs verl's
+`_fused_GPTModel_forward` with its kernel swapped for the portable op (verl's
+Triton kernel needs CUDA), so legacy and hook share one kernel and agree exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from verl_fused_hook.probe import OutputProcessorUnsupportedError
+from verl_fused_hook.switch import ENV_VAR
+from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook.testing.verl_engine import megatron_engine
+from verl_fused_hook.verl_integration import call_sites, install
+from verl_fused_hook.verl_integration.mtp import HookMtpConflictError
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 192  # no other layer of the tiny model has 192 output features, so output-weight matmuls are countable
+PROMPT_LENS = (4, 6, 3)
+RESPONSE_LENS = (5, 2, 7)
+EXACT = dict(rtol=0, atol=0)
+CLOSE = dict(rtol=0, atol=1e-6)  # fp32, same kernel, different row subsets/tiles
+
+install()
+import verl.models.mcore as mcore  # noqa: E402
+import verl.workers.engine.megatron.transformer_impl as transformer_impl  # noqa: E402  (fires install's gate)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from verl.models.mcore import model_forward_fused, mtp_patch  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+
+
+def verl_call_sites():
+    """The objects verl's fused path looks up at call time (the build gate is listed separately)."""
+    return {
+        "patch_fused_forward": model_forward_fused.patch_fused_forward,
+        "get_mcore_forward_fused_model_engine_fn": mcore.get_mcore_forward_fused_model_engine_fn,
+        "patch_postprocess": mtp_patch.patch_postprocess,
+        "_resolve_fused_temperature": transformer_impl._resolve_fused_temperature,
+        "forward_step": transformer_impl.MegatronEngineWithLMHead.forward_step,
+        "GPTModel.forward": GPTModel.forward,
+    }
+
+
+ORIGINALS = verl_call_sites()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    init_model_parallel(1)
+
+
+@pytest.fixture(autouse=True)
+def clean_verl(monkeypatch):
+    """Each test starts with verl's call sites as verl ships them (the build gate stays) and no switch."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    yield
+    call_sites.restore()
+    call_sites.install_build_gate(transformer_impl)
+
+
+def tiny_model(*, tied=False, mtp_num_layers=None, seed=7):
+    return build_cpu_gpt(tiny_transformer_config(mtp_num_layers=mtp_num_layers), vocab_size=VOCAB, tied=tied, seed=seed)
+
+
+def nested(parts):
+    return torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)
+
+
+def rl_batch(temperature):
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator) for n in PROMPT_LENS]
+    responses = [torch.randint(0, VOCAB, (n,), generator=generator) for n in RESPONSE_LENS]
+    loss_mask = [torch.cat([torch.zeros(len(p)), torch.ones(len(r))]).long() for p, r in zip(prompts, responses)]
+    return tu.get_tensordict(
+        {
+            "input_ids": nested(torch.cat(pair) for pair in zip(prompts, responses)),
+            "loss_mask": nested(loss_mask),
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "temperature": torch.as_tensor(temperature, dtype=torch.float32).expand(len(PROMPT_LENS)).clone(),
+        },
+        non_tensor_dict={"calculate_entropy": True},
+    )
+
+
+def engine_forward(engine, model, batch, temperature=0.7):
+    """verl's engine forward (as forward_step looks it up), called with forward_step's arguments."""
+    forward = mcore.get_mcore_forward_fused_model_engine_fn(engine.model_config.hf_config)
+    input_ids = batch["input_ids"]
+    return forward(
+        model=model,
+        input_ids=input_ids,
+        labels=input_ids.clone(),
+        multi_modal_inputs={},
+        temperature=temperature,
+        calculate_entropy=True,
+        pad_token_id=0,
+    )
+
+
+def forward_step(engine, model, batch, loss_function=None):
+    output, _ = engine.forward_step(iter([batch]), model, loss_function, lambda output, **_: output)
+    return output
+
+
+def built(options=None, **model_kwargs):
+    model = tiny_model(**model_kwargs)
+    engine = megatron_engine([model], fused_kernel_options=options)
+    engine._maybe_enable_fused_kernels()
+    return engine, model
+
+
+# ---------------------------------------------------------------- the switch at verl's build step
+
+
+def test_unset_leaves_every_verl_function_untouched(caplog):
+    caplog.set_level(logging.INFO, logger="verl_fused_hook")
+    engine, model = built()
+    assert verl_call_sites() == ORIGINALS
+    assert all(verl_call_sites()[name] is ORIGINALS[name] for name in ORIGINALS)
+    assert "forward" not in model.__dict__  # verl picked its own hook path: no monkey patch
+    assert model._verl_fused_forward_mode == "hook" and not hasattr(model, "_verl_fused_hook_plan")
+    assert "MegatronEngineWithLMHead left as verl ships it" in caplog.text
+
+
+def test_hook_mode_build_uses_the_probe_and_keeps_forward(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="verl_fused_hook")
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"})
+    assert "forward" not in model.__dict__ and not hasattr(model, "forward_backup")
+    assert model._verl_fused_forward_mode == "hook" and model._verl_fused_hook_plan.backend == "torch"
+    assert "MegatronEngineWithLMHead uses the output_processor hook, backend=torch (VERL_FUSED_USE_OP_HOOK=1)" in caplog.text
+
+
+def test_legacy_mode_forces_verl_monkey_patch_even_with_hook_support(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="verl_fused_hook")
+    monkeypatch.setenv(ENV_VAR, "0")
+    engine, model = built({"use_output_processor_hook": True})
+    assert model._verl_fused_forward_mode == "legacy"
+    assert model.forward.__func__ is model_forward_fused._fused_GPTModel_forward
+    assert "VERL_FUSED_USE_OP_HOOK overrides actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True" in caplog.text
+
+
+def test_config_entry_alone_turns_hook_mode_on():
+    engine, model = built({"use_output_processor_hook": True, "output_processor_backend": "torch"})
+    assert model._verl_fused_hook_plan.mode == "hook" and "forward" not in model.__dict__
+
+
+def test_bad_switch_value_stops_the_build(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "yes")
+    model = tiny_model()
+    with pytest.raises(ValueError, match="VERL_FUSED_USE_OP_HOOK='yes' is not allowed; use 1"):
+        megatron_engine([model])._maybe_enable_fused_kernels()
+
+
+def test_verl_backend_without_cuda_stops_the_build(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    model = tiny_model()
+    engine = megatron_engine([model], fused_kernel_options={"output_processor_backend": "verl"})
+    with pytest.raises(ValueError, match=r"output_processor_backend=verl needs CUDA"):
+        engine._maybe_enable_fused_kernels()
+    assert not hasattr(model, "_verl_fused_hook_plan")
+
+
+class _GPTWithoutHook(GPTModel):
+    """A GPTModel as megatron-core < 0.18 shipped it: forward without the hook parameters."""
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **kwargs):
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels)
+
+
+def test_megatron_without_hook_fails_at_build_instead_of_falling_back(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    model = tiny_model()
+    model.__class__ = _GPTWithoutHook
+    with pytest.raises(OutputProcessorUnsupportedError, match=r"megatron-core>=0.18.0 \(upstream PR 4686\)"):
+        megatron_engine([model])._maybe_enable_fused_kernels()
+    assert "forward" not in model.__dict__  # no silent legacy patch
+
+
+def test_switch_without_fused_kernels_has_no_effect_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv(ENV_VAR, "1")
+    model = tiny_model()
+    megatron_engine([model], use_fused_kernels=False)._maybe_enable_fused_kernels()
+    assert not hasattr(model, "_verl_fused_hook_plan")
+    assert "use_fused_kernels is False, so the switch has no effect" in caplog.text
+
+
+# ---------------------------------------------------------------- forward: parity, temperatures, score mask
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hook_forward_equals_legacy_forward_exactly(monkeypatch, tied):
+    batch = rl_batch(0.7)
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(ENV_VAR, mode)
+        engine, model = built({"output_processor_backend": "torch"}, tied=tied)
+        with portable_legacy_kernel("torch"):
+            output = engine_forward(engine, model, batch)
+        (output["log_probs"].values().sum() - output["entropy"].values().mean()).backward()
+        results[mode] = (output, {n: p.grad for n, p in model.named_parameters()})
+    (legacy, legacy_grads), (hook, hook_grads) = results["0"], results["1"]
+    torch.testing.assert_close(hook["log_probs"].values(), legacy["log_probs"].values(), **EXACT)
+    torch.testing.assert_close(hook["entropy"].values(), legacy["entropy"].values(), **EXACT)
+    for name in legacy_grads:
+        torch.testing.assert_close(hook_grads[name], legacy_grads[name], **EXACT, msg=name)
+
+
+def test_mixed_temperatures_pass_through_forward_step(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"})
+    mixed = forward_step(engine, model, rl_batch([0.7, 1.0, 0.5]), loss_function=partial_sft())
+    for index, temperature in enumerate((0.7, 1.0, 0.5)):
+        uniform = forward_step(engine, model, rl_batch([temperature] * 3), loss_function=partial_sft())
+        torch.testing.assert_close(mixed["log_probs"][index], uniform["log_probs"][index], **CLOSE)
+        torch.testing.assert_close(mixed["entropy"][index], uniform["entropy"][index], **CLOSE)
+    assert not torch.allclose(mixed["log_probs"][0], forward_step(engine, model, rl_batch([1.0] * 3), partial_sft())["log_probs"][0])
+
+
+def test_mixed_temperatures_still_raise_in_legacy_mode(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "0")
+    engine, model = built()
+    with pytest.raises(NotImplementedError, match="uniform temperature"):
+        forward_step(engine, model, rl_batch([0.7, 1.0, 0.5]))
+
+
+def test_engine_forward_accepts_per_sample_temperature_tensor(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"})
+    batch = rl_batch(1.0)
+    per_sample = engine_forward(engine, model, batch, temperature=torch.tensor([0.5, 0.5, 2.0]))
+    at_half = engine_forward(engine, model, batch, temperature=0.5)
+    at_two = engine_forward(engine, model, batch, temperature=2.0)
+    torch.testing.assert_close(per_sample["log_probs"][1], at_half["log_probs"][1], **CLOSE)
+    torch.testing.assert_close(per_sample["log_probs"][2], at_two["log_probs"][2], **CLOSE)
+
+
+def partial_sft():
+    from functools import partial
+
+    from verl.workers.utils.losses import sft_loss
+
+    return partial(sft_loss, config=None)
+
+
+class OutputWeightRows(TorchDispatchMode):
+    """Counts hidden rows multiplied by the output weight (matmuls whose right operand is [H, V])."""
+
+    def __init__(self, hidden_size, vocab):
+        super().__init__()
+        self.shape = (hidden_size, vocab)
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            left, right = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
+            if tuple(right.shape) == self.shape:
+                self.rows += left.shape[0]
+        return func(*args, **(kwargs or {}))
+
+
+def test_score_mask_skips_rows_verl_never_reads(monkeypatch):
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"})
+    batch = rl_batch(0.7)
+    with torch.no_grad():
+        counter_masked = OutputWeightRows(model.config.hidden_size, VOCAB)
+        with counter_masked:
+            masked = forward_step(engine, model, batch)  # forward only: loss None, prompts/responses present
+        counter_full = OutputWeightRows(model.config.hidden_size, VOCAB)
+        with counter_full:
+            full = forward_step(engine, model, batch, loss_function=partial_sft())  # SFT reads every row
+    assert counter_full.rows == sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+    assert counter_masked.rows == sum(RESPONSE_LENS)  # prompt rows and each sequence's last row: no matmul
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(no_padding_2_padding(masked[key], batch), no_padding_2_padding(full[key], batch), **CLOSE)
+        read = torch.zeros(masked[key].values().shape, dtype=torch.bool)
+        offsets = batch["input_ids"].offsets()
+        for start, p, r in zip(offsets[:-1].tolist(), PROMPT_LENS, RESPONSE_LENS):
+            read[start + p - 1 : start + p + r - 1] = True
+        assert bool((masked[key].values()[~read] == 0).all())
+
+
+def test_ppo_loss_qualifies_for_score_mask():
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+
+    batch = rl_batch(1.0)
+    rows = response_score_rows(batch, partial(ppo_loss, config=None))
+    assert rows is not None and int(rows.values().sum()) == sum(RESPONSE_LENS)
+    assert response_score_rows(batch, partial_sft()) is None
+
+
+# ---------------------------------------------------------------- MTP
+
+
+def test_verl_mtp_postprocess_patch_keeps_the_hook(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"})
+    batch = rl_batch(0.7)
+    before = engine_forward(engine, model, batch)
+    mtp_patch.patch_postprocess(model)  # what verl does for forward-only engines with mtp_num_layers=0
+    after = engine_forward(engine, model, batch)
+    torch.testing.assert_close(after["log_probs"].values(), before["log_probs"].values(), **EXACT)
+
+    unprotected = tiny_model()
+    engine2 = megatron_engine([unprotected], fused_kernel_options={"output_processor_backend": "torch"})
+    engine2._maybe_enable_fused_kernels()
+    call_sites.original(mtp_patch, "patch_postprocess")(unprotected)  # verl's patch alone drops the hook:
+    with pytest.raises(AttributeError, match="log_probs"):
+        engine_forward(engine2, unprotected, batch)
+
+
+def test_mtp_layers_in_hook_mode_stop_at_build(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    engine, model = built({"output_processor_backend": "torch"}, mtp_num_layers=1)
+    with pytest.raises(HookMtpConflictError, match="mtp_num_layers=1.*Set VERL_FUSED_USE_OP_HOOK=0"):
+        mtp_patch.patch_postprocess(model)
+
+
+def test_mtp_enabled_engine_keeps_verl_refusal_and_logs(monkeypatch, caplog):
+    monkeypatch.setenv(ENV_VAR, "1")
+    model = tiny_model(mtp_num_layers=1)
+    engine = megatron_engine([model], mtp_enable=True)
+    engine._maybe_enable_fused_kernels()
+    assert engine.engine_config.use_fused_kernels is False and not hasattr(model, "_verl_fused_hook_plan")
+    assert "verl turned fused kernels off for this engine" in caplog.text
+
+
+# ---------------------------------------------------------------- mbridge, plugin loading
+
+
+def test_mbridge_get_model_builds_on_megatron_core_019():
+    import mbridge.core.util as mbridge_util
+    from megatron.core.models.gpt.gpt_model import ModelType  # the enum mbridge imports
+
+    from verl_fused_hook.verl_integration import mbridge_compat
+
+    def provider(pre_process, post_process, vp_stage=None):
+        return tiny_model()
+
+    patched = mbridge_util.ModelType
+    kwargs = dict(wrap_with_ddp=False, bf16=False, use_torch_fsdp2=True, use_cpu_initialization=True)
+    try:
+        mbridge_util.ModelType = ModelType  # megatron-core 0.19's enum, as mbridge imports it
+        assert not hasattr(ModelType, "encoder_and_decoder")
+        with pytest.raises(AttributeError, match="encoder_and_decoder"):
+            mbridge_util.get_model(provider, **kwargs)
+        assert mbridge_compat.apply(mbridge_util) is True
+        assert mbridge_compat.apply(mbridge_util) is False  # idempotent
+        models = mbridge_util.get_model(provider, **kwargs)
+    finally:
+        mbridge_util.ModelType = patched
+    assert len(models) == 1 and isinstance(models[0], GPTModel)
+    assert models[0].model_type is ModelType.encoder_or_decoder
+
+
+def test_entry_point_is_declared_and_importable():
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
+    assert entry_points == {"verl_fused_hook": "verl_fused_hook.verl_integration.plugin"}
+    __import__(entry_points["verl_fused_hook"])
+
+
+def test_external_lib_installs_the_plugin_in_a_fresh_process():
+    code = (
+        "import verl\n"
+        "from verl.utils.import_utils import import_external_libs\n"
+        "import_external_libs('verl_fused_hook')\n"
+        "import verl.workers.engine.megatron.transformer_impl as t\n"
+        "print(t.MegatronEngine._maybe_enable_fused_kernels.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "verl_fused_hook.verl_integration.call_sites"
