@@ -23,3 +23,17 @@ def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _install_verl_integration_if_verl_is_loaded() -> None:
+    """`external_lib=verl_fused_hook` (or importing us after verl) installs the integration;
+    without verl this does nothing, so GPU boxes without verl/ray import us fine."""
+    import sys
+
+    if "verl" in sys.modules:
+        from .verl_integration import install
+
+        install()
+
+
+_install_verl_integration_if_verl_is_loaded()

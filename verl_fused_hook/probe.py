@@ -29,7 +29,7 @@ def _installed_megatron_version() -> str:
     return __version__
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_to_gpt(model: torch.nn.Module) -> torch.nn.Module:
     """Peel Float16Module, DDP and other `.module` wrappers, and VLM `.language_model` holders."""
     from megatron.core.models.gpt import GPTModel
 
@@ -47,7 +47,7 @@ def require_output_processor_support(model: torch.nn.Module) -> torch.nn.Module:
     """Return the GPTModel inside `model`; raise OutputProcessorUnsupportedError if it has no hook."""
     from megatron.core.models.gpt import GPTModel
 
-    inner = _unwrap(model)
+    inner = unwrap_to_gpt(model)
     if not isinstance(inner, GPTModel):
         names = {cls.__name__ for cls in type(inner).__mro__}
         if names & set(MODELS_WITHOUT_HOOK):
