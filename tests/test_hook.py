@@ -16,8 +16,8 @@ from verl_fused_hook.testing.distributed import run_on_gloo
 from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
 PADDED_VOCAB, TRUE_VOCAB, TEMPERATURE = 128, 123, 0.7
-VALUE_ATOL = 1e-5  # hook log-prob/entropy vs fp64 of the default path's fp32 logits
-GRAD_RTOL = 1e-5  # per-parameter gradient, relative to that gradient's largest entry
+VALUE_ATOL = 2e-6  # hook log-prob/entropy vs fp64 of the default path's fp32 logits
+GRAD_RTOL = 2e-6  # per-parameter gradient, relative to that gradient's largest entry
 
 SCENARIOS = {
     # name: (tp, sequence_parallel, tied, layout, mup)
