@@ -6,7 +6,7 @@ import pytest
 
 from verl_fused_hook.hook import PROCESSOR_BACKENDS
 from verl_fused_hook.switch import (
-    ALLOWED_BACKENDS,
+    allowed_backends,
     ENV_VAR,
     HOOK,
     LEGACY,
@@ -54,9 +54,9 @@ def test_config_mode_rejects_non_bool(value):
 
 
 def test_backends_are_verl_plus_the_processor_backends():
-    assert ALLOWED_BACKENDS == PROCESSOR_BACKENDS
-    assert {"verl", "auto", "torch"} <= set(ALLOWED_BACKENDS)
-    for backend in ALLOWED_BACKENDS:
+    assert allowed_backends() == PROCESSOR_BACKENDS
+    assert {"verl", "auto", "torch"} <= set(allowed_backends())
+    for backend in allowed_backends():
         assert parse_config_backend({"output_processor_backend": backend}) == backend
 
 
@@ -65,7 +65,7 @@ def test_config_backend_rejects_unknown():
         parse_config_backend({"output_processor_backend": "cuda"})
     message = str(error.value)
     assert "actor_rollout_ref.model.fused_kernel_options.output_processor_backend='cuda'" in message
-    assert ", ".join(ALLOWED_BACKENDS) in message
+    assert ", ".join(allowed_backends()) in message
 
 
 def test_unset_everywhere_is_unset():

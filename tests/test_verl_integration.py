@@ -11,6 +11,7 @@ Triton kernel needs CUDA), so legacy and hook share one kernel and agree exactly
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import tomllib
@@ -132,6 +133,7 @@ def test_unset_leaves_every_verl_function_untouched(caplog):
     engine, model = built()
     assert verl_call_sites() == ORIGINALS
     assert all(verl_call_sites()[name] is ORIGINALS[name] for name in ORIGINALS)
+    assert not any(hasattr(function, "__wrapped__") for function in ORIGINALS.values())  # none is one of ours
     assert "forward" not in model.__dict__  # verl picked its own hook path: no monkey patch
     assert model._verl_fused_forward_mode == "hook" and not hasattr(model, "_verl_fused_hook_plan")
     assert "MegatronEngineWithLMHead left as verl ships it" in caplog.text
@@ -152,7 +154,8 @@ def test_legacy_mode_forces_verl_monkey_patch_even_with_hook_support(monkeypatch
     engine, model = built({"use_output_processor_hook": True})
     assert model._verl_fused_forward_mode == "legacy"
     assert model.forward.__func__ is model_forward_fused._fused_GPTModel_forward
-    assert "VERL_FUSED_USE_OP_HOOK overrides actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True" in caplog.text
+    overridden = "actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True"
+    assert f"VERL_FUSED_USE_OP_HOOK overrides {overridden}" in caplog.text
 
 
 def test_config_entry_alone_turns_hook_mode_on():
@@ -229,7 +232,8 @@ def test_mixed_temperatures_pass_through_forward_step(monkeypatch):
         uniform = forward_step(engine, model, rl_batch([temperature] * 3), loss_function=partial_sft())
         torch.testing.assert_close(mixed["log_probs"][index], uniform["log_probs"][index], **CLOSE)
         torch.testing.assert_close(mixed["entropy"][index], uniform["entropy"][index], **CLOSE)
-    assert not torch.allclose(mixed["log_probs"][0], forward_step(engine, model, rl_batch([1.0] * 3), partial_sft())["log_probs"][0])
+    at_one = forward_step(engine, model, rl_batch([1.0] * 3), partial_sft())
+    assert not torch.allclose(mixed["log_probs"][0], at_one["log_probs"][0])  # the temperature did matter
 
 
 def test_mixed_temperatures_still_raise_in_legacy_mode(monkeypatch):
@@ -360,6 +364,7 @@ def test_mbridge_get_model_builds_on_megatron_core_019():
         return tiny_model()
 
     patched = mbridge_util.ModelType
+    assert hasattr(patched, "encoder_and_decoder")  # install() fixed mbridge when it was imported
     kwargs = dict(wrap_with_ddp=False, bf16=False, use_torch_fsdp2=True, use_cpu_initialization=True)
     try:
         mbridge_util.ModelType = ModelType  # megatron-core 0.19's enum, as mbridge imports it
@@ -375,21 +380,82 @@ def test_mbridge_get_model_builds_on_megatron_core_019():
     assert models[0].model_type is ModelType.encoder_or_decoder
 
 
-def test_entry_point_is_declared_and_importable():
-    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
-    assert entry_points == {"verl_fused_hook": "verl_fused_hook.verl_integration.plugin"}
-    __import__(entry_points["verl_fused_hook"])
+GATE_FILE = "verl_fused_hook/verl_integration/call_sites.py"
+REPORT_GATE = (
+    "import verl.workers.engine.megatron.transformer_impl as t\n"
+    "print(t.MegatronEngine._maybe_enable_fused_kernels.__code__.co_filename)\n"
+)
+
+
+def fresh_python(code: str, **env):
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_import_verl_loads_the_plugin_through_its_entry_point():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
+    assert declared == {"verl_fused_hook": "verl_fused_hook.verl_integration.plugin"}
+    # The package is installed (pip install -e .[test]), so verl's own loader finds the entry point.
+    assert fresh_python("import verl\n" + REPORT_GATE, VERL_USE_EXTERNAL_PLUGINS="verl_fused_hook").endswith(GATE_FILE)
 
 
 def test_external_lib_installs_the_plugin_in_a_fresh_process():
-    code = (
-        "import verl\n"
-        "from verl.utils.import_utils import import_external_libs\n"
-        "import_external_libs('verl_fused_hook')\n"
-        "import verl.workers.engine.megatron.transformer_impl as t\n"
-        "print(t.MegatronEngine._maybe_enable_fused_kernels.__module__)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "VERL_USE_EXTERNAL_PLUGINS": "none"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "verl_fused_hook.verl_integration.call_sites"
+    code = "import verl\nfrom verl.utils.import_utils import import_external_libs\nimport_external_libs('verl_fused_hook')\n"
+    assert fresh_python(code + REPORT_GATE, VERL_USE_EXTERNAL_PLUGINS="none").endswith(GATE_FILE)
+
+
+def test_when_imported_runs_after_the_import_and_for_loaded_modules(tmp_path, monkeypatch):
+    from verl_fused_hook.verl_integration.lazy_import import when_imported
+
+    (tmp_path / "late_module_for_test.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("late_module_for_test", lambda module: seen.append(module.VALUE + 1))
+    assert seen == []
+    import late_module_for_test  # noqa: F401
+
+    assert seen == [42]
+    when_imported("late_module_for_test", lambda module: seen.append(module.VALUE))
+    assert seen == [42, 41]
+    monkeypatch.delitem(sys.modules, "late_module_for_test")
+
+
+def test_bad_switch_value_is_logged_when_the_plugin_loads(monkeypatch, caplog):
+    monkeypatch.setenv(ENV_VAR, "true")
+    install()  # verl's plugin loader would swallow an exception here, so install logs instead
+    assert "VERL_FUSED_USE_OP_HOOK='true' is not allowed" in caplog.text
+    assert "the Megatron engine build will stop with this error" in caplog.text
+
+
+def _tp2_hook_step_worker(rank, world_size):
+    """TP=2 with sequence parallelism: forward_step with mixed temperatures and the score mask, vs uniform runs."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    init_model_parallel(world_size)
+    model = build_cpu_gpt(tiny_transformer_config(sequence_parallel=True), vocab_size=VOCAB, seed=7)
+    engine = megatron_engine([model], fused_kernel_options={"output_processor_backend": "torch"})
+    engine._maybe_enable_fused_kernels()
+    batch = rl_batch([0.7, 1.0, 0.5])
+    mixed = forward_step(engine, model, batch)  # forward only: score mask on
+    uniform = {t: forward_step(engine, model, rl_batch([t] * 3), partial_sft()) for t in (0.7, 1.0, 0.5)}
+    read = {key: no_padding_2_padding(mixed[key], batch).detach() for key in ("log_probs", "entropy")}
+    expected = {
+        key: torch.stack([no_padding_2_padding(uniform[t][key], batch)[i] for i, t in enumerate((0.7, 1.0, 0.5))])
+        for key in ("log_probs", "entropy")
+    }
+    return {"read": read, "expected": {k: v.detach() for k, v in expected.items()},
+            "total": {k: mixed[k].values().detach() for k in ("log_probs", "entropy")}}
+
+
+def test_tp2_sequence_parallel_mixed_temperatures_and_score_mask():
+    from verl_fused_hook.testing.distributed import run_on_gloo
+
+    results = run_on_gloo(_tp2_hook_step_worker, 2, env={ENV_VAR: "1"})
+    for result in results:
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(result["read"][key], result["expected"][key], **CLOSE)
+            scored = int((result["total"][key] != 0).sum())
+            assert scored == sum(RESPONSE_LENS)  # every unread row is exactly 0
+    torch.testing.assert_close(results[0]["total"]["log_probs"], results[1]["total"]["log_probs"], **EXACT)

@@ -21,8 +21,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .hook import PROCESSOR_BACKENDS
-
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 ENV_VALUES = {"1": "hook", "0": "legacy"}
 
@@ -33,7 +31,6 @@ CONFIG_BACKEND_KEY = "output_processor_backend"
 # "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
 # the others are the op's backends ("auto", "torch", GPU kernels).
 VERL_BACKEND = "verl"
-ALLOWED_BACKENDS: tuple[str, ...] = PROCESSOR_BACKENDS
 DEFAULT_BACKEND = "auto"
 
 HOOK = "hook"
@@ -62,6 +59,13 @@ class FusedForwardPlan:
         else:
             text = f"verl_fused_hook: {engine_name} left as verl ships it ({self.source})"
         return f"{text}; {self.note}" if self.note else text
+
+
+def allowed_backends() -> tuple[str, ...]:
+    """The processor's backends; imported on demand so that reading the switch never imports megatron-core."""
+    from .hook import PROCESSOR_BACKENDS
+
+    return PROCESSOR_BACKENDS
 
 
 def parse_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -96,10 +100,9 @@ def parse_config_backend(options: Mapping | None) -> str | None:
     value = None if options is None else options.get(CONFIG_BACKEND_KEY)
     if value is None:
         return None
-    if value not in ALLOWED_BACKENDS:
-        raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={value!r} is not allowed; use one of {', '.join(ALLOWED_BACKENDS)}"
-        )
+    allowed = allowed_backends()
+    if value not in allowed:
+        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={value!r} is not allowed; use one of {', '.join(allowed)}")
     return value
 
 

@@ -15,7 +15,9 @@ import contextlib
 from ..ops import log_probs_and_entropy
 
 
-def portable_linear_cross_entropy(hidden, weight, labels, temperature, reduction="none", dist_process_group=None, *, backend="torch"):
+def portable_linear_cross_entropy(
+    hidden, weight, labels, temperature, reduction="none", dist_process_group=None, *, backend="torch"
+):
     """verl's `linear_cross_entropy(hidden, weight, labels, temperature, reduction, tp_group)` on the op."""
     if reduction != "none":
         raise ValueError(f"reduction: only 'none' is used by verl's fused forward, got {reduction!r}")

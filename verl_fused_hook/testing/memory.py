@@ -31,7 +31,7 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
                 continue
             storage = tensor.untyped_storage()
             pointer, nbytes = storage.data_ptr(), storage.nbytes()

@@ -54,6 +54,6 @@ def megatron_engine(
     engine.engine_config = McoreEngineConfig(use_fused_kernels=use_fused_kernels, use_mbridge=True, forward_only=forward_only)
     engine.is_value_model = False
     engine.enable_routing_replay = False
-    engine.tf_config = models[0].config if hasattr(models[0], "config") else None
+    engine.tf_config = models[0].config
     engine.module = list(models)
     return engine

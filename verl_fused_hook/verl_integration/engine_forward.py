@@ -85,7 +85,9 @@ def make_hook_engine_forward(vision_model: bool):
         packed_ids = packed_ids.contiguous()
         packed_labels = pack(labels, need_roll=True)
 
-        model_kwargs = {key: multi_modal_inputs[key].to(input_ids.device) for key in MULTI_MODAL_KEYS if key in multi_modal_inputs}
+        model_kwargs = {
+            key: multi_modal_inputs[key].to(input_ids.device) for key in MULTI_MODAL_KEYS if key in multi_modal_inputs
+        }
         if router_padding_mask is not None:
             model_kwargs["padding_mask"] = router_padding_mask
         attention_mask = None

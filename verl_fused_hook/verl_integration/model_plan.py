@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..probe import _unwrap
+from ..probe import unwrap_to_gpt
 from ..switch import HOOK, FusedForwardPlan
 
 PLAN_ATTRIBUTE = "_verl_fused_hook_plan"
@@ -20,7 +20,7 @@ VERL_MODE_ATTRIBUTE = "_verl_fused_forward_mode"  # verl's own record of hook vs
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel (or whatever sits innermost) under verl/Megatron wrappers."""
-    return _unwrap(model)
+    return unwrap_to_gpt(model)
 
 
 def set_plan(model: torch.nn.Module, plan: FusedForwardPlan | None) -> None:

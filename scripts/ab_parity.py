@@ -1,0 +1,447 @@
+#!/usr/bin/env python
+"""A/B parity: verl's legacy fused forward (VERL_FUSED_USE_OP_HOOK=0) against the output_processor hook (=1).
+
+Each mode runs in its own processes (gloo on the CPU, NCCL on GPUs) on identical
+weights (built from a Hugging Face config through mbridge's conversion, seeded)
+and an identical THD batch. Both go through verl's real build step
+(`MegatronEngine._maybe_enable_fused_kernels`) and verl's real engine forward
+(`get_mcore_forward_fused_model_engine_fn`: nested inputs, rolled labels),
+then a GRPO-style clipped policy loss over the response rows verl reads
+(`no_padding_2_padding`) and its backward. Compared: log-probs and entropy on
+every row, the loss, and every parameter gradient on every rank; max_abs must
+be exactly 0 because both modes use one kernel: verl's Triton kernel on CUDA,
+the portable op on the CPU (the legacy forward's kernel is swapped for it).
+
+One gap is expected and reported, not failed: with TP>1 and sequence
+parallelism off, verl's legacy forward never sums the hidden-state gradient
+over the TP group, and the hook does. There the script also runs the legacy
+forward with that all-reduce added ("legacy+tp-sum"), which must match the hook
+exactly, proving the sum is the only difference. Which side is right is shown
+against ground truth: every scenario also runs verl's unfused engine forward
+(full logits, vocab-parallel log-softmax); the hook must agree with it within
+a relative 1e-4 everywhere, the legacy gradients visibly do not there.
+
+Usage: python scripts/ab_parity.py [--hf-config PATH] [--backend NAME] [--json PATH|-]
+Exit status: 0 when hook and legacy match exactly and the hook matches the unfused forward, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from verl_fused_hook.testing.distributed import run_on_gloo  # noqa: E402
+from verl_fused_hook.testing.memory import PeakMemory  # noqa: E402
+
+ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
+MODES = {"legacy": "0", "hook": "1"}
+TP_GAP = "legacy+tp-sum"
+UNFUSED = "verl-unfused"
+# Fused vs verl's unfused forward (full fp32 logits): different arithmetic, so a tolerance, relative to the
+# largest magnitude of the unfused tensor (fp32 rounding of a log-softmax over the vocabulary is ~1e-6).
+UNFUSED_RTOL = 1e-4
+WORLD_SIZE = 2
+TEMPERATURE = 0.7
+CLIP = 0.2
+ENTROPY_COEF = 0.01
+PROMPT_LENS = (5, 9, 3, 7)
+RESPONSE_LENS = (8, 4, 11, 6)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    tp: int
+    sequence_parallel: bool
+    tied: bool
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}/{'sp' if self.sequence_parallel else 'nosp'}/{'tied' if self.tied else 'untied'}"
+
+    @property
+    def has_tp_gap(self) -> bool:
+        return self.tp > 1 and not self.sequence_parallel
+
+
+SCENARIOS = (
+    Scenario(1, False, False),
+    Scenario(1, False, True),
+    Scenario(2, False, False),
+    Scenario(2, False, True),
+    Scenario(2, True, False),
+    Scenario(2, True, True),
+)
+
+
+def make_batch(vocab_size: int, seed: int):
+    """Prompts, responses and per-sequence advantages/old-log-prob offsets; the same in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=generator) for n in PROMPT_LENS]
+    responses = [torch.randint(0, vocab_size, (n,), generator=generator) for n in RESPONSE_LENS]
+    advantages = torch.randn(len(PROMPT_LENS), generator=generator)
+    old_offset = 0.05 * torch.randn(len(PROMPT_LENS), max(RESPONSE_LENS), generator=generator)
+    return prompts, responses, advantages, old_offset
+
+
+def grpo_loss(log_probs, entropy, data, advantages, old_offset):
+    """Clipped policy-gradient loss minus an entropy bonus, over the response rows verl reads."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    response_log_probs = no_padding_2_padding(log_probs, data)
+    response_entropy = no_padding_2_padding(entropy, data)
+    lengths = torch.tensor(RESPONSE_LENS)
+    mask = (torch.arange(response_log_probs.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(response_log_probs.device)
+    old = response_log_probs.detach() + old_offset[:, : response_log_probs.shape[1]].to(mask.device)
+    ratio = torch.exp(response_log_probs - old)
+    adv = advantages.to(mask.device).unsqueeze(1)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+    count = mask.sum()
+    return (per_token * mask).sum() / count - ENTROPY_COEF * (response_entropy * mask).sum() / count
+
+
+@contextlib.contextmanager
+def legacy_kernel(device: str, backend: str, tp_sum: bool):
+    """The kernel verl's legacy forward calls: portable on the CPU, verl's Triton on CUDA; optionally TP-summed."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from verl.models.mcore import model_forward_fused
+
+    from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+
+    swap = portable_legacy_kernel(backend) if device == "cpu" else contextlib.nullcontext()
+    with swap:
+        kernel = model_forward_fused.linear_cross_entropy
+        if tp_sum:
+            model_forward_fused.linear_cross_entropy = lambda hidden, *rest: kernel(
+                copy_to_tensor_model_parallel_region(hidden), *rest
+            )
+        try:
+            yield
+        finally:
+            model_forward_fused.linear_cross_entropy = kernel
+
+
+def peak_tracker(device: str):
+    return contextlib.nullcontext() if device == "cuda" else PeakMemory()
+
+
+def _prepared(scenario: Scenario, mode: str, hf_path: str, backend: str, device: str, seed: int):
+    """Model, engine and batch of one scenario, identical in every process."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook.testing.verl_engine import megatron_engine
+
+    init_model_parallel(scenario.tp, seed=seed)
+    hf_config = load_hf_config(hf_path)
+    model = build_gpt_from_hf(hf_config, sequence_parallel=scenario.sequence_parallel, tied=scenario.tied, seed=seed)
+    model.to(device)
+    options = {"output_processor_backend": backend} if mode == "hook" else {}
+    engine = megatron_engine([model], fused_kernel_options=options, model_path=hf_path)
+
+    prompts, responses, advantages, old_offset = make_batch(hf_config.vocab_size, seed)
+    nested = lambda parts: torch.nested.as_nested_tensor([p.to(device) for p in parts], layout=torch.jagged)  # noqa: E731
+    input_ids = nested([torch.cat(pair) for pair in zip(prompts, responses)])
+    data = tu.get_tensordict({"input_ids": input_ids, "prompts": nested(prompts), "responses": nested(responses)})
+    return hf_config, model, engine, input_ids, data, advantages, old_offset
+
+
+def _fused_forward(hf_config, model, engine, input_ids):
+    """verl's fused engine forward, looked up as verl's forward_step looks it up."""
+    import verl.models.mcore as mcore
+
+    return mcore.get_mcore_forward_fused_model_engine_fn(hf_config)(
+        model=model,
+        input_ids=input_ids,
+        labels=input_ids.clone(),
+        multi_modal_inputs={},
+        temperature=TEMPERATURE,
+        calculate_entropy=True,
+        pad_token_id=engine.model_config.tokenizer.pad_token_id,
+    )
+
+
+def _unfused_forward(hf_config, model, engine, input_ids):
+    """verl's unfused engine forward (full logits, vocab-parallel log-softmax): the ground truth."""
+    import functools
+
+    import verl.models.mcore as mcore
+    from verl.utils.torch_functional import expand_as_nested
+
+    processor = functools.partial(
+        engine._lm_head_logits_processor,
+        calculate_sum_pi_squared=False,
+        calculate_entropy=True,
+        distillation_use_topk=False,
+        distillation_only=False,
+        logits_processor_func=None,
+        batch=None,
+        data_format="thd",
+    )
+    temperature = expand_as_nested(torch.full((input_ids.shape[0],), TEMPERATURE, device=input_ids.device), input_ids)
+    return mcore.get_mcore_engine_forward_fn(hf_config)(
+        model,
+        input_ids,
+        {},
+        logits_processor=processor,
+        logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
+        pad_token_id=engine.model_config.tokenizer.pad_token_id,
+        data_format="thd",
+    )
+
+
+def run_once(scenario: Scenario, mode: str, hf_path: str, backend: str, device: str, seed: int, variant: str) -> dict:
+    """One forward+backward of one scenario; variant "fused" (this process's mode), "tp-sum" or "unfused"."""
+    hf_config, model, engine, input_ids, data, advantages, old_offset = _prepared(scenario, mode, hf_path, backend, device, seed)
+    if variant != "unfused":
+        engine._maybe_enable_fused_kernels()  # verl's build step, through the plugin's gate
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    tracker = peak_tracker(device)
+    kernel = legacy_kernel(device, backend, tp_sum=variant == "tp-sum") if variant != "unfused" else contextlib.nullcontext()
+    with kernel, tracker:
+        forward = _unfused_forward if variant == "unfused" else _fused_forward
+        output = forward(hf_config, model, engine, input_ids)
+        loss = grpo_loss(output["log_probs"], output["entropy"], data, advantages, old_offset)
+        loss.backward()
+    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else tracker.peak
+    return {
+        "mode": getattr(model, "_verl_fused_forward_mode", None) if variant != "unfused" else "unfused",
+        "log_probs": output["log_probs"].values().detach().cpu(),
+        "entropy": output["entropy"].values().detach().cpu(),
+        "policy_loss": loss.detach().reshape(1).cpu(),
+        "grads": {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None},
+        "peak_bytes": int(peak),
+    }
+
+
+def mode_worker(rank: int, world_size: int, mode: str, scenarios, hf_path: str, backend: str, device: str, seed: int):
+    """Every scenario in this process's mode (set by the environment); one result dict per run."""
+    from verl_fused_hook.verl_integration import install
+
+    install()  # what `import verl` does through the entry point when the package is installed
+    if rank != 0:
+        logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)  # one log line per engine, not per rank
+    import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    results = {}
+    for scenario in scenarios:
+        started = time.time()
+        results[scenario.name] = run_once(scenario, mode, hf_path, backend, device, seed, variant="fused")
+        if mode == "legacy" and scenario.has_tp_gap:
+            results[f"{scenario.name}:{TP_GAP}"] = run_once(scenario, mode, hf_path, backend, device, seed, variant="tp-sum")
+        if mode == "hook":
+            results[f"{scenario.name}:{UNFUSED}"] = run_once(scenario, mode, hf_path, backend, device, seed, variant="unfused")
+        if rank == 0:
+            print(f"[{mode}] {scenario.name} done in {time.time() - started:.1f}s", flush=True)
+    return results
+
+
+def run_mode(mode: str, scenarios, hf_path: str, backend: str, device: str, seed: int):
+    env = {ENV_VAR: MODES[mode]}
+    if device == "cuda":
+        from verl_fused_hook.testing.distributed import free_port
+
+        return _run_on_nccl(mode, scenarios, hf_path, backend, seed, env, free_port())
+    return run_on_gloo(mode_worker, WORLD_SIZE, mode, scenarios, hf_path, backend, device, seed, env=env)
+
+
+def _nccl_worker(rank, world_size, port, folder, mode, scenarios, hf_path, backend, seed, env):
+    import torch.distributed as dist
+
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    try:
+        result = mode_worker(rank, world_size, mode, scenarios, hf_path, backend, "cuda", seed)
+        torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_on_nccl(mode, scenarios, hf_path, backend, seed, env, port):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(
+            _nccl_worker,
+            args=(WORLD_SIZE, port, folder, mode, scenarios, hf_path, backend, seed, env),
+            nprocs=WORLD_SIZE,
+            start_method="spawn",
+        )
+        return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _error(reference: torch.Tensor, other: torch.Tensor, relative: bool) -> float:
+    error = max_abs(reference, other)
+    if not relative or error in (0.0, float("inf")):
+        return error
+    scale = reference.double().abs().max().item()
+    return error / scale if scale > 0 else error
+
+
+def compare(runs_a, key_a: str, runs_b, key_b: str, *, relative: bool = False) -> dict:
+    """Largest error per tensor over all ranks (absolute, or relative to run a's largest magnitude);
+    for gradients the worst parameter too."""
+    rows = {}
+    for tensor in ("log_probs", "entropy", "policy_loss"):
+        rows[tensor] = max(_error(a[key_a][tensor], b[key_b][tensor], relative) for a, b in zip(runs_a, runs_b))
+    worst, worst_name = 0.0, None
+    for a, b in zip(runs_a, runs_b):
+        grads_a, grads_b = a[key_a]["grads"], b[key_b]["grads"]
+        if grads_a.keys() != grads_b.keys():
+            differ = sorted(grads_a.keys() ^ grads_b.keys())
+            return {**rows, "grads": float("inf"), "worst_param": f"parameter sets differ: {differ}"}
+        for name in grads_a:
+            value = _error(grads_a[name], grads_b[name], relative)
+            if value > worst:
+                worst, worst_name = value, name
+    rows["grads"] = worst
+    rows["worst_param"] = worst_name
+    return rows
+
+
+def _exact(rows: dict) -> bool:
+    return all(rows[k] == 0.0 for k in ("log_probs", "entropy", "policy_loss", "grads"))
+
+
+def _within(rows: dict, tolerance: float) -> bool:
+    return all(rows[k] <= tolerance for k in ("log_probs", "entropy", "policy_loss", "grads"))
+
+
+def _row(scenario: str, label: str, rows: dict, comment: str = "") -> str:
+    return (
+        f"{scenario:<18} {label:<28} {rows['log_probs']:>10.3g} {rows['entropy']:>10.3g} {rows['policy_loss']:>10.3g} "
+        f"{rows['grads']:>10.3g}  {rows['worst_param'] or '-'}{comment}"
+    )
+
+
+def evaluate(scenario: Scenario, runs: dict) -> dict:
+    """One scenario's report entry: exact legacy/hook parity, and both against verl's unfused forward."""
+    name = scenario.name
+    entry = {"scenario": asdict(scenario) | {"name": name}}
+    entry["modes_resolved"] = {mode: runs[mode][0][name]["mode"] for mode in MODES}
+    entry["peak_bytes"] = {mode: max(r[name]["peak_bytes"] for r in runs[mode]) for mode in MODES}
+    legacy_key = f"{name}:{TP_GAP}" if scenario.has_tp_gap else name
+    entry["compared_against"] = TP_GAP if scenario.has_tp_gap else "legacy"
+    entry["max_abs"] = compare(runs["legacy"], legacy_key, runs["hook"], name)
+    if scenario.has_tp_gap:
+        entry["vs_legacy_expected_gap"] = compare(runs["legacy"], name, runs["hook"], name)
+    reference = f"{name}:{UNFUSED}"
+    entry["vs_unfused_rel"] = {
+        "hook": compare(runs["hook"], reference, runs["hook"], name, relative=True),
+        "legacy": compare(runs["hook"], reference, runs["legacy"], name, relative=True),
+    }
+    entry["match"] = (
+        entry["modes_resolved"] == {"legacy": "legacy", "hook": "hook"}
+        and _exact(entry["max_abs"])
+        and _within(entry["vs_unfused_rel"]["hook"], UNFUSED_RTOL)
+    )
+    return entry
+
+
+def print_report(report: dict) -> None:
+    print()
+    print(f"{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad")
+    for entry in report["scenarios"]:
+        name = entry["scenario"]["name"]
+        mismatch = "" if entry["match"] else "   MISMATCH"
+        print(_row(name, f"hook vs {entry['compared_against']} (abs)", entry["max_abs"], mismatch))
+        if "vs_legacy_expected_gap" in entry:
+            print(_row("", "hook vs legacy (abs)", entry["vs_legacy_expected_gap"], "  expected: the TP gradient sum"))
+        print(_row("", f"hook vs {UNFUSED} (rel)", entry["vs_unfused_rel"]["hook"]))
+        gap = entry["scenario"]["tp"] > 1 and not entry["scenario"]["sequence_parallel"]
+        wrong = "  verl's legacy gradient is wrong here" if gap else ""
+        print(_row("", f"legacy vs {UNFUSED} (rel)", entry["vs_unfused_rel"]["legacy"], wrong))
+    print()
+    print(f"{'scenario':<18} {'peak legacy':>14} {'peak hook':>14}   (bytes of tensors alive during forward+backward)")
+    for entry in report["scenarios"]:
+        peaks = entry["peak_bytes"]
+        print(f"{entry['scenario']['name']:<18} {peaks['legacy']:>14,} {peaks['hook']:>14,}")
+    print()
+    if report["match"]:
+        print(f"PASS: hook and legacy identical (max_abs = 0) and within {UNFUSED_RTOL:g} of verl's unfused forward")
+    else:
+        print("FAIL: mismatches above")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: the shipped tiny Qwen2)")
+    parser.add_argument("--backend", default=None, help="op backend for both modes (default: verl on CUDA, torch on CPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when 2 GPUs, else cpu")
+    parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
+    args = parser.parse_args(argv)
+
+    from verl_fused_hook.switch import allowed_backends
+    from verl_fused_hook.testing.hf_model import TINY_QWEN2
+
+    device = args.device or ("cuda" if torch.cuda.device_count() >= WORLD_SIZE else "cpu")
+    backend = args.backend or ("verl" if device == "cuda" else "torch")
+    if backend not in allowed_backends():
+        parser.error(f"--backend {backend!r}: allowed {', '.join(allowed_backends())}")
+    if device == "cpu" and backend == "verl":
+        parser.error("--backend verl needs CUDA (verl's Triton kernel); on the CPU use torch")
+    hf_path = Path(args.hf_config) if args.hf_config else TINY_QWEN2
+    if not hf_path.exists():
+        parser.error(f"--hf-config: {hf_path} does not exist; pass a config.json or a folder holding one")
+    hf_path = str(hf_path.parent if hf_path.is_file() else hf_path)
+    scenarios = SCENARIOS
+    if args.scenarios:
+        wanted = set(args.scenarios.split(","))
+        unknown = wanted - {s.name for s in SCENARIOS}
+        if unknown:
+            parser.error(f"--scenarios: unknown {sorted(unknown)}; allowed: {', '.join(s.name for s in SCENARIOS)}")
+        scenarios = tuple(s for s in SCENARIOS if s.name in wanted)
+
+    kernel_note = (
+        "both modes use the portable op (backend=%s); verl's Triton kernel needs CUDA, so the legacy forward's "
+        "kernel was swapped for it" % backend
+        if device == "cpu"
+        else f"legacy uses verl's Triton kernel; hook uses backend={backend}"
+    )
+    print(f"A/B parity on {device} ({WORLD_SIZE} processes per mode), model {hf_path}; {kernel_note}", flush=True)
+    runs = {mode: run_mode(mode, scenarios, hf_path, backend, device, args.seed) for mode in MODES}
+
+    report = {"device": device, "backend": backend, "hf_config": hf_path, "kernel_note": kernel_note,
+              "unfused_rtol": UNFUSED_RTOL}
+    report["scenarios"] = [evaluate(scenario, runs) for scenario in scenarios]
+    report["match"] = all(entry["match"] for entry in report["scenarios"])
+    print_report(report)
+    if args.json:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0 if report["match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The A/B parity script, run as users run it: legacy (VERL_FUSED_USE_OP_HOOK=0) vs hook (=1), TP=1 and TP=2 on gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "ab_parity.py"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ALL_SCENARIOS = {
+    "tp1/nosp/untied",
+    "tp1/nosp/tied",
+    "tp2/nosp/untied",
+    "tp2/nosp/tied",
+    "tp2/sp/untied",
+    "tp2/sp/tied",
+}
+
+
+def run_script(*args, timeout=900):
+    command = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory):
+    """One full default run (every scenario, both modes), as CI runs it."""
+    path = tmp_path_factory.mktemp("ab") / "ab.json"
+    done = run_script("--device", "cpu", "--json", str(path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(path.read_text()), done.stdout
+
+
+def test_every_scenario_is_bit_identical(cpu_report):
+    report, stdout = cpu_report
+    assert report["match"] is True and report["device"] == "cpu" and report["backend"] == "torch"
+    assert {entry["scenario"]["name"] for entry in report["scenarios"]} == ALL_SCENARIOS
+    for entry in report["scenarios"]:
+        assert entry["modes_resolved"] == {"legacy": "legacy", "hook": "hook"}, entry["scenario"]
+        for tensor in ("log_probs", "entropy", "policy_loss", "grads"):
+            assert entry["max_abs"][tensor] == 0.0, (entry["scenario"]["name"], tensor)
+    assert "PASS: hook and legacy identical (max_abs = 0) and within 0.0001 of verl's unfused forward" in stdout
+    assert "the legacy forward's kernel was swapped" in stdout
+    for name in ALL_SCENARIOS:
+        assert f"[legacy] {name} done" in stdout and f"[hook] {name} done" in stdout
+
+
+def test_hook_matches_verl_unfused_forward_everywhere(cpu_report):
+    report, _ = cpu_report
+    assert report["unfused_rtol"] == 1e-4
+    for entry in report["scenarios"]:
+        hook = entry["vs_unfused_rel"]["hook"]
+        for tensor in ("log_probs", "entropy", "policy_loss", "grads"):
+            assert hook[tensor] <= 1e-4, (entry["scenario"]["name"], tensor, hook[tensor])
+
+
+def test_tp_gap_is_reported_and_is_the_only_difference(cpu_report):
+    report, _ = cpu_report
+    gaps = [entry for entry in report["scenarios"] if entry["scenario"]["tp"] == 2 and not entry["scenario"]["sequence_parallel"]]
+    assert len(gaps) == 2
+    for entry in gaps:
+        assert entry["compared_against"] == "legacy+tp-sum"
+        shipped = entry["vs_legacy_expected_gap"]
+        assert shipped["log_probs"] == shipped["entropy"] == shipped["policy_loss"] == 0.0
+        assert shipped["grads"] > 1e-3  # verl's legacy forward misses the TP sum of the hidden gradient
+        legacy_truth = entry["vs_unfused_rel"]["legacy"]
+        assert legacy_truth["log_probs"] <= 1e-4 and legacy_truth["grads"] > 1e-2  # legacy's gradient is the wrong one
+
+
+def test_peak_memory_is_reported_per_mode(cpu_report):
+    report, stdout = cpu_report
+    for entry in report["scenarios"]:
+        peaks = entry["peak_bytes"]
+        assert peaks["legacy"] > 0 and peaks["hook"] > 0
+        assert peaks["hook"] == peaks["legacy"]  # one kernel, one set of tensors
+    assert "peak legacy" in stdout and "peak hook" in stdout
+
+
+def _script_module():
+    if "ab_parity" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ab_parity", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ab_parity"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["ab_parity"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scenarios", "tp3/sp/tied"], "--scenarios: unknown ['tp3/sp/tied']"),
+        (["--device", "cpu", "--backend", "verl"], "--backend verl needs CUDA"),
+        (["--device", "cpu", "--backend", "fast"], "--backend 'fast': allowed auto, "),
+        (["--hf-config", "/nonexistent/config.json"], "--hf-config: /nonexistent/config.json does not exist"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _script_module().main(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_reports_the_worst_parameter():
+    ab = _script_module()
+    same = {"log_probs": torch.zeros(3), "entropy": torch.ones(3), "policy_loss": torch.zeros(1)}
+    legacy = [{"s": {**same, "grads": {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([5.0, 0.0])}}}]
+    hook = [{"s": {**same, "grads": {"a": torch.tensor([1.0, 2.25]), "b": torch.tensor([5.5, 0.0])}}}]
+    rows = ab.compare(legacy, "s", hook, "s")
+    assert rows == {"log_probs": 0.0, "entropy": 0.0, "policy_loss": 0.0, "grads": 0.5, "worst_param": "b"}
+    relative = ab.compare(legacy, "s", hook, "s", relative=True)
+    assert relative["grads"] == 0.125 and relative["worst_param"] == "a"  # 0.25/2 beats 0.5/5
+    assert ab.compare(legacy, "s", legacy, "s")["worst_param"] is None
+    hook[0]["s"]["grads"] = {"a": torch.zeros(2)}
+    assert ab.compare(legacy, "s", hook, "s")["grads"] == float("inf")
