@@ -13,6 +13,7 @@ two runs give the same bits.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,8 +24,14 @@ from .statistics import combine_row_statistics, scatter_rows
 
 # Extra memory the backward may hold at once (fp32 d_hidden accumulator + d_logits chunk).
 EXTRA_MEMORY_BUDGET = 960 * 1024 * 1024
+# Wider d_logits chunks cut the fp32 accumulator's traffic (read+write once per chunk) but
+# cost 2 bytes per row and column; 4608 columns keep the extra memory near 4H + 9 KiB per row.
+MAX_CHUNK_COLUMNS = 4608
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
+# Programs running together should share few row blocks (kept in L2) and stream a few vocabulary
+# splits; with a single split, 132 programs would each stream their own 1 MiB row block per tile.
+MIN_SPLITS = 8
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class TileConfig:
 
 
 FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
-GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
+# Two 4-warp programs per SM: one's d_logits epilogue overlaps the other's matrix products.
+GRAD_CONFIG = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3, ctas_per_sm=2)
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -73,14 +81,17 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
 def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
-    """Column tiles per program minimizing (waves x tiles per program): few rows get many splits."""
-    best, best_cost = col_tiles, math.inf
-    for per in range(1, col_tiles + 1):
+    """Column tiles per program minimizing (waves x tiles per program), with at least
+    MIN_SPLITS splits when there are that many tiles (L2 locality, see MIN_SPLITS)."""
+    best, best_cost = 1, math.inf
+    for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1):
         splits = -(-col_tiles // per)
         if splits * per - col_tiles >= per:  # an empty last split: same as a smaller `per`
             continue
@@ -151,10 +162,11 @@ def _forward(p: LogProbProblem):
 
 
 def chunk_columns(rows: int, hidden_size: int, valid_columns: int, block_n: int) -> int:
-    """Vocabulary columns per backward chunk: the widest multiple of block_n whose bf16
-    d_logits fit beside the fp32 d_hidden accumulator inside EXTRA_MEMORY_BUDGET."""
+    """Vocabulary columns per backward chunk: the widest multiple of block_n up to
+    MAX_CHUNK_COLUMNS whose bf16 d_logits fit beside the fp32 d_hidden accumulator
+    inside EXTRA_MEMORY_BUDGET."""
     left = max(EXTRA_MEMORY_BUDGET - 4 * rows * hidden_size, 0)
-    width = (left // (2 * max(rows, 1))) // block_n * block_n
+    width = min(left // (2 * max(rows, 1)), MAX_CHUNK_COLUMNS) // block_n * block_n
     return max(block_n, min(width, -(-valid_columns // block_n) * block_n))
 
 
@@ -162,7 +174,7 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
     """fp32 d_hidden over the scored rows (or None); fills d_weight[:valid_columns] when given."""
     from . import triton_kernels as kernels
 
-    hidden, weight, label_col, inv_temp, lse, mean = saved
+    hidden, weight, label_col, inv_temp, row_max, log_sum, shifted_mean = saved
     n, h = hidden.shape
     c = GRAD_CONFIG
     width = chunk_columns(n, h, valid_columns, c.block_n)
@@ -176,8 +188,8 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
         dz = dz_buffer[:, :cols]
         kernels.grad_logits_kernel[(row_blocks * -(-cols // c.block_n),)](
             h_desc, w_desc, _descriptor(dz, [c.block_m, c.block_n]),
-            label_col, inv_temp, lse, mean, grad_lp, grad_ent,
-            n, h, valid_columns, start, cols,
+            label_col, inv_temp, row_max, log_sum, shifted_mean, grad_lp, grad_ent,
+            n, h, start, cols,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -189,12 +201,13 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):
-    """Saves the compacted inputs plus two fp32 numbers per scored row (log sum-exp, mean logit)."""
+    """Saves the compacted inputs plus three fp32 numbers per scored row (max, log sum-exp and
+    mean logit, both relative to the max)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, p: LogProbProblem):
         log_probs, entropy, row_max, log_sum, shifted_mean, inputs = _forward(p)
-        ctx.save_for_backward(*inputs, row_max + log_sum, row_max + shifted_mean, p.active_rows)
+        ctx.save_for_backward(*inputs, row_max, log_sum, shifted_mean, p.active_rows)
         ctx.layout = (p.valid_columns, p.num_rows, p.calculate_entropy)
         ctx.set_materialize_grads(False)
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)

@@ -5,8 +5,9 @@ Both kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
 fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
 rows and columns read as zero) and never write logits to memory. Rows are the
 scored rows only (the caller compacts them); columns past `valid_columns` are
-vocabulary padding and are masked out. Tile sizes are host-chosen constants
-(see triton_backend.CONFIGS), so every launch is deterministic.
+vocabulary padding: masked out in the forward, never stored in the backward.
+Tile sizes are host-chosen constants (triton_backend.FORWARD_CONFIG and
+GRAD_CONFIG) and no float atomics are used, so every launch is deterministic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import triton.language as tl
 # Finite stand-in for -inf: exp(NEG - m) is 0 and (NEG - m) * 0 is 0, so masked
 # columns and the empty starting state never produce inf * 0 = NaN.
 NEG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -53,55 +56,68 @@ def forward_statistics_kernel(
     GROUP_M: tl.constexpr, ENTROPY: tl.constexpr,
 ):
     """One program: one row block against one contiguous split of column tiles,
-    reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row."""
+    reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
+
+    The running max is kept on the raw dot products a (z = a / T) and exponents in
+    base 2, so each logit costs a max, a subtract, a multiply, an ex2 and two adds;
+    a - max is exact for nearby values, so logits far from 0 (all near -1e4, say)
+    keep their differences, and the max and the label logit are scaled by 1/T with
+    the same single rounding, so a label that is the row's max cancels exactly in
+    log p = z_y - m - log s.
+    """
     pid_m, split = _grouped_tile(tl.program_id(0), tl.cdiv(rows, BLOCK_M), num_splits, GROUP_M)
     off_m = pid_m * BLOCK_M
     row_ids = off_m + tl.arange(0, BLOCK_M)
     row_ok = row_ids < rows
     label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
     inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
+    scale = inv_temp * LOG2E  # raw dot product -> base-2 logit
 
-    run_max = tl.full((BLOCK_M,), NEG, tl.float32)
+    run_max = tl.full((BLOCK_M,), NEG, tl.float32)  # raw units
     run_sum = tl.zeros((BLOCK_M,), tl.float32)
-    run_dot = tl.zeros((BLOCK_M,), tl.float32)
-    label_logit = tl.zeros((BLOCK_M,), tl.float32)
+    run_dot = tl.zeros((BLOCK_M,), tl.float32)  # base-2 units
+    label_raw = tl.zeros((BLOCK_M,), tl.float32)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_col_tiles)
     for tile in range(first_tile, last_tile):
         off_n = tile * BLOCK_N
         acc = _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
         cols = off_n + tl.arange(0, BLOCK_N)
-        z = tl.where(cols[None, :] < valid_columns, acc * inv_temp[:, None], NEG)
-        label_logit += tl.sum(tl.where(cols[None, :] == label_col[:, None], z, 0.0), axis=1)
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        shift = run_max - new_max
-        rescale = tl.exp(shift)
-        shifted = z - new_max[:, None]
-        e = tl.exp(shifted)
+        if off_n + BLOCK_N > valid_columns:  # only the last tile holds padding columns
+            acc = tl.where(cols[None, :] < valid_columns, acc, NEG)
+        label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
+        new_max = tl.maximum(run_max, tl.max(acc, axis=1))
+        shift = (run_max - new_max) * scale
+        rescale = tl.exp2(shift)
+        shifted = (acc - new_max[:, None]) * scale[:, None]  # exact difference first: no cancellation
+        e = tl.exp2(shifted)
         if ENTROPY:
-            # sum e^(z-M)(z-M) over old columns = rescale * (dot + shift * sum)
+            # sum 2^(x-M)(x-M) over old columns = rescale * (dot + shift * sum)
             run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted, axis=1)
         run_sum = run_sum * rescale + tl.sum(e, axis=1)
         run_max = new_max
 
     out = split * rows + row_ids
-    tl.store(max_ptr + out, run_max, mask=row_ok)
+    tl.store(max_ptr + out, run_max * inv_temp, mask=row_ok)
     tl.store(sum_ptr + out, run_sum, mask=row_ok)
-    tl.store(dot_ptr + out, run_dot, mask=row_ok)
-    tl.store(label_ptr + out, label_logit, mask=row_ok)
+    tl.store(dot_ptr + out, run_dot * LN2, mask=row_ok)
+    tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok)
 
 
 @triton.jit
 def grad_logits_kernel(
     h_desc, w_desc, dz_desc,  # [rows, H], [valid_columns, H], [rows, chunk] (output)
     label_col_ptr, inv_temp_ptr,  # int32 [rows], fp32 [rows]
-    lse_ptr, mean_ptr,  # fp32 [rows]: log sum-exp and mean logit E[z] over the whole vocabulary
+    max_ptr, log_sum_ptr, shifted_mean_ptr,  # fp32 [rows], whole vocabulary: m, log sum e^(z-m), E[z] - m
     grad_lp_ptr, grad_ent_ptr,  # fp32 [rows]: upstream gradients
-    rows, H, valid_columns, chunk_start, chunk_width,
+    rows, H, chunk_start, chunk_width,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """d_logits for columns [chunk_start, chunk_start + chunk_width), written in the input dtype:
-    dz_j = (g_lp * ([j == y] - p_j) + g_H * p_j * (E[z] - z_j)) / T."""
+    """d_logits for one chunk of columns, written in the input dtype:
+    dz_j = (g_lp * ([j == y] - p_j) + g_H * p_j * (E[z] - z_j)) / T.
+    Everything is taken relative to the row max first (d_j = z_j - m), so logits far
+    from 0 lose no precision. Padding columns and rows past the end fall outside
+    dz_desc and are not stored."""
     pid_m, pid_n = _grouped_tile(
         tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(chunk_width, BLOCK_N), GROUP_M
     )
@@ -111,16 +127,16 @@ def grad_logits_kernel(
     row_ok = row_ids < rows
     label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
     inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
-    lse = tl.load(lse_ptr + row_ids, mask=row_ok, other=0.0)
-    mean = tl.load(mean_ptr + row_ids, mask=row_ok, other=0.0)
-    g_lp = tl.load(grad_lp_ptr + row_ids, mask=row_ok, other=0.0)
-    g_ent = tl.load(grad_ent_ptr + row_ids, mask=row_ok, other=0.0)
+    row_max = tl.load(max_ptr + row_ids, mask=row_ok, other=0.0)
+    log_sum2 = tl.load(log_sum_ptr + row_ids, mask=row_ok, other=0.0) * LOG2E
+    shifted_mean = tl.load(shifted_mean_ptr + row_ids, mask=row_ok, other=0.0)
+    g_lp = tl.load(grad_lp_ptr + row_ids, mask=row_ok, other=0.0) * inv_temp
+    g_ent = tl.load(grad_ent_ptr + row_ids, mask=row_ok, other=0.0) * inv_temp
 
     acc = _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+    shifted = acc * inv_temp[:, None] - row_max[:, None]
+    p = tl.exp2(shifted * LOG2E - log_sum2[:, None])
+    dz = p * (g_ent[:, None] * (shifted_mean[:, None] - shifted) - g_lp[:, None])
     cols = off_n + tl.arange(0, BLOCK_N)
-    z = acc * inv_temp[:, None]
-    p = tl.exp(z - lse[:, None])
-    dz = p * (g_ent[:, None] * (mean[:, None] - z) - g_lp[:, None])
     dz = tl.where(cols[None, :] == label_col[:, None], dz + g_lp[:, None], dz)
-    dz = tl.where(cols[None, :] < valid_columns, dz * inv_temp[:, None], 0.0)
     dz_desc.store([off_m, off_n - chunk_start], dz.to(dz_desc.dtype))

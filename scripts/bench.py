@@ -1,0 +1,442 @@
+"""Benchmark per-token log-probs (+ entropy) over a vocab-sized output layer on one CUDA GPU.
+
+Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
+and below its peers in memory, measured the same way on the same card. This
+times every method with CUDA events (warm-ups, median of repeats), records the
+peak memory a method allocates beyond its inputs and returned gradients, checks
+accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
+file and a PNG plot.
+
+Methods: triton (this package), torch (the portable backend), naive (full
+logits), verl (verl's Triton kernel, loaded from its file without `import verl`),
+liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
+when installed, and floor (the cuBLAS GEMMs of the same shapes).
+
+    python scripts/bench.py --out docs/bench
+    python scripts/bench.py --shapes 8192,4096,151936 --methods triton,floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from verl_fused_hook.ops import log_probs_and_entropy  # noqa: E402
+
+DEFAULT_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
+ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce")
+GIB = 1024**3
+
+
+# ---------------------------------------------------------------- methods
+# Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None).
+def _ours(backend: str):
+    def fn(h, w, labels, temperature, score_mask=None):
+        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend)
+
+    return fn
+
+
+def _naive(h, w, labels, temperature, score_mask=None):
+    logits = (h @ w.t()).float() / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def _load_verl(kernel_dir: str | None):
+    """verl's linear_cross_entropy from its source files, with a stand-in for verl.utils.device
+    (importing verl itself needs ray). Looks in --verl-kernel-dir, else in the installed verl."""
+    if kernel_dir is None:
+        spec = importlib.util.find_spec("verl")  # locates the package without running it
+        if spec is None or spec.origin is None:
+            return None
+        kernel_dir = str(Path(spec.origin).parent / "utils" / "kernel")
+    folder = Path(kernel_dir)
+    if not (folder / "kernels.py").exists():
+        return None
+    device = types.ModuleType("verl.utils.device")
+    device.get_device_capability = torch.cuda.get_device_capability
+    device.get_device_name = lambda: "cuda"
+    device.is_cuda_available = torch.cuda.is_available()
+    device.get_torch_device = lambda: torch.cuda
+    package = types.ModuleType("_bench_verl_kernel")
+    package.__path__ = [str(folder)]
+    saved = sys.modules.get("verl.utils.device")
+    sys.modules["verl.utils.device"] = device
+    sys.modules["_bench_verl_kernel"] = package
+    try:
+        for name in ("kernels", "linear_cross_entropy"):
+            spec = importlib.util.spec_from_file_location(f"_bench_verl_kernel.{name}", folder / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["verl.utils.device"]
+        else:
+            sys.modules["verl.utils.device"] = saved
+    lce = sys.modules["_bench_verl_kernel.linear_cross_entropy"].linear_cross_entropy
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return lce(h, w, labels, float(temperature), "none", None)
+
+    return fn
+
+
+def _load_liger():
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return -loss(w, h / temperature, labels), None
+
+    return fn
+
+
+def _load_cce():
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        return None
+    from cut_cross_entropy import linear_cross_entropy
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return -linear_cross_entropy(h / temperature, w, labels, reduction="none"), None
+
+    return fn
+
+
+def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
+    loaders = {
+        "triton": lambda: _ours("triton"),
+        "torch": lambda: _ours("torch"),
+        "naive": lambda: _naive,
+        "verl": lambda: _load_verl(verl_kernel_dir),
+        "liger": _load_liger,
+        "cce": _load_cce,
+    }
+    methods = {}
+    for name in names:
+        if name == "floor":
+            continue
+        fn = loaders[name]()
+        if fn is None:
+            print(f"# {name}: not installed, skipped", flush=True)
+        else:
+            methods[name] = fn
+    return methods
+
+
+# ---------------------------------------------------------------- measuring
+SLOW_MS = 1000.0  # a method this slow gets one warm-up and at most three timed repeats
+
+
+def _event_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median of `repeats` CUDA-event timings after `warmup` untimed calls."""
+    if warmup > 0 and _event_ms(fn) > SLOW_MS:
+        warmup, repeats = 1, min(repeats, 3)
+    for _ in range(warmup - 1):
+        fn()
+    return statistics.median(_event_ms(fn) for _ in range(repeats))
+
+
+def settle_clocks(seconds: float = 10.0) -> None:
+    """Run matrix products until the GPU's clocks settle under load: a cold GPU
+    flatters whatever runs first, the floor included."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    end_ms, spent = seconds * 1000, 0.0
+    while spent < end_ms:
+        spent += _event_ms(lambda: [a @ a for _ in range(10)])
+
+
+def _inputs(n, h, v, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp = torch.randn(n, device="cuda", generator=g)
+    g_ent = torch.randn(n, device="cuda", generator=g)
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _fwd_bwd(fn, hidden, weight, labels, temperature, g_lp, g_ent, score_mask=None):
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    lp, ent = fn(h, w, labels, temperature, score_mask)
+    outputs, grads = [lp], [g_lp]
+    if ent is not None:
+        outputs.append(ent)
+        grads.append(g_ent)
+    return torch.autograd.grad(outputs, (h, w), grads)
+
+
+def floor_ms(hidden, weight, warmup, repeats) -> dict:
+    """cuBLAS times of the forward GEMM (also the recompute), dX and dW of these shapes."""
+    n, v = hidden.shape[0], weight.shape[0]
+    logits = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
+    d_hidden = torch.empty_like(hidden)
+    d_weight = torch.empty_like(weight)
+    fwd = time_ms(lambda: torch.mm(hidden, weight.t(), out=logits), warmup, repeats)
+    logits.normal_()
+    dx = time_ms(lambda: torch.mm(logits, weight, out=d_hidden), warmup, repeats)
+    dw = time_ms(lambda: torch.mm(logits.t(), hidden, out=d_weight), warmup, repeats)
+    del logits
+    return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw, "fwd_bwd_ms": 2 * fwd + dx + dw}
+
+
+def extra_memory_gib(fn, hidden, weight, labels, temperature, g_lp, g_ent) -> float:
+    """Peak memory allocated during one forward+backward beyond inputs and returned gradients."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = _fwd_bwd(fn, hidden, weight, labels, temperature, g_lp, g_ent)
+    torch.cuda.synchronize()
+    returned = sum(g.numel() * g.element_size() for g in grads)
+    return (torch.cuda.max_memory_allocated() - base - returned) / GIB
+
+
+def _guard(label: str, thunk: Callable[[], object]):
+    """Run one measurement; an out-of-memory or a peer's refusal becomes a recorded failure."""
+    try:
+        return thunk()
+    except (torch.OutOfMemoryError, AssertionError, RuntimeError, ValueError) as error:
+        torch.cuda.empty_cache()
+        reason = "out of memory" if isinstance(error, torch.OutOfMemoryError) else f"{type(error).__name__}: {error}"
+        print(f"# {label}: {reason.splitlines()[0][:200]}", flush=True)
+        return reason.splitlines()[0][:200]
+
+
+def bench_shape(n, h, v, methods, args) -> dict:
+    hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=n)
+    t = args.temperature
+    row = {"N": n, "H": h, "V": v}
+    if args.floor:
+        floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
+    for name, fn in methods.items():
+        label = f"{n},{h},{v} {name}"
+        result = {}
+        result["fwd_bwd_ms"] = _guard(label, lambda: time_ms(
+            lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent), args.warmup, args.repeats))
+        if isinstance(result["fwd_bwd_ms"], float):
+            result["extra_gib"] = _guard(label, lambda: extra_memory_gib(fn, hidden, weight, labels, t, g_lp, g_ent))
+
+        def forward_only():
+            with torch.no_grad():
+                fn(hidden, weight, labels, t, None)
+
+        result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats))
+        if name in ("triton", "torch"):
+            mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
+            result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
+                lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats))
+        row[name] = result
+        print(f"# {label} {result}", flush=True)
+    if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after
+        floor_after = floor_ms(hidden, weight, args.warmup, args.repeats)
+        row["floor"] = {key: (floor_before[key] + floor_after[key]) / 2 for key in floor_before}
+        row["floor_runs"] = [floor_before, floor_after]
+        print(f"# {n},{h},{v} floor before {floor_before} after {floor_after}", flush=True)
+    return row
+
+
+def accuracy(methods, n, h, v, temperature) -> dict:
+    """Max abs error of log-probs/entropy and relative (Frobenius) error of both gradients vs fp64."""
+    hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=12345)
+    out = {}
+    references = {}
+    for with_entropy in (True, False):
+        hd = hidden.double().requires_grad_()
+        wd = weight.double().requires_grad_()
+        log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
+        lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        ent = -(log_softmax.exp() * log_softmax).sum(-1)
+        total = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0)
+        dh, dw = torch.autograd.grad(total, (hd, wd))
+        references[with_entropy] = (lp.detach(), ent.detach(), dh, dw)
+        del log_softmax, hd, wd
+    torch.cuda.empty_cache()
+    for name, fn in methods.items():
+
+        def measure():
+            h = hidden.detach().requires_grad_()
+            w = weight.detach().requires_grad_()
+            lp, ent = fn(h, w, labels, temperature, None)
+            ref = references[ent is not None]
+            outputs, grads = [lp], [g_lp]
+            if ent is not None:
+                outputs.append(ent)
+                grads.append(g_ent)
+            dh, dw = torch.autograd.grad(outputs, (h, w), grads)
+            rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+            return {
+                "log_prob_max_err": (lp.double() - ref[0]).abs().max().item(),
+                "entropy_max_err": None if ent is None else (ent.double() - ref[1]).abs().max().item(),
+                "d_hidden_rel_err": rel(dh, ref[2]),
+                "d_weight_rel_err": rel(dw, ref[3]),
+            }
+
+        out[name] = _guard(f"accuracy {name}", measure)
+        print(f"# accuracy {name} {out[name]}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- reporting
+def _fmt(value, reference=None):
+    """'12.3 ms (1.05x)' against a reference time, '12.3 ms' without one, or why there is no number."""
+    if not isinstance(value, float):
+        return "OOM" if value == "out of memory" else ("n/a" if value is None else "failed")
+    return f"{value:.1f} ms ({value / reference:.2f}x)" if reference else f"{value:.1f} ms"
+
+
+def markdown(results: dict) -> str:
+    names = [m for m in results["methods"] if m != "floor"]
+    lines = [
+        "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients:",
+        "",
+        "| N, H, V | floor | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for row in results["shapes"]:
+        floor = row.get("floor", {}).get("fwd_bwd_ms")
+        cells = []
+        for name in names:
+            r = row.get(name, {})
+            mem = r.get("extra_gib")
+            cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
+        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
+    lines += ["", "Forward without gradient (ratio to one GEMM):", "",
+              "| N, H, V | one GEMM | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for row in results["shapes"]:
+        gemm = row.get("floor", {}).get("gemm_ms")
+        cells = [_fmt(row.get(name, {}).get("fwd_ms"), gemm) for name in names]
+        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(gemm)} | " + " | ".join(cells) + " |")
+    masked = [m for m in names if any("half_masked_fwd_bwd_ms" in row.get(m, {}) for row in results["shapes"])]
+    if masked:
+        lines += ["", "Half the rows masked by score_mask, forward+backward (ratio to the unmasked time):", "",
+                  "| N, H, V | " + " | ".join(masked) + " |", "|---|" + "---|" * len(masked)]
+        for row in results["shapes"]:
+            cells = []
+            for name in masked:
+                r = row.get(name, {})
+                full, half = r.get("fwd_bwd_ms"), r.get("half_masked_fwd_bwd_ms")
+                cells.append(_fmt(half, full) if isinstance(full, float) else _fmt(half))
+            lines.append(f"| {row['N']}, {row['H']}, {row['V']} | " + " | ".join(cells) + " |")
+    if results.get("accuracy"):
+        n, h, v = results["accuracy_shape"]
+        lines += ["", f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):", "",
+                  "| method | log-prob max err | entropy max err | d_hidden rel err | d_weight rel err |",
+                  "|---|---|---|---|---|"]
+        for name, acc in results["accuracy"].items():
+            if isinstance(acc, dict):
+                ent = acc["entropy_max_err"]
+                lines.append(f"| {name} | {acc['log_prob_max_err']:.2e} | {'n/a' if ent is None else f'{ent:.2e}'} | "
+                             f"{acc['d_hidden_rel_err']:.2e} | {acc['d_weight_rel_err']:.2e} |")
+            else:
+                lines.append(f"| {name} | {acc} | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Time and extra memory against N, one line per method, each method one color in both panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    shapes = results["shapes"]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, name in enumerate(results["methods"]):
+        for axis, field in ((time_axis, "fwd_bwd_ms"), (memory_axis, "extra_gib")):
+            points = sorted((row["N"], row.get(name, {}).get(field)) for row in shapes)
+            points = [(n, value) for n, value in points if isinstance(value, float)]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=name, color=colors[index % len(colors)])
+    for axis, title in ((time_axis, "forward+backward time (ms)"), (memory_axis, "extra memory (GiB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("N (tokens); H, V per shape in the table")
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for part in text.split(";"):
+        values = tuple(int(x) for x in part.split(","))
+        if len(values) != 3 or min(values) < 1:
+            raise SystemExit(f"--shapes: expected N,H,V;N,H,V;..., got {part!r}")
+        shapes.append(values)
+    return shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="N,H,V;N,H,V;... (default: the issue's four)")
+    parser.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
+    parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
+    parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA device")
+    names = [m for m in args.methods.split(",") if m]
+    unknown = set(names) - set(ALL_METHODS)
+    if unknown:
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(ALL_METHODS)}")
+    args.floor = "floor" in names
+    methods = load_methods(names, args.verl_kernel_dir)
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(["python", *sys.argv]),
+        "temperature": args.temperature,
+        "methods": (["floor"] if args.floor else []) + list(methods),
+        "shapes": [],
+    }
+    if args.accuracy_shape:
+        results["accuracy_shape"] = parse_shapes(args.accuracy_shape)[0]
+        results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
+    settle_clocks()
+    for n, h, v in parse_shapes(args.shapes):
+        results["shapes"].append(bench_shape(n, h, v, methods, args))
+        torch.cuda.empty_cache()
+    prefix = Path(args.out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    table = markdown(results)
+    prefix.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    prefix.with_suffix(".md").write_text(table)
+    plot(results, prefix.with_suffix(".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
