@@ -2,14 +2,17 @@
 
 The local spec's DotProductAttention refuses `packed_seq_params`; verl's engine
 packs sequences (THD, `cu_seqlens`), which otherwise needs Transformer Engine.
-Packed inputs here get block-diagonal causal attention: each sequence attends
-only to its own earlier tokens. Unpacked inputs go to the parent, with the default causal mask built on the
-inputs' device (megatron builds it on "cuda" when no mask is given).
+Packed inputs here get causal attention within each sequence, one
+`scaled_dot_product_attention` call per sequence (flash/memory-efficient kernels
+on CUDA), so nothing of size [tokens, tokens] is built. Unpacked inputs go to the
+parent, with the default causal mask built on the inputs' device (megatron
+builds it on "cuda" when no mask is given).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -30,20 +33,20 @@ class PackedDotProductAttention(DotProductAttention):
             cu_kv = packed_seq_params.cu_seqlens_kv
         if not torch.equal(cu_q, cu_kv):
             raise ValueError("packed_seq_params: cu_seqlens_q and cu_seqlens_kv must match for self-attention")
-        # query [t, heads, d], key/value [t, groups, d]
+        # query [t, heads, d], key/value [t, groups, d] -> per sequence [heads, len, d]
         repeat = query.shape[1] // key.shape[1]
-        if repeat > 1:
-            key = key.repeat_interleave(repeat, dim=1)
-            value = value.repeat_interleave(repeat, dim=1)
+        dropout = self.attention_dropout.p if self.training else 0.0
         total = query.shape[0]
-        segment = torch.zeros(total, dtype=torch.long, device=query.device)
-        boundaries = cu_q[1:-1].to(query.device).long()
-        segment[boundaries[boundaries < total]] = 1
-        segment = segment.cumsum(0)
-        position = torch.arange(total, device=query.device)
-        allowed = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * self.softmax_scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = self.attention_dropout(torch.softmax(scores, dim=-1)).to(value.dtype)
-        context = torch.einsum("hqk,khd->qhd", probs, value)
-        return context.reshape(total, -1)
+        bounds = [min(int(b), total) for b in cu_q.tolist()]
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end <= start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
+            pieces.append(out.transpose(0, 1))
+        if bounds[-1] < total:  # tokens past the last boundary (padding) attend to nothing: zeros
+            pieces.append(query.new_zeros(total - bounds[-1], query.shape[1], value.shape[2]))
+        return torch.cat(pieces).reshape(total, -1)
