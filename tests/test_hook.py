@@ -27,6 +27,8 @@ SCENARIOS = {
     "tp2_tied_thd": (2, False, True, "thd", False),
     "tp2_sp_untied_thd": (2, True, False, "thd", False),
     "tp2_sp_tied_padded_mup": (2, True, True, "padded", True),
+    "tp4_sp_untied_thd": (4, True, False, "thd", False),
+    "tp4_tied_padded": (4, False, True, "padded", False),
 }
 
 
@@ -70,7 +72,8 @@ def parameter_grads(model):
 def compare_scenario(name):
     tp, sp, tied, layout, mup = SCENARIOS[name]
     init_model_parallel(tp)
-    model = build_cpu_gpt(tiny_transformer_config(sequence_parallel=sp, use_mup=mup), vocab_size=PADDED_VOCAB, tied=tied)
+    config = tiny_transformer_config(sequence_parallel=sp, use_mup=mup, num_query_groups=4 if tp == 4 else 2)
+    model = build_cpu_gpt(config, vocab_size=PADDED_VOCAB, tied=tied)
     batch, scored = make_batch(layout)
     generator = torch.Generator().manual_seed(9)
     g_log_probs, g_entropy = torch.randn(scored.shape, generator=generator), torch.randn(scored.shape, generator=generator)
@@ -109,9 +112,10 @@ def scenarios_worker(rank, world_size, names):
 @pytest.fixture(scope="module")
 def scenario_results():
     results = run_on_gloo(scenarios_worker, 1, [n for n in SCENARIOS if SCENARIOS[n][0] == 1])[0]
-    two_ranks = run_on_gloo(scenarios_worker, 2, [n for n in SCENARIOS if SCENARIOS[n][0] == 2])
-    for name in two_ranks[0]:
-        results[name] = [rank_results[name] for rank_results in two_ranks]
+    for tp in (2, 4):
+        per_rank = run_on_gloo(scenarios_worker, tp, [n for n in SCENARIOS if SCENARIOS[n][0] == tp])
+        for name in per_rank[0]:
+            results[name] = [rank_results[name] for rank_results in per_rank]
     return results
 
 

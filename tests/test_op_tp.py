@@ -1,4 +1,4 @@
-"""The op with a vocabulary sharded over two gloo processes, against the fp64 reference of the whole vocabulary."""
+"""The op with a vocabulary sharded over two and four gloo processes, against the fp64 reference of the whole vocabulary."""
 
 import pytest
 import torch
@@ -12,15 +12,20 @@ ATOL = 5e-5  # log-prob / entropy (entropy sums up to 32k columns in fp32)
 GRAD_RTOL = 1e-5
 
 
-def case_inputs(case):
+def case_inputs(case, world_size):
     generator = torch.Generator().manual_seed(11)
     n, h = 41, 24
-    padded, vocab = {"padded_32003": (32004, 32003), "single_column": (2, 2), "labels_on_one_rank": (600, 600)}[case]
+    padded_32003 = -(-32003 // world_size) * world_size  # Megatron pads the vocabulary to a multiple of TP
+    padded, vocab = {
+        "padded_32003": (padded_32003, 32003),
+        "single_column": (world_size, world_size),  # one column per rank
+        "labels_on_one_rank": (600, 600),
+    }[case]
     hidden = torch.randn(n, h, generator=generator)
     weight = torch.randn(padded, h, generator=generator) * 0.3
     labels = torch.randint(0, vocab, (n,), generator=generator)
     if case == "labels_on_one_rank":
-        labels = labels % (padded // 2)  # rank 1's shard holds no label at all
+        labels = labels % (padded // world_size)  # only rank 0's shard holds labels
     temperature = torch.rand(n, generator=generator) + 0.5 if case == "padded_32003" else 0.7
     score_mask = torch.arange(n) % 3 != 1
     grads = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
@@ -37,13 +42,13 @@ def all_cases_worker(rank, world_size):
     return results
 
 
-@pytest.fixture(scope="module")
-def two_rank_results():
-    return run_on_gloo(all_cases_worker, 2)
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def rank_results(request):
+    return request.param, run_on_gloo(all_cases_worker, request.param)
 
 
 def shard_worker(rank, world_size, case, mask_everything):
-    hidden, weight, labels, vocab, temperature, score_mask, grads = case_inputs(case)
+    hidden, weight, labels, vocab, temperature, score_mask, grads = case_inputs(case, world_size)
     if mask_everything:
         score_mask = torch.zeros_like(score_mask)
     shard = weight.chunk(world_size)[rank].clone().requires_grad_(True)
@@ -64,21 +69,24 @@ def shard_worker(rank, world_size, case, mask_everything):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_match_fp64_reference(case, two_rank_results):
-    results = [rank_results[case] for rank_results in two_rank_results]
-    hidden, weight, labels, vocab, temperature, score_mask, grads = case_inputs(case)
+def test_ranks_match_fp64_reference(case, rank_results):
+    world_size, results = rank_results
+    results = [per_rank[case] for per_rank in results]
+    hidden, weight, labels, vocab, temperature, score_mask, grads = case_inputs(case, world_size)
     want_lp, want_ent, want_dh, want_dw = reference_log_probs_entropy(
         hidden, weight, labels, temperature=temperature, vocab_size=vocab, active=score_mask, grad_outputs=grads
     )
-    (lp0, ent0, dh0, dw0), (lp1, ent1, dh1, dw1) = results
-    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1), "ranks must return identical outputs"
-    assert max_abs(lp0, want_lp) <= ATOL and max_abs(ent0, want_ent) <= ATOL
+    log_probs, entropies, d_hiddens, d_weights = zip(*results)
+    for rank in range(1, world_size):
+        assert torch.equal(log_probs[rank], log_probs[0]) and torch.equal(entropies[rank], entropies[0]), "ranks must agree"
+    assert max_abs(log_probs[0], want_lp) <= ATOL and max_abs(entropies[0], want_ent) <= ATOL
     # Each rank returns its partial d_hidden; their sum is the full gradient.
-    assert max_rel(dh0 + dh1, want_dh) <= GRAD_RTOL
-    assert max_rel(torch.cat([dw0, dw1])[: weight.shape[0]], torch.cat([want_dw])) <= GRAD_RTOL
+    assert max_rel(sum(d_hiddens), want_dh) <= GRAD_RTOL
+    assert max_rel(torch.cat(d_weights), want_dw) <= GRAD_RTOL
 
 
-def test_two_ranks_with_every_row_masked(two_rank_results):
-    (lp0, ent0, dh0, dw0), (lp1, ent1, dh1, dw1) = [rank_results["masked"] for rank_results in two_rank_results]
-    for tensor in (lp0, ent0, dh0, dw0, lp1, ent1, dh1, dw1):
-        assert torch.count_nonzero(tensor) == 0
+def test_ranks_with_every_row_masked(rank_results):
+    _, results = rank_results
+    for per_rank in results:
+        for tensor in per_rank["masked"]:
+            assert torch.count_nonzero(tensor) == 0
