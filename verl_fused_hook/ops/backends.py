@@ -2,11 +2,14 @@
 
 A backend is a module-level `run(problem)` plus a function that returns None when
 it can run the problem or a sentence saying why not. "auto" walks PREFERENCE and
-logs (debug) every backend it passes over, so no fallback is silent.
+logs every backend it passes over, so no fallback is silent: at debug level
+on the CPU (where the portable backend is the only choice), and once per
+reason at warning level when inputs on a GPU miss a faster backend.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -45,6 +48,11 @@ PREFERENCE: tuple[str, ...] = ("triton", "torch")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 
 
+@functools.cache  # one line per distinct reason, not one per training step
+def _warn_once(candidate: str, reason: str) -> None:
+    logger.warning("log_probs_and_entropy: backend=auto skips %r on this GPU: %s", candidate, reason)
+
+
 def resolve_backend(name: str, problem: LogProbProblem) -> Backend:
     """The backend to run `problem` with; ValueError when the named one cannot."""
     if name != "auto":
@@ -58,5 +66,8 @@ def resolve_backend(name: str, problem: LogProbProblem) -> Backend:
         reason = backend.unavailable_reason(problem)
         if reason is None:
             return backend
-        logger.debug("log_probs_and_entropy: backend=auto skips %r: %s", candidate, reason)
+        if problem.hidden.is_cuda:
+            _warn_once(candidate, reason)
+        else:
+            logger.debug("log_probs_and_entropy: backend=auto skips %r: %s", candidate, reason)
     raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs

@@ -10,6 +10,7 @@ per-row statistics travel: one MAX and one SUM all-reduce per call.
 from __future__ import annotations
 
 import torch
+
 from .problem import LogProbProblem
 from .statistics import combine_row_statistics, scatter_rows
 
@@ -20,11 +21,40 @@ def _row_temperature(temperature: float | torch.Tensor, rows: torch.Tensor) -> f
     return temperature
 
 
-def _tile_logits(hidden: torch.Tensor, weight32: torch.Tensor, rows: torch.Tensor, temperature) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits of the given rows against the valid columns, and the fp32 rows themselves."""
-    h32 = hidden.index_select(0, rows).float()
-    logits = h32 @ weight32.t()
-    return logits.div_(_row_temperature(temperature, rows)), h32
+class _Gemms:
+    """How a tile's products run. bf16/fp16 on CUDA: tensor-core GEMMs that accumulate and
+    return fp32 (`out_dtype`), with d_logits rounded to the input dtype for the two backward
+    products, as the Triton backend and verl's kernel do. Everywhere else (CPU, fp32): fp32
+    operands throughout (an fp32 copy of a low-precision weight shard), exact to fp32 rounding."""
+
+    def __init__(self, weight: torch.Tensor, valid_columns: int):
+        self.mixed = weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+        self.weight = weight[:valid_columns] if self.mixed else weight[:valid_columns].float()
+
+    def rows(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        selected = hidden.index_select(0, rows)
+        return selected if self.mixed else selected.float()
+
+    def logits(self, h: torch.Tensor, temperature) -> torch.Tensor:
+        if self.mixed:
+            logits = torch.mm(h, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = h @ self.weight.t()
+        return logits.div_(temperature)
+
+    def grad_operand(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        return grad_logits.to(self.weight.dtype) if self.mixed else grad_logits
+
+    def grad_hidden(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        if self.mixed:
+            return torch.mm(grad_logits, self.weight, out_dtype=torch.float32)
+        return grad_logits @ self.weight
+
+    def accumulate_grad_weight(self, accumulator: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+        if self.mixed:
+            torch.addmm(accumulator, grad_logits.t(), h, out_dtype=torch.float32, out=accumulator)
+        else:
+            accumulator.addmm_(grad_logits.t(), h)
 
 
 def _local_columns(labels: torch.Tensor, rows: torch.Tensor, vocab_start: int, valid_columns: int):
@@ -33,7 +63,7 @@ def _local_columns(labels: torch.Tensor, rows: torch.Tensor, vocab_start: int, v
     return local.clamp(0, max(valid_columns - 1, 0)), in_shard
 
 
-def _forward_statistics(p: LogProbProblem, weight32: torch.Tensor):
+def _forward_statistics(p: LogProbProblem, gemms: _Gemms):
     """Per scored row: global max, log sum-exp and mean logit (both shifted by the max), label logit."""
     n_active = p.active_rows.numel()
     device = p.hidden.device
@@ -45,7 +75,7 @@ def _forward_statistics(p: LogProbProblem, weight32: torch.Tensor):
         for start in range(0, n_active, p.tile_rows):
             part = slice(start, min(start + p.tile_rows, n_active))
             rows = p.active_rows[part]
-            logits, _ = _tile_logits(p.hidden, weight32, rows, p.temperature)
+            logits = gemms.logits(gemms.rows(p.hidden, rows), _row_temperature(p.temperature, rows))
             column, in_shard = _local_columns(p.labels, rows, p.vocab_start, p.valid_columns)
             picked = logits.gather(1, column.unsqueeze(1)).squeeze(1)
             label_logit[part] = torch.where(in_shard, picked, torch.zeros_like(picked))
@@ -61,18 +91,12 @@ def _forward_statistics(p: LogProbProblem, weight32: torch.Tensor):
     return combine_row_statistics(p, local_max, local_sum, local_shifted_dot, label_logit)
 
 
-def _valid_weight32(p: LogProbProblem) -> torch.Tensor:
-    return p.weight[: p.valid_columns].float()
-
-
 class _TiledLogProbEntropy(torch.autograd.Function):
     """Autograd wrapper: saves inputs plus O(N) statistics, recomputes logits tile by tile in backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, p: LogProbProblem):
-        weight32 = _valid_weight32(p)
-        log_probs, entropy, row_max, log_sum, shifted_mean = _forward_statistics(p, weight32)
-        del weight32
+        log_probs, entropy, row_max, log_sum, shifted_mean = _forward_statistics(p, _Gemms(weight, p.valid_columns))
         temperature = p.temperature if isinstance(p.temperature, torch.Tensor) else None
         ctx.save_for_backward(hidden, weight, p.labels, p.active_rows, row_max, log_sum, shifted_mean, temperature)
         ctx.scalar_temperature = None if temperature is not None else p.temperature
@@ -94,12 +118,13 @@ class _TiledLogProbEntropy(torch.autograd.Function):
         if grad_entropy is None or not calculate_entropy:
             grad_entropy = None
         if valid_columns > 0 and (grad_log_probs is not None or grad_entropy is not None):
-            weight32 = weight[:valid_columns].float()
+            gemms = _Gemms(weight, valid_columns)
             n_active = active_rows.numel()
             for start in range(0, n_active, tile_rows):
                 part = slice(start, min(start + tile_rows, n_active))
                 rows = active_rows[part]
-                logits, h32 = _tile_logits(hidden, weight32, rows, temperature)
+                h = gemms.rows(hidden, rows)
+                logits = gemms.logits(h, _row_temperature(temperature, rows))
                 shifted = logits.sub_(row_max[part].unsqueeze(1))
                 probs = (shifted - log_sum[part].unsqueeze(1)).exp_()
                 # d_z = p * (g_H * (E[z] - z) - g_lp) + g_lp * onehot(y), built in place in `shifted`
@@ -117,11 +142,11 @@ class _TiledLogProbEntropy(torch.autograd.Function):
                 if grad_log_probs is not None:
                     column, in_shard = _local_columns(labels, rows, vocab_start, valid_columns)
                     grad_logits.scatter_add_(1, column.unsqueeze(1), g_log_probs * in_shard.unsqueeze(1).float())
-                grad_logits.div_(_row_temperature(temperature, rows))
+                grad_logits = gemms.grad_operand(grad_logits.div_(_row_temperature(temperature, rows)))
                 if grad_hidden is not None:
-                    grad_hidden.index_copy_(0, rows, (grad_logits @ weight32).to(hidden.dtype))
+                    grad_hidden.index_copy_(0, rows, gemms.grad_hidden(grad_logits).to(hidden.dtype))
                 if grad_weight32 is not None:
-                    grad_weight32.addmm_(grad_logits.t(), h32)
+                    gemms.accumulate_grad_weight(grad_weight32, grad_logits, h)
         grad_weight = None
         if grad_weight32 is not None:
             grad_weight = torch.zeros_like(weight)
@@ -133,6 +158,6 @@ def run(p: LogProbProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy for `p`; differentiable in hidden and weight when they require grad."""
     if not p.needs_grad:
         with torch.no_grad():
-            log_probs, entropy, *_ = _forward_statistics(p, _valid_weight32(p))
+            log_probs, entropy, *_ = _forward_statistics(p, _Gemms(p.weight, p.valid_columns))
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)
     return _TiledLogProbEntropy.apply(p.hidden, p.weight, p)
