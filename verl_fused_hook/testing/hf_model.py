@@ -55,10 +55,14 @@ def build_gpt_from_hf(
     seed: int = 1234,
     dtype: torch.dtype = torch.float32,
     use_transformer_engine: bool | None = None,
+    cpu_initialization: bool = True,
 ) -> GPTModel:
-    """GPTModel for `hf_config` on the current model-parallel state, weights from `seed` (CPU-initialized).
+    """GPTModel for `hf_config` on the current model-parallel state, weights from `seed`.
 
     tied: override the config's tie_word_embeddings (None keeps it).
+    cpu_initialization: True (default) initializes each full weight on the CPU and splits it per rank, so
+        every process and every TP size holds identical weights; False initializes in place on the current
+        device (megatron's default, much faster for large models; identical weights only for one TP size).
     """
     from mbridge import AutoBridge
 
@@ -68,7 +72,7 @@ def build_gpt_from_hf(
     share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)
     bridge.set_extra_args(
-        use_cpu_initialization=True,  # one full weight, split per rank: identical weights in every process
+        use_cpu_initialization=cpu_initialization,  # True: one full weight, split per rank
         sequence_parallel=sequence_parallel and tp_size > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -42,11 +42,13 @@ class PackedDotProductAttention(DotProductAttention):
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end <= start:
                 continue
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+            # [1, heads, len, d]: the fused (flash / memory-efficient) kernels take 4-D inputs only; 3-D ones
+            # silently fall back to the math kernel, which builds the [heads, len, len] scores.
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             if repeat > 1:
-                k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
-            pieces.append(out.transpose(0, 1))
+            pieces.append(out.squeeze(0).transpose(0, 1))
         if bounds[-1] < total:  # tokens past the last boundary (padding) attend to nothing: zeros
             pieces.append(query.new_zeros(total - bounds[-1], query.shape[1], value.shape[2]))
         return torch.cat(pieces).reshape(total, -1)
