@@ -61,7 +61,6 @@ RERUN = "legacy-rerun"
 UNFUSED_RTOL = 1e-4
 # On CUDA the fused side is verl's Triton kernel, whose tl.dot takes fp32 inputs at TF32 precision (Triton's default).
 UNFUSED_RTOL_CUDA = 2e-3
-WORLD_SIZE = 2
 TEMPERATURE = 0.7
 CLIP = 0.2
 ENTROPY_COEF = 0.01
@@ -91,6 +90,12 @@ SCENARIOS = (
     Scenario(2, False, True),
     Scenario(2, True, False),
     Scenario(2, True, True),
+)
+# Run only when asked (--tp 4 or --scenarios): 4 processes a mode, and a model whose KV heads divide by 4
+# (e.g. the shipped configs/tiny_qwen2_kv4).
+TP4_SCENARIOS = (
+    Scenario(4, False, False),
+    Scenario(4, True, True),
 )
 
 
@@ -267,14 +272,15 @@ def mode_worker(rank: int, world_size: int, mode: str, scenarios, hf_path: str, 
     return results
 
 
-def world_size_for(device: str) -> int:
-    """Processes per mode: 2 (TP=2 scenarios need them); on CUDA one per GPU, at most 2."""
-    return min(WORLD_SIZE, torch.cuda.device_count()) if device == "cuda" else WORLD_SIZE
+def world_size_for(device: str, scenarios) -> int:
+    """Processes per mode: the largest TP size asked for; on CUDA one per GPU, at most that many."""
+    needed = max(s.tp for s in scenarios)
+    return min(needed, torch.cuda.device_count()) if device == "cuda" else needed
 
 
 def run_mode(mode: str, scenarios, hf_path: str, backend: str, device: str, seed: int):
     env = {ENV_VAR: MODES[mode]}
-    world_size = world_size_for(device)
+    world_size = world_size_for(device, scenarios)
     if device == "cuda":
         from verl_fused_hook.testing.distributed import free_port
 
@@ -430,7 +436,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: the shipped tiny Qwen2)")
     parser.add_argument("--backend", default=None, help="op backend for both modes (default: verl on CUDA, torch on CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu")
-    parser.add_argument("--tp", type=int, choices=(1, 2), default=None, help="only the scenarios of this TP size")
+    parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook/configs/tiny_qwen2_kv4)")
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
@@ -451,16 +457,19 @@ def main(argv=None) -> int:
     if not hf_path.exists():
         parser.error(f"--hf-config: {hf_path} does not exist; pass a config.json or a folder holding one")
     hf_path = str(hf_path.parent if hf_path.is_file() else hf_path)
-    scenarios = SCENARIOS
+    known = SCENARIOS + TP4_SCENARIOS
+    scenarios = TP4_SCENARIOS if args.tp == 4 else SCENARIOS
     if args.scenarios:
         wanted = set(args.scenarios.split(","))
-        unknown = wanted - {s.name for s in SCENARIOS}
+        unknown = wanted - {s.name for s in known}
         if unknown:
-            parser.error(f"--scenarios: unknown {sorted(unknown)}; allowed: {', '.join(s.name for s in SCENARIOS)}")
-        scenarios = tuple(s for s in SCENARIOS if s.name in wanted)
+            parser.error(f"--scenarios: unknown {sorted(unknown)}; allowed: {', '.join(s.name for s in known)}")
+        scenarios = tuple(s for s in known if s.name in wanted)
     if args.tp is not None:
         scenarios = tuple(s for s in scenarios if s.tp == args.tp)
-    world_size = world_size_for(device)
+    if not scenarios:
+        parser.error("--scenarios/--tp: no scenario left to run")
+    world_size = world_size_for(device, scenarios)
     too_big = [s.name for s in scenarios if s.tp > world_size]
     if too_big and (args.scenarios or args.tp):
         parser.error(f"{', '.join(too_big)}: need {max(s.tp for s in scenarios)} processes, {device} gives {world_size}")

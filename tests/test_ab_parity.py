@@ -120,3 +120,17 @@ def test_compare_reports_the_worst_parameter():
     assert ab.compare(legacy, "s", legacy, "s")["worst_param"] is None
     hook[0]["s"]["grads"] = {"a": torch.zeros(2)}
     assert ab.compare(legacy, "s", hook, "s")["grads"] == float("inf")
+
+
+def test_four_ranks_on_gloo(tmp_path):
+    """TP=4 (four gloo processes a mode) on a model whose 4 KV heads split over the ranks."""
+    path = tmp_path / "ab_tp4.json"
+    config = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2_kv4"
+    done = run_script("--device", "cpu", "--tp", "4", "--hf-config", str(config), "--json", str(path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert {entry["scenario"]["name"] for entry in report["scenarios"]} == {"tp4/nosp/untied", "tp4/sp/tied"}
+    for entry in report["scenarios"]:
+        for tensor in ("log_probs", "entropy", "policy_loss", "grads"):
+            assert entry["max_abs"][tensor] == 0.0, (entry["scenario"]["name"], tensor)
+    assert "(4 processes per mode)" in done.stdout
