@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Fills .whl/ (git-ignored) with the wheels the GPU device machine lacks, for the device tool's `carry`.
+# That machine has torch, triton and transformers but no network; these are what scripts/e2e_bench.py,
+# scripts/ab_parity.py --device cuda, scripts/bench.py's peers and tests/gpu import there.
+# On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
+# PYTHONPATH=/tmp/site:$PWD/scripts/device_stubs:$PWD (the ray stand-in; see scripts/device_stubs/README.md).
+# verl's kernel for bench.py is then at /tmp/site/verl/utils/kernel (--verl-kernel-dir).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+python="${PYTHON:-.venv/bin/python}"
+"$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl \
+    megatron-core==0.19.2 verl==0.9.1 mbridge==0.15.1 omegaconf==2.3.1 hydra-core==1.3.8 tensordict==0.10.0 \
+    codetiming==1.4.0 pyvers==0.1.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 orjson==3.13.0 \
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# antlr4 (hydra's parser runtime) is published as a source distribution only.
+"$python" -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
+ls .whl
