@@ -15,18 +15,24 @@ import torch.distributed as dist
 from .problem import LogProbProblem
 
 
+def rescale_partials(global_max, local_max, local_sum, local_shifted_dot):
+    """A partial's (sum, shifted dot) re-expressed relative to `global_max` (>= its own max); partials
+    without mass (no columns) give 0. Summing the results over partials merges them exactly."""
+    has_mass = local_sum > 0
+    safe_local_max = torch.where(has_mass, local_max, global_max)
+    rescale = torch.where(has_mass, torch.exp(safe_local_max - global_max), torch.zeros_like(local_sum))
+    # sum_j e^(z_j - M) (z_j - M) = rescale * (sum_j e^(z_j - m) (z_j - m) + (m - M) * sum_j e^(z_j - m))
+    return local_sum * rescale, rescale * (local_shifted_dot + (safe_local_max - global_max) * local_sum)
+
+
 def combine_row_statistics(p: LogProbProblem, local_max, local_sum, local_shifted_dot, label_logit):
     """Merge this rank's partial statistics with the other ranks'; return
     (log_probs, entropy or None, max, log sum-exp, shifted mean), all over the scored rows."""
     global_max = local_max.clone()
     if p.tp_world_size > 1:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=p.tp_group)
-    has_mass = local_sum > 0
-    safe_local_max = torch.where(has_mass, local_max, global_max)
-    rescale = torch.where(has_mass, torch.exp(safe_local_max - global_max), torch.zeros_like(local_sum))
-    # sum_j e^(z_j - M) (z_j - M) = rescale * (sum_j e^(z_j - m) (z_j - m) + (m - M) * sum_j e^(z_j - m))
-    shifted_dot = rescale * (local_shifted_dot + (safe_local_max - global_max) * local_sum)
-    sums = torch.stack([local_sum * rescale, shifted_dot, label_logit])
+    scaled_sum, shifted_dot = rescale_partials(global_max, local_max, local_sum, local_shifted_dot)
+    sums = torch.stack([scaled_sum, shifted_dot, label_logit])
     if p.tp_world_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=p.tp_group)
     total, total_dot, label = sums.unbind(0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .problem import LogProbProblem
-from .statistics import combine_row_statistics, scatter_rows
+from .statistics import combine_row_statistics, rescale_partials, scatter_rows
 
 # Extra memory the backward may hold at once (fp32 d_hidden accumulator + d_logits chunk).
 EXTRA_MEMORY_BUDGET = 960 * 1024 * 1024
@@ -117,12 +117,10 @@ def _row_inputs(p: LogProbProblem):
 
 
 def _merge_splits(part_max, part_sum, part_dot, part_label):
-    """Combine [splits, rows] partial statistics into one per row (same algebra as statistics.py)."""
+    """Combine [splits, rows] partial statistics into one per row."""
     row_max = part_max.amax(dim=0)
-    rescale = torch.exp(part_max - row_max)
-    total = (part_sum * rescale).sum(dim=0)
-    dot = (rescale * (part_dot + (part_max - row_max) * part_sum)).sum(dim=0)
-    return row_max, total, dot, part_label.sum(dim=0)
+    total, dot = rescale_partials(row_max, part_max, part_sum, part_dot)
+    return row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0)
 
 
 def _local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp):
