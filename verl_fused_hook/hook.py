@@ -20,27 +20,19 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .ops import BACKEND_CHOICES, log_probs_and_entropy
+from .ops.interface import check_temperature_values
 
 # "verl" runs verl's own Triton kernel exactly as verl's forward does (bit-identical A/B runs).
 PROCESSOR_BACKENDS: tuple[str, ...] = (*BACKEND_CHOICES, "verl")
 
 
 def _check_temperature_field(temperature) -> None:
-    if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point() or temperature.dim() > 2:
-            raise ValueError(
-                "FusedOutputProcessorContext.temperature: a tensor must be floating point and 0-d, [b] or [b, s], "
-                f"got {temperature.dtype} {tuple(temperature.shape)}"
-            )
-        if not bool(torch.isfinite(temperature).all()) or not bool((temperature > 0).all()):
-            raise ValueError("FusedOutputProcessorContext.temperature: every value must be finite and > 0")
-        return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, torch.Tensor) and (not temperature.is_floating_point() or temperature.dim() > 2):
         raise ValueError(
-            f"FusedOutputProcessorContext.temperature: expected a float > 0 or a tensor, got {type(temperature).__name__}"
+            "FusedOutputProcessorContext.temperature: a tensor must be floating point and 0-d, [b] or [b, s], "
+            f"got {temperature.dtype} {tuple(temperature.shape)}"
         )
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"FusedOutputProcessorContext.temperature: must be finite and > 0, got {temperature}")
+    check_temperature_values("FusedOutputProcessorContext.temperature", temperature)
 
 
 @dataclass(frozen=True)

@@ -19,24 +19,30 @@ def _tp_layout(tp_group) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def _check_temperature(temperature, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+def check_temperature_values(field: str, temperature) -> None:
+    """ValueError naming `field` unless `temperature` is a finite number > 0 or a tensor of such values."""
     if isinstance(temperature, torch.Tensor):
-        if temperature.dim() == 0:
-            temperature = float(temperature.item())
-        else:
-            if temperature.shape != labels.shape:
-                raise ValueError(
-                    f"temperature: a tensor must be 0-d or shaped like labels {tuple(labels.shape)}, got {tuple(temperature.shape)}"
-                )
-            flat = temperature.reshape(-1).to(device=device, dtype=torch.float32)
-            if not bool(torch.isfinite(flat).all()) or not bool((flat > 0).all()):
-                raise ValueError("temperature: every per-row value must be finite and > 0")
-            return flat
+        if not bool(torch.isfinite(temperature).all()) or not bool((temperature > 0).all()):
+            raise ValueError(f"{field}: every value must be finite and > 0")
+        return
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature: expected a float > 0 or a tensor shaped like labels, got {type(temperature).__name__}")
+        raise ValueError(f"{field}: expected a float > 0 or a tensor, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature: must be finite and > 0, got {temperature}")
-    return float(temperature)
+        raise ValueError(f"{field}: must be finite and > 0, got {temperature}")
+
+
+def _check_temperature(temperature, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """A float, or an fp32 [N] tensor of per-row temperatures."""
+    check_temperature_values("temperature", temperature)
+    if not isinstance(temperature, torch.Tensor):
+        return float(temperature)
+    if temperature.dim() == 0:
+        return float(temperature.item())
+    if temperature.shape != labels.shape:
+        raise ValueError(
+            f"temperature: a tensor must be 0-d or shaped like labels {tuple(labels.shape)}, got {tuple(temperature.shape)}"
+        )
+    return temperature.reshape(-1).to(device=device, dtype=torch.float32)
 
 
 def log_probs_and_entropy(
