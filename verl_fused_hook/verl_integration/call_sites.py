@@ -15,10 +15,10 @@ import functools
 import importlib
 import logging
 
-from ..probe import require_output_processor_support
+from ..probe import require_output_processor_support, unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, LEGACY, VERL_BACKEND, resolve_plan
 from .engine_forward import make_hook_engine_forward
-from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, inner_model, plan_of, set_plan
+from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import make_patch_postprocess
 from .step_scoring import current_step, make_forward_step, make_resolve_fused_temperature
 
@@ -79,7 +79,7 @@ def _make_patch_fused_forward(verl_patch):
         if plan is None:
             return verl_patch(model)
         if plan.mode == LEGACY:
-            setattr(inner_model(model), VERL_MODE_ATTRIBUTE, "legacy")  # verl then monkey-patches forward
+            setattr(unwrap_to_gpt(model), VERL_MODE_ATTRIBUTE, "legacy")  # verl then monkey-patches forward
             return verl_patch(model)
         gpt = require_output_processor_support(model)
         _check_backend_at_build(plan.backend, gpt)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from ..hook import FusedOutputProcessorContext, fused_output_processor
+from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
-from .model_plan import inner_model, plan_of
+from .model_plan import plan_of
 
 MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -64,7 +65,7 @@ def make_hook_engine_forward(vision_model: bool):
         Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's
         engine forward, or the hidden states on a non-last pipeline stage.
         """
-        gpt = inner_model(model)
+        gpt = unwrap_to_gpt(model)
         backend = plan_of(model).backend
         _check_backend_accepts(backend, temperature, score_rows)
         config = gpt.config

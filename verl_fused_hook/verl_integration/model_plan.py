@@ -18,13 +18,8 @@ PLAN_ATTRIBUTE = "_verl_fused_hook_plan"
 VERL_MODE_ATTRIBUTE = "_verl_fused_forward_mode"  # verl's own record of hook vs legacy (model_forward_fused)
 
 
-def inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel (or whatever sits innermost) under verl/Megatron wrappers."""
-    return unwrap_to_gpt(model)
-
-
 def set_plan(model: torch.nn.Module, plan: FusedForwardPlan | None) -> None:
-    inner = inner_model(model)
+    inner = unwrap_to_gpt(model)
     if plan is None:
         inner.__dict__.pop(PLAN_ATTRIBUTE, None)
     else:
@@ -32,7 +27,7 @@ def set_plan(model: torch.nn.Module, plan: FusedForwardPlan | None) -> None:
 
 
 def plan_of(model: torch.nn.Module) -> FusedForwardPlan | None:
-    return getattr(inner_model(model), PLAN_ATTRIBUTE, None)
+    return getattr(unwrap_to_gpt(model), PLAN_ATTRIBUTE, None)
 
 
 def in_hook_mode(model: torch.nn.Module) -> bool:

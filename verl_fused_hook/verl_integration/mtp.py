@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import functools
 
+from ..probe import unwrap_to_gpt
 from ..switch import ENV_VAR
-from .model_plan import in_hook_mode, inner_model
+from .model_plan import in_hook_mode
 
 
 class HookMtpConflictError(RuntimeError):
@@ -31,7 +32,7 @@ def make_patch_postprocess(original):
     def patch_postprocess(model):
         if not in_hook_mode(model):
             return original(model)
-        gpt = inner_model(model)
+        gpt = unwrap_to_gpt(model)
         if gpt.config.mtp_num_layers:
             raise HookMtpConflictError(
                 f"hook mode cannot run through verl's MTP _postprocess patch on a model with "
