@@ -25,11 +25,12 @@ Per size and mode: median time and peak memory of forward+backward and of the
 no-grad forward (CUDA events / torch.cuda.max_memory_allocated; peak is above
 what was allocated before the step, weights and batch: activations, the
 parameter gradients and the kernel's buffers), after warm-ups. Parity
-is measured on the warm-up step against legacy: log-probs and entropy on the
-rows the loss reads, the loss, and every parameter gradient. verl's Triton
-kernel (and SDPA's fused attention backward) accumulate with atomic adds, so
-two legacy runs of one batch already differ in the gradients; on CUDA the
-script reruns legacy once and reports that floor beside the comparisons.
+is measured on the first warm-up step against legacy: log-probs and entropy on
+the rows the loss reads, the loss, and every parameter gradient. On CUDA that
+step runs bitwise repeatable (`verl_fused_hook.testing.determinism`: SDPA's
+attention backward and megatron's embedding backward otherwise accumulate with
+atomic adds), and legacy runs it twice: the rerun must be identical, so
+hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
 
 Usage: python scripts/e2e_bench.py [--hf-config PATH] [--sizes 16384,32768,65536] [--out DIR]
 """
@@ -37,6 +38,7 @@ Usage: python scripts/e2e_bench.py [--hf-config PATH] [--sizes 16384,32768,65536
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -55,6 +57,8 @@ for path in (ROOT, ROOT / "scripts"):
         sys.path.insert(0, str(path))
 
 from ab_parity import ENV_VAR, TEMPERATURE, grpo_loss, max_abs  # noqa: E402
+
+from verl_fused_hook.testing.determinism import deterministic_steps, prepare_cublas_workspace  # noqa: E402
 
 QWEN_7B_2LAYER = ROOT / "verl_fused_hook" / "configs" / "qwen2_5_7b_2layer"
 SEQUENCES_PER_BATCH = 8
@@ -168,8 +172,6 @@ class Step:
                 raise RuntimeError("score mask: the batch's prompt/response lengths do not describe input_ids")
 
     def _kernel_context(self):
-        import contextlib
-
         if self.device == "cpu" and not self.mode.hook:
             from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
 
@@ -206,6 +208,13 @@ class Step:
 
         rows = response_score_rows(self.data, None).values()
         return values.values()[rows]
+
+
+def parity_sample(step: Step, repeatable) -> dict:
+    """One forward+backward inside `repeatable()` (deterministic on CUDA), as a snapshot."""
+    with repeatable():
+        output, loss = step.train()
+    return snapshot(step, output, loss)
 
 
 def snapshot(step: Step, output, loss) -> dict:
@@ -323,7 +332,7 @@ def markdown_table(report: dict) -> str:
         floor = size.get("legacy_rerun")
         if floor is not None:
             lines.append(
-                f"| {label} | legacy rerun | (noise floor) | | | | | {floor['log_probs']:.3g} | {floor['entropy']:.3g} "
+                f"| {label} | legacy rerun | (repeatability) | | | | | {floor['log_probs']:.3g} | {floor['entropy']:.3g} "
                 f"| {floor['policy_loss']:.3g} | {floor['grads_max_abs']:.3g} ({floor['grads_rel']:.2g}) |"
             )
     return "\n".join(lines)
@@ -350,6 +359,8 @@ def run(args) -> dict:
     install()  # what `import verl` does through the entry point when the package is installed
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
 
+    if device == "cuda":
+        prepare_cublas_workspace()  # before the first GEMM: the parity steps run deterministic
     init_single_process(device, args.seed)
     hf_config = load_hf_config(args.hf_config)
     started = time.time()
@@ -377,6 +388,7 @@ def run(args) -> dict:
         "sizes": [],
     }
     modes = [m for m in MODES if m.name in args.modes]
+    repeatable = functools.partial(deterministic_steps, model) if device == "cuda" else contextlib.nullcontext
     for tokens in args.sizes:
         batch = make_batch(hf_config.vocab_size, tokens, device, args.seed)
         entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
@@ -386,17 +398,13 @@ def run(args) -> dict:
             resolved = enable_mode(model, engines[mode.name], mode)
             step = Step(hf_config, model, engines[mode.name], batch, mode, device, kernels["ours"])
             free_step_memory(model)
-            output, loss = step.train()  # first warm-up: the parity sample
-            sample = snapshot(step, output, loss)
-            del output, loss
+            sample = parity_sample(step, repeatable)  # first warm-up
             row = {"mode": mode.name, "resolved": resolved, "kernel": kernels[mode.kernel], "masked": mode.masked}
             if mode.name == "legacy":
                 reference = sample
                 if device == "cuda":
                     free_step_memory(model)
-                    output, loss = step.train()
-                    entry["legacy_rerun"] = compare(reference, snapshot(step, output, loss))
-                    del output, loss
+                    entry["legacy_rerun"] = compare(reference, parity_sample(step, repeatable))
             elif reference is not None:
                 row["vs_legacy"] = compare(reference, sample)
                 if not mode.masked:

@@ -98,6 +98,7 @@ def _script_module():
     [
         (["--scenarios", "tp3/sp/tied"], "--scenarios: unknown ['tp3/sp/tied']"),
         (["--device", "cpu", "--backend", "verl"], "--backend verl needs CUDA"),
+        (["--device", "cpu", "--backend", "triton"], "--backend triton needs CUDA"),
         (["--device", "cpu", "--backend", "fast"], "--backend 'fast': allowed auto, "),
         (["--hf-config", "/nonexistent/config.json"], "--hf-config: /nonexistent/config.json does not exist"),
     ],
@@ -120,6 +121,39 @@ def test_compare_reports_the_worst_parameter():
     assert ab.compare(legacy, "s", legacy, "s")["worst_param"] is None
     hook[0]["s"]["grads"] = {"a": torch.zeros(2)}
     assert ab.compare(legacy, "s", hook, "s")["grads"] == float("inf")
+
+
+def _synthetic_runs(value_error: float, grad_error: float, rerun_grad_error: float):
+    """Legacy (with a rerun and its unfused reference) and hook results for one scenario, errors as given."""
+    base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
+            "grads": {"w": torch.full((3,), 2.0)}, "mode": None, "peak_bytes": 1}
+    shifted = lambda dv, dg: {**base, "log_probs": base["log_probs"] + dv, "entropy": base["entropy"] + dv,  # noqa: E731
+                              "policy_loss": base["policy_loss"] + dv, "grads": {"w": base["grads"]["w"] + dg}}
+    name = "tp1/nosp/untied"
+    legacy = {name: {**base, "mode": "legacy"}, f"{name}:legacy-rerun": shifted(0.0, rerun_grad_error)}
+    hook = {name: {**shifted(value_error, grad_error), "mode": "hook"}, f"{name}:verl-unfused": base}
+    return {"legacy": [legacy], "hook": [hook]}
+
+
+@pytest.mark.parametrize(
+    "one_kernel, value_error, grad_error, rerun_error, match",
+    [
+        (True, 0.0, 0.0, 0.0, True),
+        (True, 0.0, 1e-6, 0.0, False),  # one kernel: any gradient difference is a mismatch
+        (False, 5e-5, 0.02, 0.0, True),  # two kernels: 5e-5 <= 1e-4 on values, 0.02/2 = 1e-2 <= 2e-2 relative
+        (False, 2e-4, 0.0, 0.0, False),  # values past 1e-4
+        (False, 0.0, 0.1, 0.0, False),  # gradients past 2e-2 relative (0.05)
+        (True, 0.0, 0.0, 1e-6, False),  # a rerun that differs: the run is not repeatable, nothing is proven
+    ],
+)
+def test_evaluate_holds_one_kernel_to_zero_and_two_kernels_to_their_accuracy(
+    one_kernel, value_error, grad_error, rerun_error, match
+):
+    ab = _script_module()
+    runs = _synthetic_runs(value_error, grad_error, rerun_error)
+    entry = ab.evaluate(ab.Scenario(1, False, False), runs, one_kernel=one_kernel, rtol=1.0)
+    assert entry["match"] is match
+    assert ("rel" in entry) is (not one_kernel)
 
 
 def test_four_ranks_on_gloo(tmp_path):
