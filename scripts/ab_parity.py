@@ -9,8 +9,8 @@ and an identical THD batch. Both go through verl's real build step
 then a GRPO-style clipped policy loss over the response rows verl reads
 (`no_padding_2_padding`) and its backward. Compared: log-probs and entropy on
 every row, the loss, and every parameter gradient on every rank; max_abs must
-be exactly 0 because both modes use one kernel: verl's Triton kernel on CUDA,
-the portable op on the CPU (the legacy forward's kernel is swapped for it).
+be exactly 0 when both modes use one kernel (the default): verl's Triton kernel
+on CUDA, the portable op on the CPU (the legacy forward's kernel is swapped for it).
 
 One gap is expected and reported, not failed: with TP>1 and sequence
 parallelism off, verl's legacy forward never sums the hidden-state gradient
@@ -21,11 +21,11 @@ against ground truth: every scenario also runs verl's unfused engine forward
 (full logits, vocab-parallel log-softmax); the hook must agree with it within
 a relative 1e-4 everywhere, the legacy gradients visibly do not there.
 
-On CUDA (one process per GPU, at most 2; with one GPU only the TP=1 scenarios run) every run is made
+On CUDA (one process per GPU; with one GPU only the TP=1 scenarios run) every run is made
 bitwise repeatable (`verl_fused_hook.testing.determinism`: deterministic attention backward and embedding
 backward); legacy runs each scenario twice and that rerun must match exactly, so a zero below means
 something. There the fused side takes fp32 inputs at TF32 in Triton's dot, so the unfused tolerance is 2e-3
-(2e-2 for bf16 models).
+(5e-2 for bf16 models, whose unfused logits are rounded to bf16).
 
 `--backend triton` (CUDA, bf16) puts this package's kernel on the hook side while legacy keeps verl's: two
 kernels, so hook vs legacy is held to the kernels' accuracy instead of 0 (log-probs, entropy and loss within
@@ -68,8 +68,10 @@ RERUN = "legacy-rerun"
 UNFUSED_RTOL = 1e-4
 # On CUDA the fused side is verl's Triton kernel, whose tl.dot takes fp32 inputs at TF32 precision (Triton's default).
 UNFUSED_RTOL_CUDA = 2e-3
-# bf16 models: verl's unfused forward rounds the logits to bf16 before its fp32 log-softmax.
-UNFUSED_RTOL_BF16 = 2e-2
+# bf16 models: verl's unfused forward rounds the logits (and the gradient it feeds back) to bf16, the fused
+# kernels do not; on the Qwen2.5-7B-shaped model the worst parameter (the final norm's weight, tied output)
+# moves by 2.4e-2 of its largest gradient, for legacy and hook alike. A sanity bound: fp32 runs check tightly.
+UNFUSED_RTOL_BF16 = 5e-2
 # Hook with another kernel than legacy's: each kernel is within 3e-5 of fp64 on log-probs and entropy
 # (docs/benchmarks.md); bf16 gradients carry the bf16 rounding of d_hidden through the layers.
 TWO_KERNEL_VALUE_TOL = 1e-4
@@ -535,7 +537,7 @@ def main(argv=None) -> int:
     if too_big and (args.scenarios or args.tp):
         parser.error(f"{', '.join(too_big)}: need {max(s.tp for s in scenarios)} processes, {device} gives {world_size}")
     if too_big:
-        print(f"skipped (one GPU here; they need TP=2): {', '.join(too_big)}", flush=True)
+        print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed)
