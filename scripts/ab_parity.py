@@ -213,18 +213,10 @@ def _prepared(scenario: Scenario, mode: str, setup: Setup):
 
 
 def _fused_forward(hf_config, model, engine, input_ids):
-    """verl's fused engine forward, looked up as verl's forward_step looks it up."""
-    import verl.models.mcore as mcore
+    """verl's fused engine forward (this process's mode)."""
+    from verl_fused_hook.testing.verl_engine import fused_engine_forward
 
-    return mcore.get_mcore_forward_fused_model_engine_fn(hf_config)(
-        model=model,
-        input_ids=input_ids,
-        labels=input_ids.clone(),
-        multi_modal_inputs={},
-        temperature=TEMPERATURE,
-        calculate_entropy=True,
-        pad_token_id=engine.model_config.tokenizer.pad_token_id,
-    )
+    return fused_engine_forward(engine, model, input_ids, TEMPERATURE)
 
 
 def _unfused_forward(hf_config, model, engine, input_ids):
@@ -511,11 +503,11 @@ def main(argv=None) -> int:
     backend = args.backend or ("verl" if device == "cuda" else "torch")
     if backend not in allowed_backends():
         parser.error(f"--backend {backend!r}: allowed {', '.join(allowed_backends())}")
-    if device == "cpu" and backend in ("verl", "triton"):
-        parser.error(f"--backend {backend} needs CUDA (a Triton kernel); on the CPU use torch")
     dtype = args.dtype or ("bf16" if backend == "triton" else "fp32")
     if backend == "triton" and dtype != "bf16":
         parser.error("--backend triton takes bf16 hidden states and weights: use --dtype bf16")
+    if device == "cpu" and backend in ("verl", "triton"):
+        parser.error(f"--backend {backend} needs CUDA (a Triton kernel); on the CPU use torch")
     hf_path = Path(args.hf_config) if args.hf_config else TINY_QWEN2
     if not hf_path.exists():
         parser.error(f"--hf-config: {hf_path} does not exist; pass a config.json or a folder holding one")

@@ -159,8 +159,8 @@ def enable_mode(model, engine, mode: Mode) -> str:
 class Step:
     """Forward (+ loss and backward) of one micro-batch in one mode."""
 
-    def __init__(self, hf_config, model, engine, batch, mode: Mode, device: str, cpu_kernel: str):
-        self.hf_config, self.model, self.engine, self.mode, self.device = hf_config, model, engine, mode, device
+    def __init__(self, model, engine, batch, mode: Mode, device: str, cpu_kernel: str):
+        self.model, self.engine, self.mode, self.device = model, engine, mode, device
         self.input_ids, self.data, self.advantages, self.old_offset, _ = batch
         self.cpu_kernel = cpu_kernel
         self.score_rows = None
@@ -179,20 +179,11 @@ class Step:
         return contextlib.nullcontext()
 
     def forward(self):
-        import verl.models.mcore as mcore
+        from verl_fused_hook.testing.verl_engine import fused_engine_forward
 
         kwargs = {} if self.score_rows is None else {"score_rows": self.score_rows}
         with self._kernel_context():
-            return mcore.get_mcore_forward_fused_model_engine_fn(self.hf_config)(
-                model=self.model,
-                input_ids=self.input_ids,
-                labels=self.input_ids.clone(),
-                multi_modal_inputs={},
-                temperature=TEMPERATURE,
-                calculate_entropy=True,
-                pad_token_id=self.engine.model_config.tokenizer.pad_token_id,
-                **kwargs,
-            )
+            return fused_engine_forward(self.engine, self.model, self.input_ids, TEMPERATURE, **kwargs)
 
     def train(self):
         """Forward, loss, backward; gradients are written into .grad (callers free them between steps)."""
@@ -396,7 +387,7 @@ def run(args) -> dict:
         reference = None
         for mode in modes:
             resolved = enable_mode(model, engines[mode.name], mode)
-            step = Step(hf_config, model, engines[mode.name], batch, mode, device, kernels["ours"])
+            step = Step(model, engines[mode.name], batch, mode, device, kernels["ours"])
             free_step_memory(model)
             sample = parity_sample(step, repeatable)  # first warm-up
             row = {"mode": mode.name, "resolved": resolved, "kernel": kernels[mode.kernel], "masked": mode.masked}

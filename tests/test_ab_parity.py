@@ -99,6 +99,7 @@ def _script_module():
         (["--scenarios", "tp3/sp/tied"], "--scenarios: unknown ['tp3/sp/tied']"),
         (["--device", "cpu", "--backend", "verl"], "--backend verl needs CUDA"),
         (["--device", "cpu", "--backend", "triton"], "--backend triton needs CUDA"),
+        (["--device", "cpu", "--backend", "triton", "--dtype", "fp32"], "--backend triton takes bf16"),
         (["--device", "cpu", "--backend", "fast"], "--backend 'fast': allowed auto, "),
         (["--hf-config", "/nonexistent/config.json"], "--hf-config: /nonexistent/config.json does not exist"),
     ],

@@ -25,7 +25,7 @@ from verl_fused_hook.probe import OutputProcessorUnsupportedError
 from verl_fused_hook.switch import ENV_VAR
 from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
 from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from verl_fused_hook.testing.verl_engine import megatron_engine
+from verl_fused_hook.testing.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 from verl_fused_hook.verl_integration.mtp import HookMtpConflictError
 
@@ -99,18 +99,7 @@ def rl_batch(temperature):
 
 
 def engine_forward(engine, model, batch, temperature=0.7):
-    """verl's engine forward (as forward_step looks it up), called with forward_step's arguments."""
-    forward = mcore.get_mcore_forward_fused_model_engine_fn(engine.model_config.hf_config)
-    input_ids = batch["input_ids"]
-    return forward(
-        model=model,
-        input_ids=input_ids,
-        labels=input_ids.clone(),
-        multi_modal_inputs={},
-        temperature=temperature,
-        calculate_entropy=True,
-        pad_token_id=0,
-    )
+    return fused_engine_forward(engine, model, batch["input_ids"], temperature)
 
 
 def forward_step(engine, model, batch, loss_function=None):

@@ -57,3 +57,21 @@ def megatron_engine(
     engine.tf_config = models[0].config
     engine.module = list(models)
     return engine
+
+
+def fused_engine_forward(engine, model, input_ids, temperature, **extra):
+    """verl's fused engine forward, looked up as verl's forward_step looks it up (so the plugin's reroute
+    applies) and called with forward_step's arguments: labels are the input ids, which verl rolls."""
+    import verl.models.mcore as mcore
+
+    forward = mcore.get_mcore_forward_fused_model_engine_fn(engine.model_config.hf_config)
+    return forward(
+        model=model,
+        input_ids=input_ids,
+        labels=input_ids.clone(),
+        multi_modal_inputs={},
+        temperature=temperature,
+        calculate_entropy=True,
+        pad_token_id=engine.model_config.tokenizer.pad_token_id,
+        **extra,
+    )
