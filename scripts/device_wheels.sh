@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored) with the wheels the GPU device machine lacks, for the device tool's `carry`.
-# That machine has torch, triton and transformers but no network; these are what scripts/e2e_bench.py,
-# scripts/ab_parity.py --device cuda, scripts/bench.py's peers and tests/gpu import there.
+# That machine has torch, triton and transformers but no network; these are what verl-fused-hook e2e-bench,
+# ab-parity --device cuda, bench's peers and tests/gpu import there.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
 # PYTHONPATH=/tmp/site:$PWD/scripts/device_stubs:$PWD (the ray stand-in; see scripts/device_stubs/README.md).
 # verl's kernel for bench.py is then at /tmp/site/verl/utils/kernel (--verl-kernel-dir).

@@ -1,8 +1,7 @@
-"""The A/B parity script, run as users run it: legacy (VERL_FUSED_USE_OP_HOOK=0) vs hook (=1), TP=1 and TP=2 on gloo."""
+"""The A/B parity command (`verl-fused-hook ab-parity`), run as users run it: legacy (VERL_FUSED_USE_OP_HOOK=0) vs hook (=1), TP=1 and TP=2 on gloo."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "ab_parity.py"
+COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 ALL_SCENARIOS = {
     "tp1/nosp/untied",
@@ -26,7 +25,7 @@ ALL_SCENARIOS = {
 
 
 def run_script(*args, timeout=900):
-    command = [sys.executable, str(SCRIPT), *args]
+    command = [*COMMAND, *args]
     return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -85,12 +84,9 @@ def test_peak_memory_is_reported_per_mode(cpu_report):
 
 
 def _script_module():
-    if "ab_parity" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ab_parity", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ab_parity"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["ab_parity"]
+    from verl_fused_hook.tools import ab_parity
+
+    return ab_parity
 
 
 @pytest.mark.parametrize(

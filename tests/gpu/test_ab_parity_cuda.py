@@ -1,4 +1,4 @@
-"""scripts/ab_parity.py on CUDA (skipped without CUDA), run as users run it, TP=1 on the shipped tiny Qwen2.
+"""`verl-fused-hook ab-parity` on CUDA (skipped without CUDA), run as users run it, TP=1 on the shipped tiny Qwen2.
 
 - backend verl (legacy's own kernel on the hook side): max_abs = 0 on log-probs, entropy, loss and every
   gradient, and the legacy rerun identical (the run is deterministic, so the zero means something);
@@ -22,13 +22,13 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "ab_parity.py"
+COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity"]
 PARITY_KEYS = ("log_probs", "entropy", "policy_loss", "grads")
 
 
 def _run(tmp_path, *extra):
     out = tmp_path / "ab.json"
-    command = [sys.executable, str(SCRIPT), "--device", "cuda", "--tp", "1", "--json", str(out), *extra]
+    command = [*COMMAND, "--device", "cuda", "--tp", "1", "--json", str(out), *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -1,6 +1,6 @@
 """verl's engine forward+backward end to end on CUDA, legacy vs hook, at one small shape (skipped without CUDA).
 
-Runs scripts/e2e_bench.py as users run it (its own process: NCCL, megatron
+Runs `verl-fused-hook e2e-bench` as users run it (its own process: NCCL, megatron
 parallel state) on the shipped tiny Qwen2 config in bf16, 2048 tokens in 8
 packed sequences, every mode once, and checks its JSON:
 - the parity step is bitwise repeatable: a second legacy run is identical;
@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "e2e_bench.py"
+COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "e2e-bench"]
 TINY = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2"
 VALUE_TOL = 1e-4  # two kernels, each within 3e-5 of fp64 (docs/benchmarks.md), on identical hidden states
 GRAD_REL = 2e-2  # bf16 gradients, worst parameter, relative to its largest magnitude
@@ -37,7 +37,7 @@ GRAD_REL = 2e-2  # bf16 gradients, worst parameter, relative to its largest magn
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    command = [sys.executable, str(SCRIPT), "--device", "cuda", "--hf-config", str(TINY), "--sizes", "2048",
+    command = [*COMMAND, "--device", "cuda", "--hf-config", str(TINY), "--sizes", "2048",
                "--warmups", "1", "--repeats", "1", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A/B parity: verl's legacy fused forward (VERL_FUSED_USE_OP_HOOK=0) against the output_processor hook (=1).
 
 Each mode runs in its own processes (gloo on the CPU, NCCL on GPUs) on identical
@@ -31,7 +30,7 @@ something. There the fused side takes fp32 inputs at TF32 in Triton's dot, so th
 kernels, so hook vs legacy is held to the kernels' accuracy instead of 0 (log-probs, entropy and loss within
 1e-4, every gradient within 2e-2 of its largest magnitude).
 
-Usage: python scripts/ab_parity.py [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
+Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
                                   [--dtype fp32|bf16] [--json PATH|-]
 Exit status: 0 when hook and legacy match (exactly with one kernel on both sides, within the kernels'
 accuracy with two) and the hook matches the unfused forward, 1 otherwise.
@@ -51,12 +50,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from verl_fused_hook.testing.distributed import run_on_gloo  # noqa: E402
-from verl_fused_hook.testing.memory import PeakMemory  # noqa: E402
+from ..testing.distributed import run_on_gloo
+from ..testing.memory import PeakMemory
 
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 MODES = {"legacy": "0", "hook": "1"}

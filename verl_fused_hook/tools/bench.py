@@ -12,8 +12,8 @@ logits), verl (verl's Triton kernel, loaded from its file without `import verl`)
 liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes).
 
-    python scripts/bench.py --out docs/bench
-    python scripts/bench.py --shapes 8192,4096,151936 --methods triton,floor
+    verl-fused-hook bench --out docs/bench
+    verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from verl_fused_hook.ops import log_probs_and_entropy  # noqa: E402
+from ..ops import log_probs_and_entropy
 
 DEFAULT_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
 ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce")
@@ -395,7 +394,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="N,H,V;N,H,V;... (default: the issue's four)")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
@@ -405,7 +404,7 @@ def main() -> None:
     parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
     parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
     parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")
     names = [m for m in args.methods.split(",") if m]

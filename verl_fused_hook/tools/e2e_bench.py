@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """End to end: what VERL_FUSED_USE_OP_HOOK does to one training micro-batch's memory and time, through verl's engine.
 
 One process, one device, TP=1. A GPTModel is built from a Hugging Face config
@@ -19,7 +18,7 @@ its backward. Modes:
 On CUDA verl's kernel is verl's Triton kernel and ours is the `triton`
 backend. On the CPU (to validate the flow; timings there mean nothing) neither
 Triton kernel can run: the legacy forward's kernel is swapped for the portable
-op and both kernels are the `torch` backend, as in scripts/ab_parity.py.
+op and both kernels are the `torch` backend, as in the A/B script (tools/ab_parity.py).
 
 Per size and mode: median time and peak memory of forward+backward and of the
 no-grad forward (CUDA events / torch.cuda.max_memory_allocated; peak is above
@@ -32,7 +31,7 @@ attention backward and megatron's embedding backward otherwise accumulate with
 atomic adds), and legacy runs it twice: the rerun must be identical, so
 hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
 
-Usage: python scripts/e2e_bench.py [--hf-config PATH] [--sizes 16384,32768,65536] [--out DIR]
+Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,16 +50,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "scripts"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+from ..testing.determinism import deterministic_steps, prepare_cublas_workspace
+from .ab_parity import ENV_VAR, TEMPERATURE, grpo_loss, max_abs
 
-from ab_parity import ENV_VAR, TEMPERATURE, grpo_loss, max_abs  # noqa: E402
-
-from verl_fused_hook.testing.determinism import deterministic_steps, prepare_cublas_workspace  # noqa: E402
-
-QWEN_7B_2LAYER = ROOT / "verl_fused_hook" / "configs" / "qwen2_5_7b_2layer"
+QWEN_7B_2LAYER = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_7b_2layer"
 SEQUENCES_PER_BATCH = 8
 
 
