@@ -218,3 +218,83 @@ def test_tensor_parallel_two_ranks_on_one_gpu():
     assert _rel(d_hidden, ref[2].cpu()) <= GRAD_TOL
     assert _rel(d_weight, ref[3].cpu()) <= GRAD_TOL
     assert bool((d_weight[vocab_size:] == 0).all())
+
+
+@pytest.fixture
+def small_backward_budgets(monkeypatch):
+    """Budgets small enough that a few hundred rows take several row tiles and vocabulary chunks: the
+    long-context tiling, checked against fp64 at a size the reference can afford."""
+    from verl_fused_hook.ops import triton_backend
+
+    monkeypatch.setattr(triton_backend, "CHUNK_COLUMNS", 1024)
+    monkeypatch.setattr(triton_backend, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
+    tiling = triton_backend.backward_tiling(700, 512, 5003, 128, 128)
+    assert len(tiling.tiles(700)) == 6 and tiling.columns == 1024
+
+
+def test_row_tiled_backward_matches_fp64(small_backward_budgets):
+    hidden, weight, g = _inputs(700, 512, 5003, seed=37)
+    labels = torch.randint(0, 5003, (700,), device="cuda", generator=g)
+    score_mask = torch.rand(700, device="cuda", generator=g) > 0.2
+    temperature = torch.rand(700, device="cuda", generator=g) + 0.5
+    _check(hidden, weight, labels, temperature=temperature, score_mask=score_mask)
+
+
+def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size):
+    from verl_fused_hook.ops import triton_backend
+
+    triton_backend.CHUNK_COLUMNS = 1024
+    triton_backend.TILE_MEMORY_BUDGET = 1
+    return _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size)
+
+
+def test_row_tiled_backward_tensor_parallel():
+    n, h, v, vocab_size = 600, 256, 2 * 3000, 5990
+    hidden, weight, g = _inputs(n, h, v, seed=41)
+    labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    results = run_on_gloo(
+        _tiled_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size
+    )
+    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
+    for lp, ent, *_ in results:
+        assert max_abs(lp, ref[0].cpu()) <= VALUE_TOL
+        assert max_abs(ent, ref[1].cpu()) <= VALUE_TOL
+    assert _rel(sum(r[2] for r in results), ref[2].cpu()) <= GRAD_TOL
+    assert _rel(torch.cat([r[3] for r in results]), ref[3].cpu()) <= GRAD_TOL
+
+
+def test_long_context_against_fp64_rows_and_row_chunks():
+    """N*H far past where the old backward narrowed its chunks (131072 x 4096, V=248320). A full fp64
+    reference does not fit, so: sampled rows' log-probs, entropy and d_hidden against fp64 (a row's values
+    depend on that row alone), and d_weight against the fp64 sum of the op's d_weight over row chunks small
+    enough to take one tile each (the short-context path the other tests hold to fp64)."""
+    from verl_fused_hook.ops import triton_backend
+
+    n, h, v = 131072, 4096, 248320
+    assert len(triton_backend.backward_tiling(n, h, v, 128, 128).tiles(n)) > 1
+    hidden, weight, g = _inputs(n, h, v, seed=43)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    hd, wd = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = log_probs_and_entropy(hd, wd, labels, temperature=0.7, backend="triton")
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+
+    rows = torch.randperm(n, device="cuda", generator=g)[:128]
+    ref = reference_log_probs_entropy(hidden[rows], weight, labels[rows], temperature=0.7, grad_outputs=(g_lp[rows], g_ent[rows]))
+    assert max_abs(lp[rows], ref[0]) <= VALUE_TOL
+    assert max_abs(ent[rows], ref[1]) <= VALUE_TOL
+    assert _rel(hd.grad[rows], ref[2]) <= GRAD_TOL
+    del ref
+
+    pieces = torch.zeros(v, h, dtype=torch.float64, device="cuda")
+    chunk = 16384
+    assert len(triton_backend.backward_tiling(chunk, h, v, 128, 128).tiles(chunk)) == 1
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        w = weight.clone().requires_grad_()
+        lp_c, ent_c = log_probs_and_entropy(hidden[part], w, labels[part], temperature=0.7, backend="triton")
+        ((lp_c * g_lp[part]).sum() + (ent_c * g_ent[part]).sum()).backward()
+        pieces += w.grad.double()
+        del w
+    assert _rel(wd.grad, pieces) <= GRAD_TOL

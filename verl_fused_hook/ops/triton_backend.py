@@ -4,11 +4,13 @@ and the backward recomputes them one vocabulary chunk at a time.
 Forward: one kernel reduces each scored row's logits, tile by tile, to softmax
 statistics; the vocabulary is split across programs when rows are few, and the
 splits are merged here with the same shifted formulas as statistics.py.
-Backward: per vocabulary chunk, a kernel recomputes the logits and writes
-d_logits (bf16); two cuBLAS GEMMs then give that chunk's complete d_weight rows
-and add its share of d_hidden into an fp32 accumulator. The chunk is sized so
-the extra memory stays under EXTRA_MEMORY_BUDGET. No float atomics anywhere, so
-two runs give the same bits.
+Backward: per vocabulary chunk and tile of rows, a kernel recomputes the logits and writes
+d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32
+accumulator and of the chunk's d_weight rows. Chunk width and tile height come from fixed
+budgets, not from the token count, so the time per row does not change with N. The fp32
+d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that grows
+with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once. No
+float atomics anywhere, so two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import torch
 from .problem import LogProbProblem
 from .statistics import combine_row_statistics, rescale_partials, scatter_rows
 
-# Extra memory the backward may hold at once (fp32 d_hidden accumulator + d_logits chunk).
-EXTRA_MEMORY_BUDGET = 960 * 1024 * 1024
-# Wider d_logits chunks cut the fp32 accumulator's traffic (read+write once per chunk) but
-# cost 2 bytes per row and column; 4608 columns keep the extra memory near 4H + 9 KiB per row.
-MAX_CHUNK_COLUMNS = 4608
+# Working memory of the backward beside the fp32 d_hidden accumulator: the bf16 d_logits tile and, when the
+# rows need more than one tile, the fp32 accumulator of the chunk's d_weight rows.
+TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
+# Vocabulary columns per backward chunk. The fp32 d_hidden accumulator is read and written once per chunk:
+# 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
+# what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
+CHUNK_COLUMNS = 8192
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
 # Programs running together should share few row blocks (kept in L2) and stream a few vocabulary
@@ -159,13 +163,28 @@ def _forward(p: LogProbProblem):
     return log_probs, entropy, row_max, log_sum, shifted_mean, (hidden, weight, label_col, inv_temp)
 
 
-def chunk_columns(rows: int, hidden_size: int, valid_columns: int, block_n: int) -> int:
-    """Vocabulary columns per backward chunk: the widest multiple of block_n up to
-    MAX_CHUNK_COLUMNS whose bf16 d_logits fit beside the fp32 d_hidden accumulator
-    inside EXTRA_MEMORY_BUDGET."""
-    left = max(EXTRA_MEMORY_BUDGET - 4 * rows * hidden_size, 0)
-    width = min(left // (2 * max(rows, 1)), MAX_CHUNK_COLUMNS) // block_n * block_n
-    return max(block_n, min(width, -(-valid_columns // block_n) * block_n))
+@dataclass(frozen=True)
+class BackwardTiling:
+    """How the backward walks [rows x vocabulary]: `columns` per chunk, `rows` per d_logits tile."""
+
+    columns: int
+    rows: int
+
+    def tiles(self, total_rows: int) -> list[tuple[int, int]]:
+        return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
+
+
+def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int) -> BackwardTiling:
+    """Chunks of CHUNK_COLUMNS (fewer when the shard is narrower); all rows in one d_logits tile when it fits
+    TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit it beside the chunk's fp32 d_weight
+    accumulator. Neither depends on anything but budgets and shapes, so the work per row is the same at every N."""
+    columns = min(CHUNK_COLUMNS, -(-valid_columns // block_n) * block_n)
+    rows = max(rows, 1)
+    if 2 * rows * columns <= TILE_MEMORY_BUDGET:
+        return BackwardTiling(columns, rows)
+    fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
+    balanced = -(-rows // -(-rows // fit))  # as many rows in every tile as the tile count allows
+    return BackwardTiling(columns, -(-balanced // block_m) * block_m)
 
 
 def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d_weight):
@@ -175,26 +194,39 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
     hidden, weight, label_col, inv_temp, row_max, log_sum, shifted_mean = saved
     n, h = hidden.shape
     c = GRAD_CONFIG
-    width = chunk_columns(n, h, valid_columns, c.block_n)
-    dz_buffer = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
+    tiling = backward_tiling(n, h, valid_columns, c.block_m, c.block_n)
+    tiles = tiling.tiles(n)
+    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
-    h_desc = _descriptor(hidden, [c.block_m, c.block_k])
+    # Several row tiles add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
+    dw_chunk = None
+    if d_weight is not None and len(tiles) > 1:
+        dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
-    row_blocks = -(-n // c.block_m)
-    for start in range(0, valid_columns, width):
-        cols = min(width, valid_columns - start)
-        dz = dz_buffer[:, :cols]
-        kernels.grad_logits_kernel[(row_blocks * -(-cols // c.block_n),)](
-            h_desc, w_desc, _descriptor(dz, [c.block_m, c.block_n]),
-            label_col, inv_temp, row_max, log_sum, shifted_mean, grad_lp, grad_ent,
-            n, h, start, cols,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-        if d_hidden is not None:
-            torch.addmm(d_hidden, dz, weight[start : start + cols], out_dtype=torch.float32, out=d_hidden)
-        if d_weight is not None:
-            torch.mm(dz.t(), hidden, out=d_weight[start : start + cols])
+    row_args = (label_col, inv_temp, row_max, log_sum, shifted_mean, grad_lp, grad_ent)
+    for start in range(0, valid_columns, tiling.columns):
+        cols = min(tiling.columns, valid_columns - start)
+        w_chunk = weight[start : start + cols]
+        for index, (first, count) in enumerate(tiles):
+            rows = slice(first, first + count)
+            dz = dz_buffer[:count, :cols]
+            kernels.grad_logits_kernel[(-(-count // c.block_m) * -(-cols // c.block_n),)](
+                _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
+                *(t[rows] for t in row_args),
+                count, h, start, cols,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+            if d_hidden is not None:
+                torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
+            if dw_chunk is None:
+                if d_weight is not None:
+                    torch.mm(dz.t(), hidden[rows], out=d_weight[start : start + cols])
+            else:  # beta=0 on the first tile: the buffer's old contents are ignored, NaN included
+                accumulate = dw_chunk[:cols]
+                torch.addmm(accumulate, dz.t(), hidden[rows], beta=min(index, 1), out_dtype=torch.float32, out=accumulate)
+        if dw_chunk is not None:
+            d_weight[start : start + cols].copy_(dw_chunk[:cols])
     return d_hidden
 
 

@@ -31,9 +31,17 @@ import torch
 
 from ..ops import log_probs_and_entropy
 
-DEFAULT_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
-ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce")
 GIB = 1024**3
+STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
+# Long context, where a backward whose chunking depends on N shows a cliff (issue 16's table).
+LONG_SHAPES = "32768,4096,248320;65536,4096,248320;131072,4096,248320;131072,4096,151936;131072,2048,151936"
+DEFAULT_SHAPES = f"{STANDARD_SHAPES};{LONG_SHAPES}"
+# The scaling sweep (--sweep): every N at each (H, V), ours and the floor only.
+SWEEP_TOKENS = (4096, 16384, 65536, 131072, 262144)
+SWEEP_WIDTHS = ((2048, 151936), (4096, 248320), (5120, 248320))
+# The floor's GEMMs run on row chunks whose [rows, V] bf16 upstream gradient stays under this size.
+FLOOR_CHUNK_BYTES = 8 * GIB
+ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce")
 
 
 # ---------------------------------------------------------------- methods
@@ -189,18 +197,34 @@ def _fwd_bwd(fn, hidden, weight, labels, temperature, g_lp, g_ent, score_mask=No
     return torch.autograd.grad(outputs, (h, w), grads)
 
 
-def floor_ms(hidden, weight, warmup, repeats) -> dict:
-    """cuBLAS times of the forward GEMM (also the recompute), dX and dW of these shapes."""
-    n, v = hidden.shape[0], weight.shape[0]
-    logits = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
-    d_hidden = torch.empty_like(hidden)
+def _floor_chunk_ms(hidden, weight, rows, warmup, repeats) -> dict:
+    """cuBLAS times of the forward GEMM (also the recompute), dX and dW of `rows` rows."""
+    v = weight.shape[0]
+    h_rows = hidden[:rows]
+    logits = torch.empty(rows, v, dtype=hidden.dtype, device=hidden.device)
+    d_hidden = torch.empty_like(h_rows)
     d_weight = torch.empty_like(weight)
-    fwd = time_ms(lambda: torch.mm(hidden, weight.t(), out=logits), warmup, repeats)
+    fwd = time_ms(lambda: torch.mm(h_rows, weight.t(), out=logits), warmup, repeats)
     logits.normal_()
     dx = time_ms(lambda: torch.mm(logits, weight, out=d_hidden), warmup, repeats)
-    dw = time_ms(lambda: torch.mm(logits.t(), hidden, out=d_weight), warmup, repeats)
-    del logits
-    return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw, "fwd_bwd_ms": 2 * fwd + dx + dw}
+    dw = time_ms(lambda: torch.mm(logits.t(), h_rows, out=d_weight), warmup, repeats)
+    return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw}
+
+
+def floor_ms(hidden, weight, warmup, repeats) -> dict:
+    """cuBLAS floor of these shapes: one GEMM forward, 4 GEMMs forward+backward with recompute. Past
+    FLOOR_CHUNK_BYTES of [N, V] logits the GEMMs are timed on row chunks and summed (the same FLOPs; a
+    single-shot floor would need the whole [N, V] gradient in memory)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    rows = max(1, min(n, FLOOR_CHUNK_BYTES // (hidden.element_size() * v)))
+    full, rest = divmod(n, rows)
+    chunk = _floor_chunk_ms(hidden, weight, rows, warmup, repeats)
+    total = {key: full * value for key, value in chunk.items()}
+    if rest:
+        for key, value in _floor_chunk_ms(hidden, weight, rest, warmup, repeats).items():
+            total[key] += value
+    torch.cuda.empty_cache()
+    return {**total, "fwd_bwd_ms": 2 * total["gemm_ms"] + total["dx_ms"] + total["dw_ms"], "chunk_rows": rows}
 
 
 def extra_memory_gib(fn, hidden, weight, labels, temperature, g_lp, g_ent) -> float:
@@ -237,6 +261,10 @@ def bench_shape(n, h, v, methods, args) -> dict:
         result = {}
         result["fwd_bwd_ms"] = _guard(label, lambda: time_ms(
             lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent), args.warmup, args.repeats))
+        if args.quick:
+            row[name] = result
+            print(f"# {label} {result}", flush=True)
+            continue
         if isinstance(result["fwd_bwd_ms"], float):
             result["extra_gib"] = _guard(label, lambda: extra_memory_gib(fn, hidden, weight, labels, t, g_lp, g_ent))
 
@@ -253,7 +281,7 @@ def bench_shape(n, h, v, methods, args) -> dict:
         print(f"# {label} {result}", flush=True)
     if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after
         floor_after = floor_ms(hidden, weight, args.warmup, args.repeats)
-        row["floor"] = {key: (floor_before[key] + floor_after[key]) / 2 for key in floor_before}
+        row["floor"] = {key: (floor_before[key] + floor_after[key]) / 2 for key in floor_before if key.endswith("_ms")}
         row["floor_runs"] = [floor_before, floor_after]
         print(f"# {n},{h},{v} floor before {floor_before} after {floor_after}", flush=True)
     return row
@@ -357,28 +385,40 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Time and extra memory against N, one line per method, each method one color in both panels."""
+    """Left: forward+backward time over the 4-GEMM floor against N, one line per method and (H, V): a backward
+    whose speed depends on N shows as a line leaving 1. Right: extra memory against N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (ratio_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5))
     shapes = results["shapes"]
+    names = [m for m in results["methods"] if m != "floor"]
+    widths = sorted({(row["H"], row["V"]) for row in shapes})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, name in enumerate(results["methods"]):
-        for axis, field in ((time_axis, "fwd_bwd_ms"), (memory_axis, "extra_gib")):
-            points = sorted((row["N"], row.get(name, {}).get(field)) for row in shapes)
-            points = [(n, value) for n, value in points if isinstance(value, float)]
-            if points:
-                axis.plot(*zip(*points), marker="o", label=name, color=colors[index % len(colors)])
-    for axis, title in ((time_axis, "forward+backward time (ms)"), (memory_axis, "extra memory (GiB)")):
+    markers = "osd^vP*X"
+    for index, name in enumerate(names):
+        for w_index, (h, v) in enumerate(widths):
+            rows = sorted((r for r in shapes if (r["H"], r["V"]) == (h, v)), key=lambda r: r["N"])
+            style = dict(color=colors[index % len(colors)], marker=markers[w_index % len(markers)], label=f"{name} H={h} V={v}")
+            ratios = [(r["N"], r[name]["fwd_bwd_ms"] / r["floor"]["fwd_bwd_ms"]) for r in rows
+                      if isinstance(r.get(name, {}).get("fwd_bwd_ms"), float) and "floor" in r]
+            if ratios:
+                ratio_axis.plot(*zip(*ratios), **style)
+            memory = [(r["N"], r[name]["extra_gib"]) for r in rows if isinstance(r.get(name, {}).get("extra_gib"), float)]
+            if memory:
+                memory_axis.plot(*zip(*memory), **style)
+    ratio_axis.axhline(1.0, color="black", linewidth=0.8)
+    ratio_axis.axhline(1.1, color="gray", linewidth=0.8, linestyle="--")
+    ratio_axis.set_title("forward+backward time / 4-GEMM cuBLAS floor (dashed: 1.10)")
+    memory_axis.set_title("extra memory beyond inputs and returned gradients (GiB)")
+    memory_axis.set_yscale("log")
+    for axis in (ratio_axis, memory_axis):
         axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("N (tokens); H, V per shape in the table")
-        axis.set_title(title)
+        axis.set_xlabel("N (tokens)")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -396,7 +436,12 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="N,H,V;N,H,V;... (default: the issue's four)")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="N,H,V;N,H,V;... (default: the four standard shapes and five long-context ones)")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"shapes: N in {SWEEP_TOKENS} at (H, V) in {SWEEP_WIDTHS} (replaces --shapes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="forward+backward time only (no forward-only, masked or memory runs)")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -404,6 +449,7 @@ def main(argv=None) -> None:
     parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
     parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
     parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")
@@ -416,7 +462,7 @@ def main(argv=None) -> None:
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
         "methods": (["floor"] if args.floor else []) + list(methods),
         "shapes": [],
@@ -425,7 +471,8 @@ def main(argv=None) -> None:
         results["accuracy_shape"] = parse_shapes(args.accuracy_shape)[0]
         results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
     settle_clocks()
-    for n, h, v in parse_shapes(args.shapes):
+    shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
+    for n, h, v in shapes:
         results["shapes"].append(bench_shape(n, h, v, methods, args))
         torch.cuda.empty_cache()
     prefix = Path(args.out)
