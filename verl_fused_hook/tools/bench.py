@@ -409,16 +409,18 @@ def plot(results: dict, path: Path) -> None:
             memory = [(r["N"], r[name]["extra_gib"]) for r in rows if isinstance(r.get(name, {}).get("extra_gib"), float)]
             if memory:
                 memory_axis.plot(*zip(*memory), **style)
+    if not memory_axis.lines:
+        memory_axis.text(0.5, 0.5, "not measured (--quick)", ha="center", va="center", transform=memory_axis.transAxes)
     ratio_axis.axhline(1.0, color="black", linewidth=0.8)
     ratio_axis.axhline(1.1, color="gray", linewidth=0.8, linestyle="--")
     ratio_axis.set_title("forward+backward time / 4-GEMM cuBLAS floor (dashed: 1.10)")
     memory_axis.set_title("extra memory beyond inputs and returned gradients (GiB)")
-    memory_axis.set_yscale("log")
     for axis in (ratio_axis, memory_axis):
-        axis.set_xscale("log", base=2)
         axis.set_xlabel("N (tokens)")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
+        if axis.lines:
+            axis.set_xscale("log", base=2)
+            axis.legend(fontsize=7)
     figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
