@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from .thd_attention import PackedDotProductAttention
+from .bshd_attention import PaddedDotProductAttention
 
 
 def _cpu_device() -> str:
@@ -97,11 +97,11 @@ class CpuNorm:
 
 
 def cpu_layer_spec(config: TransformerConfig):
-    """Local layer spec with CPU-ready norms and a THD-capable core attention."""
+    """Local layer spec with CPU-ready norms and a core attention that takes THD and padded (BSHD) batches."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     spec.submodules.input_layernorm = CpuNorm
     spec.submodules.pre_mlp_layernorm = CpuNorm
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = PaddedDotProductAttention
     if config.qk_layernorm:
         spec.submodules.self_attention.submodules.q_layernorm = CpuNorm
         spec.submodules.self_attention.submodules.k_layernorm = CpuNorm
