@@ -361,3 +361,50 @@ def test_stand_in_attention_split_mask_uses_an_explicit_mask():
     ).transpose(0, 1)
     torch.testing.assert_close(out[real], expected, rtol=0, atol=1e-6)
     assert bool((out[~mask[0]] == 0).all())
+
+
+# ---------------------------------------------------------------- the A/B command's BSHD scenario
+
+
+def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "ab_bshd.json"
+    scenarios = "tp1/nosp/tied,tp2/nosp/untied,tp2/sp/untied"
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity", "--device", "cpu", "--layout", "bshd",
+         "--scenarios", scenarios, "--json", str(path)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert report["layout"] == "bshd" and report["match"] is True
+    assert {entry["scenario"]["name"] for entry in report["scenarios"]} == set(scenarios.split(","))
+    for entry in report["scenarios"]:
+        assert entry["modes_resolved"] == {"legacy": "unfused", "hook": "hook"}  # verl turned fused off; hook kept it on
+        for tensor in ("log_probs", "entropy", "policy_loss", "grads"):
+            assert entry["vs_unfused_rel"]["hook"][tensor] <= 1e-5, (entry["scenario"]["name"], tensor)
+    assert "fused kernels kept on with use_remove_padding=False" in done.stderr + done.stdout
+    assert "PASS: BSHD hook mode (fused kernels kept on) within 0.0001 of verl's unfused BSHD forward" in done.stdout
+
+
+def test_ab_bshd_evaluation_flags_mismatches():
+    from verl_fused_hook.tools import ab_parity
+    from verl_fused_hook.tools.ab_bshd import evaluate_bshd
+
+    base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
+            "grads": {"w": torch.full((3,), 2.0)}, "peak_bytes": 1}
+    name = "tp1/nosp/untied"
+    scenario = ab_parity.Scenario(1, False, False)
+
+    def runs(hook_mode, grad_shift):
+        hook = {**base, "mode": hook_mode, "grads": {"w": base["grads"]["w"] + grad_shift}}
+        return {"legacy": [{name: {**base, "mode": "unfused"}}], "hook": [{name: hook}]}
+
+    assert evaluate_bshd(scenario, runs("hook", 1e-5), rtol=1e-4)["match"] is True
+    assert evaluate_bshd(scenario, runs("hook", 1e-3), rtol=1e-4)["match"] is False  # 5e-4 relative
+    assert evaluate_bshd(scenario, runs("unfused", 0.0), rtol=1e-4)["match"] is False  # hook mode did not stay fused
