@@ -51,7 +51,7 @@ def read_rows(values: torch.Tensor, data) -> torch.Tensor:
     return padded[torch.arange(padded.shape[1], device=padded.device)[None] < lengths[:, None]]
 
 
-def run_bshd_once(mode: str, setup, hf_config, model, repeatable, tracker) -> dict:
+def run_bshd_once(mode: str, setup, hf_config, model, tracker) -> dict:
     """One forward_step + loss + backward on a BSHD engine; mode "legacy" runs verl as it ships (switch unset)."""
     from .ab_parity import TEMPERATURE, grpo_loss, make_batch
 
@@ -68,7 +68,7 @@ def run_bshd_once(mode: str, setup, hf_config, model, repeatable, tracker) -> di
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    with tracker, repeatable:
+    with tracker:
         output, _ = engine.forward_step(iter([data]), model, None, lambda out, **_: out)
         loss = grpo_loss(output["log_probs"], output["entropy"], data, advantages, old_offset)
         loss.backward()

@@ -282,14 +282,12 @@ def run_once(scenario: Scenario, mode: str, setup: Setup, variant: str) -> dict:
 
 
 def run_bshd(scenario: Scenario, mode: str, setup: Setup) -> dict:
-    """The padded-layout scenario of one mode (tools/ab_bshd.py): verl as it ships, or hook mode."""
-    from verl_fused_hook.testing.determinism import deterministic_steps
-
+    """The padded-layout scenario of one mode (tools/ab_bshd.py): verl as it ships, or hook mode. Held to a
+    tolerance (two kinds of arithmetic), so it runs without the deterministic set-up."""
     from .ab_bshd import run_bshd_once
 
     hf_config, model, *_ = _prepared(scenario, mode, setup)
-    repeatable = deterministic_steps(model) if setup.device == "cuda" else contextlib.nullcontext()
-    return run_bshd_once(mode, setup, hf_config, model, repeatable, peak_tracker(setup.device))
+    return run_bshd_once(mode, setup, hf_config, model, peak_tracker(setup.device))
 
 
 def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):

@@ -402,7 +402,9 @@ def run(args) -> dict:
         "sizes": [],
     }
     modes = [m for m in all_modes if m.name in args.modes]
-    repeatable = functools.partial(deterministic_steps, model) if device == "cuda" else contextlib.nullcontext
+    # Padded layout: the reference is different arithmetic (unfused), held to a tolerance, so no deterministic mode.
+    deterministic = device == "cuda" and layout == "thd"
+    repeatable = functools.partial(deterministic_steps, model) if deterministic else contextlib.nullcontext
     for tokens in args.sizes:
         batch = make_batch(hf_config.vocab_size, tokens, device, args.seed)
         entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
