@@ -5,7 +5,8 @@ with fused kernels off runs `gptmodel_forward_model_engine(data_format="bshd")` 
 verl's logits processor over full logits. Hook mode runs the same `forward_step`
 with fused kernels kept on, which routes to `bshd_forward`. Batches are verl's RL
 layout (left-padded prompts, right-padded responses) turned into its engine input
-by verl's `left_right_2_no_padding`.
+by verl's `left_right_2_no_padding`. Context parallelism runs on the CPU through
+the test-only CP attention (`testing/cp_attention.py`), on both sides alike.
 """
 
 from __future__ import annotations
@@ -148,6 +149,12 @@ def parity_worker(rank, world_size, padding: str, sequence_parallel: bool):
     return results
 
 
+def context_parallel_worker(rank, world_size, padding: str):
+    """verl's unfused BSHD step and hook mode's at CP=world_size (verl's zigzag halves; CPU CP attention)."""
+    init_model_parallel(1, cp_size=world_size)
+    return {mode: train_step(*bshd_engine(mode), padding) for mode in ("verl", "hook")}
+
+
 def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
     scale = reference.double().abs().max().item()
     return (reference.double() - other.double()).abs().max().item() / max(scale, 1e-30)
@@ -199,6 +206,24 @@ def test_hook_bshd_matches_verl_unfused_bshd_tp2(sequence_parallel):
 
     for results in run_on_gloo(parity_worker, 2, "both", sequence_parallel):
         assert_parity(results)
+
+
+def test_hook_bshd_context_parallel_matches_verl_and_cp1():
+    """CP=2: hook vs verl on each rank; both vs the CP=1 run (values, and gradients summed over the CP ranks,
+    as megatron's data-parallel reduction over DP x CP sums them); the ranks together score the rows verl reads."""
+    from verl_fused_hook.testing.distributed import run_on_gloo
+
+    reference = parity_worker(0, 1, "both", False)["verl"]
+    ranks = run_on_gloo(context_parallel_worker, 2, "both")
+    for result in ranks:
+        for key in ("log_probs", "entropy"):
+            assert relative_error(result["verl"]["read"][key], result["hook"]["read"][key]) <= RELATIVE, key
+            assert relative_error(reference["read"][key], result["hook"]["read"][key]) <= RELATIVE, key
+    for name, grad in reference["grads"].items():
+        for mode in ("verl", "hook"):
+            summed = sum(result[mode]["grads"][name] for result in ranks)
+            assert relative_error(grad, summed) <= RELATIVE, (mode, name)
+    assert sum(result["hook"]["rows"] for result in ranks) == reference["response_tokens"]
 
 
 def test_mixed_temperatures_matter_and_match_uniform_runs():

@@ -7,15 +7,20 @@ batch needs this stand-in. Each sample gets causal attention over its real
 tokens only; padding query rows get zeros (nobody reads them). A sample whose
 real tokens form one run (right or left padding) is sliced and run with
 `is_causal`, so nothing of size [s, s] is built; any other mask shape (e.g.
-context-parallel zigzag halves) gets an explicit per-sample mask. Other inputs
+context-parallel zigzag halves) gets an explicit per-sample mask. With context
+parallelism the keys come from every CP rank (cp_attention.py). Other inputs
 (THD, 4-D masks, no mask) go to the THD-capable parent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
+from .cp_attention import context_parallel_attention
 from .thd_attention import PackedDotProductAttention
 
 
@@ -39,14 +44,28 @@ def _single_run(real: torch.Tensor) -> tuple[int, int] | None:
 
 
 class PaddedDotProductAttention(PackedDotProductAttention):
+    def __init__(self, config, *args, **kwargs):
+        # megatron's local attention refuses context parallelism; this one takes it for padded batches
+        # (cp_attention.py), so the parent is built from a CP=1 view of the config.
+        super().__init__(dataclasses.replace(config, context_parallel_size=1) if config.context_parallel_size > 1 else config,
+                         *args, **kwargs)
+        self.config = config
+        self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or not is_padding_mask(attention_mask, query):
+            if self.cp_group is not None:
+                raise ValueError("context parallelism: PaddedDotProductAttention takes it only with a [b, s] padding mask")
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported with a padding mask by PaddedDotProductAttention")
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if self.cp_group is not None:
+            return context_parallel_attention(
+                query, key, value, attention_mask.to(query.device), self.cp_group, self.softmax_scale, dropout
+            )
         # query [s, b, heads, d], key/value [s, b, groups, d] -> per sample [1, heads, s, d]
         repeat = query.shape[2] // key.shape[2]
-        dropout = self.attention_dropout.p if self.training else 0.0
         seq, batch = query.shape[0], query.shape[1]
         real = attention_mask.to(query.device)
         causal = None
