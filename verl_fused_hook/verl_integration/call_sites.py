@@ -92,6 +92,9 @@ def _make_patch_fused_forward(verl_patch):
 def _make_engine_fn_getter(verl_getter):
     from verl.models.mcore.registry import supported_vlm
 
+    """verl's models get verl's forward; hook-mode models get ours, for the layout their forward_step runs:
+    packed (engine_forward) or, where verl picks data_format="bshd" (use_remove_padding=False), bshd_forward."""
+
     @functools.wraps(verl_getter)
     def get_mcore_forward_fused_model_engine_fn(hf_config):
         verl_forward = verl_getter(hf_config)
