@@ -182,6 +182,18 @@ def assert_parity(results) -> None:
 # ---------------------------------------------------------------- fixtures
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_process_group():
+    """Leave no process group behind: later test modules expect torch.distributed uninitialized."""
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def clean_verl(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
