@@ -73,7 +73,8 @@ def make_bshd_engine_forward(vision_model: bool):
 
         temperature: a float, or per-sample values [batch] (broadcast over each sample's tokens).
         score_rows: optional jagged bool shaped like input_ids; False rows are never computed
-            and come back as 0. Padding rows are never computed in any case.
+            and come back as 0. Padding rows are never computed either (except by backend
+            verl, whose kernel scores every row; logged once).
         forced_max_seqlen: verl's `pad_bshd_to_minibatch_max` length (raw, before alignment).
         cp_layout: accepted for the call signature; verl's BSHD helpers always split zigzag.
         Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's engine
