@@ -3,7 +3,8 @@
 megatron-core assumes a CUDA device in three places (see shared FACTS):
 `torch.cuda.current_device()` is called unconditionally, the CUDA RNG tracker is
 forked by attention and seeded at start-up, and the local spec's torch norm
-refuses sequence parallelism. `enable_cpu_megatron()` works around all three;
+refuses sequence parallelism; under context parallelism RoPE's per-rank slice
+also copies through CUDA. `enable_cpu_megatron()` works around all four;
 nothing here is used by the product at training time.
 """
 
@@ -14,13 +15,14 @@ import contextlib
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from .thd_attention import PackedDotProductAttention
+from .bshd_attention import PaddedDotProductAttention
 
 
 def _cpu_device() -> str:
@@ -53,10 +55,21 @@ class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
             torch.set_rng_state(saved)
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron's `get_pos_emb_on_this_cp_rank` (the rank's zigzag chunks r and 2*cp-1-r) without its pinned
+    memory and `.cuda()` copy, which need a CUDA device."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def enable_cpu_megatron() -> None:
     """Idempotently apply the CPU workarounds for megatron-core (process-wide)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = _cpu_device
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank  # context parallelism
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -74,13 +87,13 @@ def seed_model_parallel_rng(seed: int) -> None:
     tracker.add(megatron_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep_rank + tp_rank + 1)
 
 
-def init_model_parallel(tp_size: int = 1, seed: int = 1234) -> None:
+def init_model_parallel(tp_size: int = 1, seed: int = 1234, cp_size: int = 1) -> None:
     """Set up megatron's parallel state on an already initialized gloo group (or a one-process one)."""
     enable_cpu_megatron()
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size)
     seed_model_parallel_rng(seed)
 
 
@@ -97,11 +110,11 @@ class CpuNorm:
 
 
 def cpu_layer_spec(config: TransformerConfig):
-    """Local layer spec with CPU-ready norms and a THD-capable core attention."""
+    """Local layer spec with CPU-ready norms and a core attention that takes THD and padded (BSHD) batches."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     spec.submodules.input_layernorm = CpuNorm
     spec.submodules.pre_mlp_layernorm = CpuNorm
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = PaddedDotProductAttention
     if config.qk_layernorm:
         spec.submodules.self_attention.submodules.q_layernorm = CpuNorm
         spec.submodules.self_attention.submodules.k_layernorm = CpuNorm
@@ -126,6 +139,7 @@ def tiny_transformer_config(
 ) -> TransformerConfig:
     """A small Qwen2-like config (RMSNorm, SwiGLU, GQA, RoPE) for CPU tests."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    cp_size = parallel_state.get_context_parallel_world_size()
     extra = {"use_mup": True, "mup_output_mult": 0.37} if use_mup else {}
     return TransformerConfig(
         num_layers=num_layers,
@@ -141,6 +155,7 @@ def tiny_transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
         sequence_parallel=sequence_parallel and tp_size > 1,
         use_cpu_initialization=True,
         params_dtype=params_dtype,

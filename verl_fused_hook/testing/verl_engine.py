@@ -33,6 +33,7 @@ def megatron_engine(
     use_fused_kernels: bool = True,
     forward_only: bool = False,
     mtp_enable: bool = False,
+    use_remove_padding: bool = True,
 ):
     """A MegatronEngineWithLMHead over `models` (a list of model chunks), ready for
     `_maybe_enable_fused_kernels()` and `forward_step(...)`."""
@@ -51,7 +52,12 @@ def megatron_engine(
     model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size)
     engine = MegatronEngineWithLMHead.__new__(MegatronEngineWithLMHead)
     engine.model_config = model_config
-    engine.engine_config = McoreEngineConfig(use_fused_kernels=use_fused_kernels, use_mbridge=True, forward_only=forward_only)
+    engine.engine_config = McoreEngineConfig(
+        use_fused_kernels=use_fused_kernels,
+        use_mbridge=True,
+        forward_only=forward_only,
+        use_remove_padding=use_remove_padding,  # False: verl's padded (BSHD) layout
+    )
     engine.is_value_model = False
     engine.enable_routing_replay = False
     engine.tf_config = models[0].config

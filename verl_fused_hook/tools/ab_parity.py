@@ -30,8 +30,12 @@ something. There the fused side takes fp32 inputs at TF32 in Triton's dot, so th
 kernels, so hook vs legacy is held to the kernels' accuracy instead of 0 (log-probs, entropy and loss within
 1e-4, every gradient within 2e-2 of its largest magnitude).
 
+`--layout bshd` compares on verl's padded layout (`use_remove_padding=False`), where verl has no fused
+path: hook mode against verl as it ships there (fused kernels off, its unfused BSHD forward), within the
+unfused tolerance (tools/ab_bshd.py).
+
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
-                                  [--dtype fp32|bf16] [--json PATH|-]
+                                  [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-]
 Exit status: 0 when hook and legacy match (exactly with one kernel on both sides, within the kernels'
 accuracy with two) and the hook matches the unfused forward, 1 otherwise.
 """
@@ -103,6 +107,7 @@ class Setup:
     device: str
     dtype: str  # a key of DTYPES
     seed: int
+    layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (tools/ab_bshd.py)
 
     @property
     def one_kernel(self) -> bool:
@@ -276,6 +281,15 @@ def run_once(scenario: Scenario, mode: str, setup: Setup, variant: str) -> dict:
     }
 
 
+def run_bshd(scenario: Scenario, mode: str, setup: Setup) -> dict:
+    """The padded-layout scenario of one mode (tools/ab_bshd.py): verl as it ships, or hook mode. Held to a
+    tolerance (two kinds of arithmetic), so it runs without the deterministic set-up."""
+    from .ab_bshd import run_bshd_once
+
+    hf_config, model, *_ = _prepared(scenario, mode, setup)
+    return run_bshd_once(mode, setup, hf_config, model, peak_tracker(setup.device))
+
+
 def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):
     """Every scenario in this process's mode (set by the environment); one result dict per run.
 
@@ -293,6 +307,11 @@ def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):
     results = {}
     for scenario in scenarios:
         started = time.time()
+        if setup.layout == "bshd":
+            results[scenario.name] = run_bshd(scenario, mode, setup)
+            if rank == 0:
+                print(f"[{mode}] {scenario.name} bshd done in {time.time() - started:.1f}s", flush=True)
+            continue
         results[scenario.name] = run_once(scenario, mode, setup, variant="fused")
         if mode == "legacy" and setup.device == "cuda":
             results[f"{scenario.name}:{RERUN}"] = run_once(scenario, mode, setup, variant="fused")
@@ -486,6 +505,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook/configs/tiny_qwen2_kv4)")
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--layout", choices=("thd", "bshd"), default="thd",
+        help="thd (default): legacy vs hook on packed batches; bshd: verl's padded layout (use_remove_padding=False), "
+        "hook vs verl as it ships there (fused kernels off: its unfused forward)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
     args = parser.parse_args(argv)
 
@@ -527,7 +551,7 @@ def main(argv=None) -> int:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
-    setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed)
+    setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout)
 
     kernel_note = (
         "both modes use the portable op (backend=%s); verl's Triton kernel needs CUDA, so the legacy forward's "
@@ -535,15 +559,24 @@ def main(argv=None) -> int:
         if device == "cpu"
         else f"legacy uses verl's Triton kernel; hook uses backend={backend}"
     )
+    if args.layout == "bshd":
+        kernel_note = f"padded (BSHD) layout: verl as it ships (fused kernels off, unfused forward) vs hook backend={backend}"
     print(f"A/B parity on {device} ({world_size} processes per mode), model {hf_path} in {dtype}; {kernel_note}",
           flush=True)
     runs = {mode: run_mode(mode, scenarios, setup) for mode in MODES}
 
     report = {"device": device, "backend": backend, "dtype": dtype, "one_kernel": setup.one_kernel,
-              "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol}
-    report["scenarios"] = [evaluate(scenario, runs, setup.one_kernel, rtol) for scenario in scenarios]
-    report["match"] = all(entry["match"] for entry in report["scenarios"])
-    print_report(report)
+              "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol, "layout": args.layout}
+    if args.layout == "bshd":
+        from .ab_bshd import evaluate_bshd, print_bshd_report
+
+        report["scenarios"] = [evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]
+        report["match"] = all(entry["match"] for entry in report["scenarios"])
+        print_bshd_report(report)
+    else:
+        report["scenarios"] = [evaluate(scenario, runs, setup.one_kernel, rtol) for scenario in scenarios]
+        report["match"] = all(entry["match"] for entry in report["scenarios"])
+        print_report(report)
     if args.json:
         text = json.dumps(report, indent=2)
         if args.json == "-":

@@ -31,7 +31,13 @@ attention backward and megatron's embedding backward otherwise accumulate with
 atomic adds), and legacy runs it twice: the rerun must be identical, so
 hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
 
-Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--out DIR]
+`--layout bshd` runs verl's padded layout instead (engines with `use_remove_padding=False`, the same
+sequences right-padded to the longest): verl has no fused path there, so the reference is verl as it
+ships (switch unset: its build step turns fused kernels off and `forward_step` runs the unfused BSHD
+forward over full logits) against hook mode, which keeps fused kernels on (tools/e2e_bshd.py). Every
+mode goes through verl's `forward_step`. A mode that runs out of device memory is reported as OOM.
+
+Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ MODES = (
     Mode("hook+ours", hook=True, kernel="ours"),
     Mode("hook+ours+mask", hook=True, kernel="ours", masked=True),
 )
+REFERENCE = {"thd": "legacy", "bshd": "verl-unfused"}
+PARITY_KEY = {"thd": "vs_legacy", "bshd": "vs_verl_unfused"}
 
 
 # ---------------------------------------------------------------- batch
@@ -296,10 +304,16 @@ def markdown_table(report: dict) -> str:
         " log-prob max_abs | entropy max_abs | loss max_abs | grad max_abs (rel) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    parity_key = PARITY_KEY[report.get("layout", "thd")]
     for size in report["sizes"]:
         label = f"{size['tokens']:,} ({len(size['sequence_lengths'])})"
+        if "padded_tokens" in size:
+            label += f", padded {size['padded_tokens']:,}"
         for row in size["modes"]:
-            parity = row.get("vs_legacy")
+            if row.get("oom"):
+                lines.append(f"| {label} | {row['mode']} | {row['kernel']} | OOM | OOM | | | | | | |")
+                continue
+            parity = row.get(parity_key)
             if parity is None:
                 cells = ["reference"] * 3 + ["reference"]
             else:
@@ -339,7 +353,12 @@ def run(args) -> dict:
     from verl_fused_hook.verl_integration import install
 
     device = args.device
+    layout = args.layout
     kernels = {"verl": "verl", "ours": "triton"} if device == "cuda" else {"verl": "torch", "ours": "torch"}
+    if layout == "bshd":
+        from . import e2e_bshd
+
+        kernels["unfused"] = "unfused"  # verl's full-logits forward, no fused kernel
     install()  # what `import verl` does through the entry point when the package is installed
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
 
@@ -351,14 +370,24 @@ def run(args) -> dict:
     model = build_gpt_from_hf(hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init).to(device)
     print(f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
           f"parameters, {args.dtype}, hidden {hf_config.hidden_size}, vocab {hf_config.vocab_size}", flush=True)
-    engines = {
-        mode.name: megatron_engine(
-            [model],
-            fused_kernel_options={"output_processor_backend": kernels[mode.kernel]} if mode.hook else {},
-            model_path=args.hf_config,
-        )
-        for mode in MODES
-    }
+    all_modes = MODES if layout == "thd" else e2e_bshd.BSHD_MODES
+    if layout == "thd":
+        engines = {
+            mode.name: megatron_engine(
+                [model],
+                fused_kernel_options={"output_processor_backend": kernels[mode.kernel]} if mode.hook else {},
+                model_path=args.hf_config,
+            )
+            for mode in MODES
+        }
+        enable, step_class = enable_mode, Step
+    else:
+        engines = {
+            mode.name: e2e_bshd.bshd_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
+            for mode in all_modes
+        }
+        enable, step_class = e2e_bshd.enable_bshd_mode, e2e_bshd.BshdStep
+    reference_name, parity_key = REFERENCE[layout], PARITY_KEY[layout]
     clock = Clock(device)
     report = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
@@ -369,54 +398,41 @@ def run(args) -> dict:
         "warmups": args.warmups,
         "repeats": args.repeats,
         "kernels": kernels,
+        "layout": layout,
         "sizes": [],
     }
-    modes = [m for m in MODES if m.name in args.modes]
-    repeatable = functools.partial(deterministic_steps, model) if device == "cuda" else contextlib.nullcontext
+    modes = [m for m in all_modes if m.name in args.modes]
+    # Padded layout: the reference is different arithmetic (unfused), held to a tolerance, so no deterministic mode.
+    deterministic = device == "cuda" and layout == "thd"
+    repeatable = functools.partial(deterministic_steps, model) if deterministic else contextlib.nullcontext
     for tokens in args.sizes:
         batch = make_batch(hf_config.vocab_size, tokens, device, args.seed)
         entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
+        if layout == "bshd":
+            entry["padded_tokens"] = e2e_bshd.padded_tokens(batch[4])
         report["sizes"].append(entry)
         reference = None
         for mode in modes:
-            resolved = enable_mode(model, engines[mode.name], mode)
-            step = Step(model, engines[mode.name], batch, mode, device, kernels["ours"])
-            free_step_memory(model)
-            sample = parity_sample(step, repeatable)  # first warm-up
+            resolved = enable(model, engines[mode.name], mode)
+            step = step_class(model, engines[mode.name], batch, mode, device, kernels["ours"])
             row = {"mode": mode.name, "resolved": resolved, "kernel": kernels[mode.kernel], "masked": mode.masked}
-            if mode.name == "legacy":
-                reference = sample
-                if device == "cuda":
-                    free_step_memory(model)
-                    entry["legacy_rerun"] = compare(reference, parity_sample(step, repeatable))
-            elif reference is not None:
-                row["vs_legacy"] = compare(reference, sample)
-                if not mode.masked:
-                    row["vs_legacy"]["all_rows_log_probs"] = max_abs(reference["all_log_probs"], sample["all_log_probs"])
-            del sample
+            try:
+                measure_mode(step, row, entry, repeatable, clock, args, reference_name, parity_key, reference)
+            except torch.OutOfMemoryError:
+                row["oom"] = True
+                print(f"[{tokens}] {mode.name:<15} out of device memory", flush=True)
+            if mode.name == reference_name:
+                reference = row.pop("_sample", None)
+            row.pop("_sample", None)
+            del step
             free_step_memory(model)
-            for _ in range(args.warmups - 1):
-                free_step_memory(model)
-                step.train()
-            prepare = functools.partial(free_step_memory, model)
-            row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(
-                step.train, args.repeats, prepare
-            )
-            free_step_memory(model)
-
-            def forward_no_grad():
-                with torch.no_grad():
-                    step.forward()
-
-            forward_no_grad()
-            row["forward_s"], row["forward_peak_bytes"], row["forward_peak_abs_bytes"] = clock.measure(
-                forward_no_grad, args.repeats
-            )
             entry["modes"].append(row)
-            parity = row.get("vs_legacy")
+            if row.get("oom"):
+                continue
+            parity = row.get(parity_key)
             note = (
                 "" if parity is None else
-                f"; vs legacy: log_probs {parity['log_probs']:.3g}, entropy {parity['entropy']:.3g}, loss "
+                f"; vs {reference_name}: log_probs {parity['log_probs']:.3g}, entropy {parity['entropy']:.3g}, loss "
                 f"{parity['policy_loss']:.3g}, grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
             )
             print(f"[{tokens}] {mode.name:<15} fwd+bwd {_ms(row['train_s'])} peak {_gib(row['train_peak_bytes'])}; "
@@ -428,6 +444,39 @@ def run(args) -> dict:
     return report
 
 
+def measure_mode(step, row, entry, repeatable, clock, args, reference_name, parity_key, reference) -> None:
+    """Parity sample (first warm-up), warm-ups, timed training steps and no-grad forwards of one mode, into `row`.
+    The reference mode leaves its sample in row["_sample"] for the modes after it."""
+    model = step.model
+    free_step_memory(model)
+    sample = parity_sample(step, repeatable)  # first warm-up
+    if step.mode.name == reference_name:
+        row["_sample"] = sample
+        if args.device == "cuda" and reference_name == "legacy":
+            free_step_memory(model)
+            entry["legacy_rerun"] = compare(sample, parity_sample(step, repeatable))
+    elif reference is not None:
+        row[parity_key] = compare(reference, sample)
+        if not step.mode.masked:
+            row[parity_key]["all_rows_log_probs"] = max_abs(reference["all_log_probs"], sample["all_log_probs"])
+    free_step_memory(model)
+    for _ in range(args.warmups - 1):
+        free_step_memory(model)
+        step.train()
+    prepare = functools.partial(free_step_memory, model)
+    row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(step.train, args.repeats, prepare)
+    free_step_memory(model)
+
+    def forward_no_grad():
+        with torch.no_grad():
+            step.forward()
+
+    forward_no_grad()
+    row["forward_s"], row["forward_peak_bytes"], row["forward_peak_abs_bytes"] = clock.measure(
+        forward_no_grad, args.repeats
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -435,7 +484,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order")
-    parser.add_argument("--modes", default=",".join(m.name for m in MODES), help="comma-separated subset of the modes")
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
+    parser.add_argument("--layout", choices=("thd", "bshd"), default="thd",
+                        help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
+                        "verl as it ships (fused off, unfused forward) vs hook mode")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--warmups", type=int, default=2, help="forward+backward warm-ups per size and mode (>= 1)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -456,12 +508,20 @@ def main(argv=None) -> int:
         parser.error(f"--hf-config: {path} does not exist; pass a config.json or a folder holding one")
     args.hf_config = str(path.parent if path.is_file() else path)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
-    args.modes = set(args.modes.split(","))
-    unknown = args.modes - {m.name for m in MODES}
+    if args.layout == "bshd":
+        from .e2e_bshd import BSHD_MODES
+
+        layout_modes = BSHD_MODES
+    else:
+        layout_modes = MODES
+    args.modes = set(args.modes.split(",")) if args.modes else {m.name for m in layout_modes}
+    unknown = args.modes - {m.name for m in layout_modes}
     if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(m.name for m in MODES)}")
-    if "legacy" not in args.modes:
-        parser.error("--modes: legacy is the reference every other mode is compared with; keep it")
+        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with --layout {args.layout}: "
+                     f"{', '.join(m.name for m in layout_modes)}")
+    reference = REFERENCE[args.layout]
+    if reference not in args.modes:
+        parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")
     if args.warmups < 1 or args.repeats < 1:
         parser.error("--warmups and --repeats must be >= 1")
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)

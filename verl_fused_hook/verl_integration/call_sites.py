@@ -16,11 +16,12 @@ import importlib
 import logging
 
 from ..probe import require_output_processor_support, unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, LEGACY, VERL_BACKEND, resolve_plan
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, VERL_BACKEND, resolve_plan
+from .bshd_forward import make_bshd_engine_forward
 from .engine_forward import make_hook_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import make_patch_postprocess
-from .step_scoring import current_step, make_forward_step, make_resolve_fused_temperature
+from .step_scoring import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +92,15 @@ def _make_patch_fused_forward(verl_patch):
 def _make_engine_fn_getter(verl_getter):
     from verl.models.mcore.registry import supported_vlm
 
+    """verl's models get verl's forward; hook-mode models get ours, for the layout their forward_step runs:
+    packed (engine_forward) or, where verl picks data_format="bshd" (use_remove_padding=False), bshd_forward."""
+
     @functools.wraps(verl_getter)
     def get_mcore_forward_fused_model_engine_fn(hf_config):
         verl_forward = verl_getter(hf_config)
-        hook_forward = make_hook_engine_forward(vision_model=hf_config.architectures[0] in supported_vlm)
+        vision_model = hf_config.architectures[0] in supported_vlm
+        hook_forward = make_hook_engine_forward(vision_model=vision_model)
+        bshd_forward = make_bshd_engine_forward(vision_model=vision_model)
 
         def fused_forward(model, *args, **kwargs):
             if not in_hook_mode(model):
@@ -102,6 +108,9 @@ def _make_engine_fn_getter(verl_getter):
             step = current_step()
             if step is not None and step.score_rows is not None:
                 kwargs.setdefault("score_rows", step.score_rows)
+            if step is not None and step.layout == BSHD:
+                kwargs.setdefault("forced_max_seqlen", step.forced_max_seqlen)
+                return bshd_forward(model, *args, **kwargs)
             return hook_forward(model, *args, **kwargs)
 
         return fused_forward
@@ -122,6 +131,40 @@ def install_call_sites() -> None:
     _replace(engine.MegatronEngineWithLMHead, "forward_step", make_forward_step)
 
 
+# verl's reasons (`MegatronEngine._maybe_enable_fused_kernels`) for turning fused kernels off.
+REMOVE_PADDING_OFF = "use_remove_padding=False"
+VALUE_MODEL = "value model"
+MTP_ENABLED = "mtp.enable=True"
+
+
+def verl_disabling_reasons(engine) -> list[str]:
+    """Which of verl's reasons to turn fused kernels off apply to this engine (verl's own test, by reason)."""
+    reasons = []
+    if not engine.engine_config.use_remove_padding:
+        reasons.append(REMOVE_PADDING_OFF)
+    if engine.is_value_model:
+        reasons.append(VALUE_MODEL)
+    if engine.model_config.mtp.enable:
+        reasons.append(MTP_ENABLED)
+    return reasons
+
+
+def reasons_hook_mode_lifts() -> frozenset[str]:
+    """verl's disabling reasons that do not hold in hook mode: the one place such decisions are made.
+
+    Padded batches: bshd_forward runs the hook on verl's BSHD layout.
+    """
+    return frozenset({REMOVE_PADDING_OFF})
+
+
+def _enable_despite(engine, lifted: list[str], log_line: str) -> None:
+    """What verl's build step does when nothing stops it (patch each model chunk), for an engine verl would refuse."""
+    fused = importlib.import_module("verl.models.mcore.model_forward_fused")
+    for model in engine.module:
+        fused.patch_fused_forward(model)  # our replacement: probe and backend checks, verl's mode record
+    logger.info("%s; fused kernels kept on with %s (verl would turn them off)", log_line, ", ".join(lifted))
+
+
 def _make_build_gate(verl_enable):
     @functools.wraps(verl_enable)
     def _maybe_enable_fused_kernels(self):
@@ -136,9 +179,14 @@ def _make_build_gate(verl_enable):
                 "%s; but actor_rollout_ref.model.use_fused_kernels is False, so the switch has no effect", plan.log_line(name)
             )
             return verl_enable(self)
+        reasons = verl_disabling_reasons(self)
+        lifted = [reason for reason in reasons if plan.mode == HOOK and reason in reasons_hook_mode_lifts()]
         for model in self.module:
             set_plan(model, plan)
         try:
+            if reasons and len(lifted) == len(reasons):
+                _enable_despite(self, lifted, plan.log_line(name))
+                return
             verl_enable(self)
         except BaseException:
             for model in self.module:
@@ -148,9 +196,9 @@ def _make_build_gate(verl_enable):
             for model in self.module:
                 set_plan(model, None)
             logger.warning(
-                "%s; but verl turned fused kernels off for this engine (remove-padding off, value model or MTP), "
-                "so the switch has no effect",
+                "%s; but verl turned fused kernels off for this engine (%s), so the switch has no effect",
                 plan.log_line(name),
+                ", ".join(reasons),
             )
             return
         logger.info(plan.log_line(name))

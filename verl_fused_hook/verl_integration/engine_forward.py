@@ -27,7 +27,8 @@ def _per_token_nested(per_sample: torch.Tensor, like: torch.Tensor) -> torch.Ten
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
-def _check_backend_accepts(backend: str, temperature, score_rows) -> None:
+def check_backend_accepts(backend: str, temperature, score_rows) -> None:
+    """Refuse per-step inputs verl's own kernel cannot take (shared by the THD and BSHD forwards)."""
     if backend != VERL_BACKEND:
         return
     if isinstance(temperature, torch.Tensor):
@@ -67,7 +68,7 @@ def make_hook_engine_forward(vision_model: bool):
         """
         gpt = unwrap_to_gpt(model)
         backend = plan_of(model).backend
-        _check_backend_accepts(backend, temperature, score_rows)
+        check_backend_accepts(backend, temperature, score_rows)
         config = gpt.config
         layout = dict(
             use_fp8_padding=config.fp8 in ("e4m3", "hybrid"),

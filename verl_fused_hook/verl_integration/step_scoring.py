@@ -5,7 +5,8 @@ to one float (raising NotImplementedError when they differ) and calls the
 fused forward without the batch, so the forward cannot know which rows its
 caller reads. In hook mode we wrap `forward_step` to note, for the duration of
 that one call, that per-sample temperatures may pass and which rows verl will
-read; `_resolve_fused_temperature` and the engine forward consult that note.
+read, and which layout (packed THD or padded BSHD) the engine runs;
+`_resolve_fused_temperature` and the engine forward consult that note.
 Outside a hook-mode step both behave exactly as verl's originals.
 
 Rows verl reads: `no_padding_2_padding` (used by `ppo_loss` and by the trainer
@@ -32,9 +33,14 @@ from .model_plan import plan_of
 logger = logging.getLogger(__name__)
 
 
+THD, BSHD = "thd", "bshd"
+
+
 @dataclass(frozen=True)
 class HookStep:
     score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
+    layout: str = THD  # verl's data_format for this engine: packed (thd) or padded (bshd)
+    forced_max_seqlen: int | None = None  # BSHD: verl's pad_bshd_to_minibatch_max length
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -88,6 +94,15 @@ def response_score_rows(batch, loss_function) -> torch.Tensor | None:
     return torch.nested.nested_tensor_from_jagged(rows, offsets=offsets)
 
 
+def _layout_of(engine, batch) -> dict:
+    """The layout verl's forward_step picks (`data_format = "thd" if use_remove_padding else "bshd"`)."""
+    if engine.engine_config.use_remove_padding:
+        return {"layout": THD}
+    from verl.utils import tensordict_utils as tu
+
+    return {"layout": BSHD, "forced_max_seqlen": tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None)}
+
+
 def make_forward_step(original):
     """Wrap verl's forward_step: in hook mode, run it inside a HookStep; otherwise call it untouched."""
 
@@ -102,7 +117,7 @@ def make_forward_step(original):
             rows = None
         else:
             rows = response_score_rows(batch, logits_processor_func)
-        token = _current_step.set(HookStep(score_rows=rows))
+        token = _current_step.set(HookStep(score_rows=rows, **_layout_of(self, batch)))
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:
