@@ -1,0 +1,116 @@
+"""verl's `ppo_loss` as the op's fused loss: which configurations qualify, and the per-row loss function.
+
+Why a list: the op's one-pass gradient is exact only for token-separable losses
+(row i's gradient depends on row i alone). verl's vanilla clipped loss, every
+token-level aggregation (its normalizers depend on masks and batch sizes, never
+on values), the entropy bonus, the KL loss and rollout importance weights are;
+sequence-level ratios (GSPO and friends) are not. Anything outside the list runs
+verl's two-pass path and says so once in the log; the op also re-checks
+separability on every call and raises if it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The model output key that carries the fused (loss, metrics) from the engine forward to verl's postprocess.
+FUSED_LOSS_OUTPUT_KEY = "verl_fused_hook_loss"
+
+SUPPORTED_POLICY_LOSS_MODES = ("vanilla",)
+SUPPORTED_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SUPPORTED_KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
+
+
+def policy_loss_mode(config) -> str:
+    return config.policy_loss.get("loss_mode", "vanilla")
+
+
+def unsupported_reason(config) -> str | None:
+    """None when `ppo_loss` with this ActorConfig is token-separable, else why it is not fused."""
+    mode = policy_loss_mode(config)
+    if mode not in SUPPORTED_POLICY_LOSS_MODES:
+        return f"policy_loss.loss_mode={mode} (fused: {', '.join(SUPPORTED_POLICY_LOSS_MODES)})"
+    if config.loss_agg_mode not in SUPPORTED_AGG_MODES:
+        return f"loss_agg_mode={config.loss_agg_mode} (fused: {', '.join(SUPPORTED_AGG_MODES)})"
+    if config.use_kl_loss and config.kl_loss_type not in SUPPORTED_KL_LOSS_TYPES:
+        return f"kl_loss_type={config.kl_loss_type} (fused: {', '.join(SUPPORTED_KL_LOSS_TYPES)})"
+    return None
+
+
+def ppo_loss_name(config) -> str:
+    return f"ppo_loss(loss_mode={policy_loss_mode(config)}, loss_agg_mode={config.loss_agg_mode})"
+
+
+def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], torch.Tensor], dp_group=None):
+    """The op's loss_fn: the op's per-row log-probs/entropy put back into verl's jagged layout by
+    `to_nested`, then verl's own loss function on them, exactly as verl's postprocess calls it."""
+
+    def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None):
+        model_output = {"log_probs": to_nested(log_probs)}
+        if entropy is not None:
+            model_output["entropy"] = to_nested(entropy)
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss_fn
+
+
+@dataclass(frozen=True)
+class FusedLossRequest:
+    """What the engine forward needs to run a step's ppo_loss inside the op."""
+
+    loss_function: Callable
+    data: Any  # the micro-batch TensorDict, on the model's device
+    dp_group: Any
+    name: str
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def _ppo_config(loss_function):
+    from verl.workers.utils.losses import ppo_loss
+
+    if isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss and not loss_function.args:
+        return loss_function.keywords.get("config")
+    return None
+
+
+def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> FusedLossRequest | None:
+    """The step's request to fuse `loss_function`, or None for verl's two-pass path (logged once per reason;
+    a forward-only step has no loss to fuse and is not logged)."""
+    if forward_only or loss_function is None or not torch.is_grad_enabled():
+        return None
+    name = getattr(getattr(loss_function, "func", loss_function), "__name__", repr(loss_function))
+    config = _ppo_config(loss_function)
+    if config is None:
+        _log_once(f"verl_fused_hook: output_processor_fused_loss: loss {name} is not ppo_loss; two-pass path")
+        return None
+    reason = unsupported_reason(config)
+    if reason is not None:
+        _log_once(f"verl_fused_hook: output_processor_fused_loss: {reason} is not token-separable; two-pass path")
+        return None
+    if engine.engine_config.context_parallel_size > 1:
+        _log_once("verl_fused_hook: output_processor_fused_loss: context parallelism > 1 not fused; two-pass path")
+        return None
+    from verl.utils.device import get_device_id
+
+    return FusedLossRequest(
+        loss_function=loss_function,
+        data=batch.to(get_device_id()),
+        dp_group=engine.get_data_parallel_group(),
+        name=ppo_loss_name(config),
+    )
+
+
+def fused_result_loss(model_output, data, dp_group=None):
+    """verl's loss_function for a fused step: the (loss, metrics) the op computed, taken out of the output."""
+    return model_output.pop(FUSED_LOSS_OUTPUT_KEY)
