@@ -25,6 +25,7 @@ from verl_fused_hook.verl_integration.fused_loss import (
     SUPPORTED_KL_LOSS_TYPES,
     ppo_loss_name,
     ppo_loss_of_rows,
+    ppo_row_gradients,
     unsupported_reason,
 )
 
@@ -101,11 +102,18 @@ def response_rows():
     return mask
 
 
+def to_nested(rows):
+    return torch.nested.nested_tensor_from_jagged(rows, offsets=offsets())
+
+
 def loss_of_rows(config, data):
     from verl.workers.utils.losses import ppo_loss
 
-    to_nested = partial(torch.nested.nested_tensor_from_jagged, offsets=offsets())
     return ppo_loss_of_rows(partial(ppo_loss, config=config), data, to_nested)
+
+
+def row_gradients_of(config, data):
+    return ppo_row_gradients(config, data, to_nested, torch.Size([int(offsets()[-1])]), "cpu")
 
 
 def metric_values(metrics):
@@ -131,14 +139,19 @@ def run_both(config, data, *, score_mask=None, tp_group=None, weight_shard=None,
     want_loss, want_metrics = loss_fn(lp, ent)
     want_loss.backward()
 
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    result = log_probs_entropy_and_loss(
-        h, w, labels, loss_fn=loss_fn, loss_name=ppo_loss_name(config), chunk_rows=CHUNK_ROWS, **common
-    )
-    result.loss.backward()
+    def fused(row_gradients):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        result = log_probs_entropy_and_loss(
+            h, w, labels, loss_fn=loss_fn, loss_name=ppo_loss_name(config), chunk_rows=CHUNK_ROWS,
+            row_gradients=row_gradients, **common
+        )
+        result.loss.backward()
+        return result.loss.detach(), metric_values(result.metrics), result.log_probs.detach(), result.entropy.detach(), h.grad, w.grad
+
     return dict(
         want=(want_loss.detach(), metric_values(want_metrics), lp.detach(), ent.detach(), h_ref.grad, w_ref.grad),
-        got=(result.loss.detach(), metric_values(result.metrics), result.log_probs.detach(), result.entropy.detach(), h.grad, w.grad),
+        got=fused(None),  # loss_fn differentiated per chunk
+        got_row_gradients=fused(row_gradients_of(config, data)),  # the elementwise per-row gradients
     )
 
 
@@ -190,11 +203,13 @@ def test_fused_loss_equals_ppo_loss_on_the_op(name, masked):
     assert unsupported_reason(config) is None
     outcome = run_both(config, rl_data(global_info), score_mask=response_rows() if masked else None)
     assert_same(outcome["want"], outcome["got"])
+    assert_same(outcome["want"], outcome["got_row_gradients"])
 
 
 def test_fused_loss_without_rollout_weights():
     outcome = run_both(actor_config(entropy_coeff=0.01), rl_data(True, rollout_weights=False))
     assert_same(outcome["want"], outcome["got"])
+    assert_same(outcome["want"], outcome["got_row_gradients"])
 
 
 def test_sequence_level_loss_is_refused_by_the_separability_guard():
@@ -210,6 +225,23 @@ def test_sequence_level_loss_is_refused_by_the_separability_guard():
             loss_name=ppo_loss_name(config),
             temperature=temperature,
             chunk_rows=CHUNK_ROWS,
+        )
+
+
+def test_row_gradients_that_disagree_with_the_loss_are_refused():
+    config = actor_config(entropy_coeff=0.01)
+    data = rl_data(False)
+    right = row_gradients_of(config, data)
+
+    def off_by_a_little(rows, log_prob, entropy):
+        g_lp, g_ent = right(rows, log_prob, entropy)
+        return g_lp * 1.001, g_ent
+
+    hidden, weight, labels, temperature = op_inputs()
+    with pytest.raises(NonSeparableLossError, match="row_gradients disagree"):
+        log_probs_entropy_and_loss(
+            hidden.requires_grad_(True), weight, labels, loss_fn=loss_of_rows(config, data), loss_name="ppo",
+            temperature=temperature, chunk_rows=CHUNK_ROWS, row_gradients=off_by_a_little,
         )
 
 
@@ -261,6 +293,7 @@ def test_tp2_gloo_matches_the_unfused_op_on_every_rank():
     results = run_on_gloo(tp_worker, 2)
     for outcome in results:
         assert_same(outcome["want"], outcome["got"])
+        assert_same(outcome["want"], outcome["got_row_gradients"])
     # every rank reports the same loss
     torch.testing.assert_close(results[0]["got"][0], results[1]["got"][0], rtol=0, atol=0)
 

@@ -55,6 +55,7 @@ class FusedOutputProcessorContext:
         computed inside the op (`log_probs_entropy_and_loss`); the output's `loss` then
         back-propagates into the model and `loss_metrics` holds the metrics.
     loss_name: names loss_fn in errors.
+    row_gradients: optional per-row gradients of loss_fn (see `log_probs_entropy_and_loss`).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -66,6 +67,7 @@ class FusedOutputProcessorContext:
     as_tuple: bool = False
     loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
     loss_name: str = "loss"
+    row_gradients: Callable | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.loss_fn is not None and (self.backend == "verl" or self.as_tuple):
@@ -257,6 +259,7 @@ def fused_output_processor(
             vocab_size=context.vocab_size,
             calculate_entropy=context.calculate_entropy,
             chunk_rows=context.tile_rows,
+            row_gradients=context.row_gradients,
         )
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics

@@ -32,6 +32,9 @@ from .torch_backend import _Gemms
 
 # loss_fn(log_probs, entropy or None), both fp32 shaped like labels -> (scalar loss, metrics)
 LossFunction = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, Any]]
+# row_gradients(rows, log_probs of those rows, entropy of those rows or None) -> (d loss/d log_prob,
+# d loss/d entropy or None) of those rows: a cheap stand-in for differentiating loss_fn once per chunk.
+RowGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 # Per-row gradients of a token-separable loss do not depend on other rows' values: the
 # two evaluations agree to the last bits; anything beyond this is a dependency on other rows.
@@ -62,6 +65,7 @@ class _LossCall:
     loss_fn: LossFunction
     loss_name: str
     shape: torch.Size
+    row_gradients: RowGradients | None = None
     metrics: Any = field(default=None)
 
 
@@ -95,11 +99,31 @@ def _check_separable(call: _LossCall, used: torch.Tensor, exact: torch.Tensor, r
     scale = exact.abs().max() if exact.numel() else exact.new_zeros(())
     if not bool(((used - exact).abs() <= SEPARABILITY_RTOL * scale).all()):
         worst = float((used - exact).abs().max())
+        if call.row_gradients is not None:
+            raise NonSeparableLossError(
+                f"loss {call.loss_name}: its row_gradients disagree with autograd of the loss in the {what} "
+                f"(by up to {worst:.3e}); the fused gradient would be wrong"
+            )
         raise NonSeparableLossError(
             f"loss {call.loss_name}: its gradient in the {what} of a row depends on other rows' values "
             f"(per-chunk and whole-batch gradients differ by up to {worst:.3e}), so it is not token-separable "
             "and cannot be fused; compute it on the outputs of log_probs_and_entropy instead"
         )
+
+
+def _chunk_row_gradients(call: _LossCall, rows, log_probs, entropy, chunk_log_probs, chunk_entropy):
+    """fp32 (g_lp, g_ent) of the chunk's rows: from call.row_gradients, else by differentiating loss_fn on
+    full-length values (rows not yet computed hold 0). g_ent is zeros when the entropy is not computed."""
+    if call.row_gradients is not None:
+        g_lp, g_ent = call.row_gradients(rows, chunk_log_probs, chunk_entropy)
+    else:
+        _, _, g_lp_all, g_ent_all = _evaluate(call, log_probs, entropy, with_grad=True)
+        g_lp = g_lp_all.index_select(0, rows)
+        g_ent = None if g_ent_all is None else g_ent_all.index_select(0, rows)
+    g_lp = g_lp.float()
+    if g_ent is None or chunk_entropy is None:
+        return g_lp, torch.zeros_like(g_lp)
+    return g_lp, g_ent.float()
 
 
 def _label_columns(p: LogProbProblem, rows: torch.Tensor) -> torch.Tensor:
@@ -145,14 +169,10 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool):
             entropy.index_copy_(0, rows, ent)
         if not want_grads:
             continue
-        _, _, g_lp_all, g_ent_all = _evaluate(call, log_probs, entropy, with_grad=True)
-        g_lp = g_lp_all.index_select(0, rows)
+        g_lp, g_ent = _chunk_row_gradients(call, rows, log_probs, entropy, lp, ent)
         g_lp_used.index_copy_(0, rows, g_lp)
-        if g_ent_all is not None:
-            g_ent = g_ent_all.index_select(0, rows)
+        if g_ent_used is not None:
             g_ent_used.index_copy_(0, rows, g_ent)
-        else:
-            g_ent = torch.zeros_like(g_lp)
         if raw is None:
             continue
         out_dtype = p.weight.dtype if gemms.mixed else torch.float32
@@ -220,6 +240,7 @@ def log_probs_entropy_and_loss(
     vocab_size: int | None = None,
     calculate_entropy: bool = True,
     chunk_rows: int | None = None,
+    row_gradients: RowGradients | None = None,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -229,6 +250,9 @@ def log_probs_entropy_and_loss(
             called once per chunk of rows and once more on the final values, identically on every TP rank.
         loss_name: names the loss in errors.
         chunk_rows: scored rows per chunk (default: one fp32 [chunk_rows, V_local] chunk near 256 MiB).
+        row_gradients: optional (rows, their log_probs, their entropy or None) -> (g_lp, g_ent or None),
+            the loss's gradients for the given flat rows; spares a whole-batch loss_fn call per chunk.
+            Checked like the separability: against autograd of loss_fn after the last chunk.
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (TP: partial d_hidden, as
     `log_probs_and_entropy`); `metrics` come from the final evaluation. Backward raises LossGradientError
@@ -251,7 +275,9 @@ def log_probs_entropy_and_loss(
         calculate_entropy=calculate_entropy,
         tile_rows=chunk_rows,
     )
-    call = _LossCall(loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape)
+    if row_gradients is not None and not callable(row_gradients):
+        raise ValueError(f"row_gradients: expected None or a callable, got {type(row_gradients).__name__}")
+    call = _LossCall(loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients)
     if not p.needs_grad:
         with torch.no_grad():
             loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, want_grads=False)

@@ -38,12 +38,13 @@ def _loss_config():
 
 
 @functools.cache
-def row_loss(n: int, device: str) -> tuple[Callable, str]:
-    """(loss_fn over N rows -> (loss, metrics), its name) for a synthetic batch of N tokens on `device`."""
+def row_loss(n: int, device: str) -> tuple[Callable, Callable, str]:
+    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its name) for a synthetic batch of
+    N tokens on `device`."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows
+    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_row_gradients
 
     length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
     sequences = n // length
@@ -67,7 +68,11 @@ def row_loss(n: int, device: str) -> tuple[Callable, str]:
     offsets = torch.arange(sequences + 1, device=device) * length
     config = _loss_config()
     to_nested = functools.partial(torch.nested.nested_tensor_from_jagged, offsets=offsets)
-    return ppo_loss_of_rows(functools.partial(ppo_loss, config=config), data, to_nested), ppo_loss_name(config)
+    return (
+        ppo_loss_of_rows(functools.partial(ppo_loss, config=config), data, to_nested),
+        ppo_row_gradients(config, data, to_nested, torch.Size([n]), device),
+        ppo_loss_name(config),
+    )
 
 
 def _as_loss_method(fn):
@@ -77,11 +82,11 @@ def _as_loss_method(fn):
 
 def fused_loss_method():
     def fn(h, w, labels, temperature, score_mask=None):
-        loss_fn, name = row_loss(h.shape[0], str(h.device))
+        loss_fn, row_gradients, name = row_loss(h.shape[0], str(h.device))
         chunk_rows = max(1, CHUNK_BYTES // (4 * w.shape[0]))
         result = log_probs_entropy_and_loss(
             h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
-            chunk_rows=chunk_rows,
+            chunk_rows=chunk_rows, row_gradients=row_gradients,
         )
         return result.loss
 
@@ -94,7 +99,7 @@ def verl_loss_method(verl_kernel: Callable | None):
         return None
 
     def fn(h, w, labels, temperature, score_mask=None):
-        loss_fn, _ = row_loss(h.shape[0], str(h.device))
+        loss_fn = row_loss(h.shape[0], str(h.device))[0]
         log_probs, entropy = verl_kernel(h, w, labels, temperature, score_mask)
         return loss_fn(log_probs, entropy)[0]
 
@@ -103,7 +108,7 @@ def verl_loss_method(verl_kernel: Callable | None):
 
 def loss_accuracy(fn, hidden, weight, labels, temperature) -> dict:
     """Relative error of a loss method's loss and both gradients against fp64 logits and the same loss."""
-    loss_fn, _ = row_loss(hidden.shape[0], str(hidden.device))
+    loss_fn = row_loss(hidden.shape[0], str(hidden.device))[0]
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
     lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)

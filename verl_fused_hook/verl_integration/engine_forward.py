@@ -15,7 +15,7 @@ import torch
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
-from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows
+from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_row_gradients
 from .model_plan import plan_of
 from .step_scoring import current_step
 
@@ -112,11 +112,15 @@ def make_hook_engine_forward(vision_model: bool):
         fused_loss = step.fused_loss if step is not None and gpt.post_process else None
         loss_options = {}
         if fused_loss is not None:  # the op sees [s, b] rows; verl's loss reads them unpacked like our result
+            rows_shape = packed_labels.t().shape
             loss_options = dict(
                 loss_fn=ppo_loss_of_rows(
                     fused_loss.loss_function, fused_loss.data, lambda rows: unpack(rows.t()), fused_loss.dp_group
                 ),
                 loss_name=fused_loss.name,
+                row_gradients=ppo_row_gradients(
+                    fused_loss.config, fused_loss.data, lambda rows: unpack(rows.t()), rows_shape, packed_labels.device
+                ),
             )
         if isinstance(temperature, torch.Tensor):
             # Padding positions pack as 0; give them 1.0 so every row holds a valid temperature.

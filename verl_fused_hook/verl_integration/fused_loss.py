@@ -66,6 +66,7 @@ class FusedLossRequest:
     """What the engine forward needs to run a step's ppo_loss inside the op."""
 
     loss_function: Callable
+    config: Any  # the ActorConfig bound to ppo_loss
     data: Any  # the micro-batch TensorDict, on the model's device
     dp_group: Any
     name: str
@@ -105,6 +106,7 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> Fuse
 
     return FusedLossRequest(
         loss_function=loss_function,
+        config=config,
         data=batch.to(get_device_id()),
         dp_group=engine.get_data_parallel_group(),
         name=ppo_loss_name(config),
@@ -114,3 +116,75 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> Fuse
 def fused_result_loss(model_output, data, dp_group=None):
     """verl's loss_function for a fused step: the (loss, metrics) the op computed, taken out of the output."""
     return model_output.pop(FUSED_LOSS_OUTPUT_KEY)
+
+
+def _clipped_policy_loss(config, log_prob, old_log_prob, advantages):
+    """Per-token dual-clip PPO loss, as verl's compute_policy_loss_vanilla defines it (before aggregation)."""
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    unclipped_or_clipped = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
+    dual_clipped = torch.minimum(-advantages * config.get("clip_ratio_c", 3.0), unclipped_or_clipped)
+    return torch.where(advantages < 0, dual_clipped, unclipped_or_clipped)
+
+
+def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size, device):
+    """The op's row_gradients for `ppo_loss(config)` on `data` (see ops.fused_loss): per chunk, a few
+    elementwise ops on the chunk's rows instead of a whole ppo_loss call.
+
+    Built once per micro-batch: which padded response position each op row lands on (an index pushed
+    through the same `to_nested` and verl's no_padding_2_padding), the padded per-token fields, and
+    the aggregation weight of every position (the gradient of verl's own agg_loss, which is linear in
+    the per-token losses). The op checks the result against autograd of the real ppo_loss on every call.
+    """
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    n_rows = row_shape.numel()
+    row_ids = torch.arange(1, n_rows + 1, dtype=torch.float64, device=device).view(row_shape)
+    padded_rows = no_padding_2_padding(to_nested(row_ids), data).round().long() - 1  # -1: padding
+    position_of_row = torch.full((n_rows,), -1, dtype=torch.long, device=device)
+    real = padded_rows.reshape(-1) >= 0
+    position_of_row[padded_rows.reshape(-1)[real]] = torch.arange(padded_rows.numel(), device=device)[real]
+
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    fields += [key for key in ("rollout_is_weights", "ref_log_prob") if key in data.keys()]
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    batch_info = dict(
+        dp_size=data["dp_size"],
+        batch_num_tokens=data["batch_num_tokens"],
+        global_batch_size=data["global_batch_size"],
+        loss_scale_factor=config.loss_scale_factor,
+    )
+    with torch.enable_grad():
+        probe = torch.zeros(response_mask.shape, dtype=torch.float32, device=device, requires_grad=True)
+        weights = torch.autograd.grad(agg_loss(probe, response_mask, config.loss_agg_mode, **batch_info), probe)[0]
+
+    def flat(name):
+        return padded[name].reshape(-1).float() if name in padded.keys() else None
+
+    weights = weights.reshape(-1)
+    old_log_prob, advantages = flat("old_log_probs"), flat("advantages")
+    rollout_weights, ref_log_prob = flat("rollout_is_weights"), flat("ref_log_prob")
+    if config.use_kl_loss and ref_log_prob is None:
+        raise ValueError("use_kl_loss: the batch has no ref_log_prob (ppo_loss would fail the same way)")
+
+    def row_gradients(rows, log_prob, entropy):
+        position = position_of_row.index_select(0, rows)
+        read = position >= 0
+        at = position.clamp_min(0)
+        weight = weights.index_select(0, at) * read
+        with torch.enable_grad():
+            lp = log_prob.detach().requires_grad_(True)
+            token_loss = _clipped_policy_loss(config, lp, old_log_prob.index_select(0, at), advantages.index_select(0, at))
+            if rollout_weights is not None:
+                token_loss = token_loss * rollout_weights.index_select(0, at)
+            if config.use_kl_loss:
+                kl = kl_penalty(logprob=lp, ref_logprob=ref_log_prob.index_select(0, at), kl_penalty=config.kl_loss_type)
+                token_loss = token_loss + config.kl_loss_coef * kl
+            (g_lp,) = torch.autograd.grad((token_loss * weight).sum(), lp)
+        g_ent = None if entropy is None else -config.entropy_coeff * weight
+        return g_lp, g_ent
+
+    return row_gradients
