@@ -456,3 +456,15 @@ def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu():
         }
     )
     assert "| 3.0 ms (0.75x) | 3.2 ms (0.80x) | 6.4 ms (1.60x) |" in table and "2.00x" in table
+
+
+def test_processor_context_refuses_a_loss_without_the_op():
+    from verl_fused_hook.hook import FusedOutputProcessorContext
+
+    def loss_fn(lp, ent):
+        return lp.sum(), {}
+
+    with pytest.raises(ValueError, match="loss_fn"):
+        FusedOutputProcessorContext(loss_fn=loss_fn, backend="verl")
+    with pytest.raises(ValueError, match="loss_fn"):
+        FusedOutputProcessorContext(loss_fn=loss_fn, as_tuple=True)

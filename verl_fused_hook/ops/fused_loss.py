@@ -18,6 +18,8 @@ on them) raises LossGradientError: it would otherwise be dropped silently.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +31,8 @@ from .interface import build_problem
 from .problem import LogProbProblem
 from .statistics import combine_row_statistics
 from .torch_backend import _Gemms
+
+logger = logging.getLogger(__name__)
 
 # loss_fn(log_probs, entropy or None), both fp32 shaped like labels -> (scalar loss, metrics)
 LossFunction = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, Any]]
@@ -69,8 +73,18 @@ class _LossCall:
     metrics: Any = field(default=None)
 
 
-def _elementwise_functions(device: torch.device):
-    """(chunk_statistics, chunk_grad_logits) for tensors on `device`: the portable pair."""
+@functools.cache
+def _elementwise_functions(device_type: str):
+    """(chunk_statistics, chunk_grad_logits) for tensors on this device type: on CUDA the Triton pair
+    (ops/triton_chunk_kernels.py, same signatures), else, or when it cannot be imported (said once), the
+    portable pair."""
+    if device_type == "cuda":
+        try:
+            from . import triton_chunk_kernels
+        except ImportError as error:
+            logger.warning("log_probs_entropy_and_loss: Triton chunk kernels unavailable (%s); portable passes on CUDA", error)
+        else:
+            return triton_chunk_kernels.chunk_statistics, triton_chunk_kernels.chunk_grad_logits
     return chunk_elementwise.chunk_statistics, chunk_elementwise.chunk_grad_logits
 
 
@@ -141,7 +155,7 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool):
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
     gemms = _Gemms(p.weight, p.valid_columns)
-    chunk_statistics, chunk_grad_logits = _elementwise_functions(p.hidden.device)
+    chunk_statistics, chunk_grad_logits = _elementwise_functions(p.hidden.device.type)
     device, n = p.hidden.device, p.num_rows
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
     entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
