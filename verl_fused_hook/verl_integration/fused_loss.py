@@ -99,8 +99,10 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> Fuse
     if reason is not None:
         _log_once(f"verl_fused_hook: output_processor_fused_loss: {reason} is not token-separable; two-pass path")
         return None
-    if engine.engine_config.context_parallel_size > 1:
-        _log_once("verl_fused_hook: output_processor_fused_loss: context parallelism > 1 not fused; two-pass path")
+    if engine.engine_config.context_parallel_size > 1 or getattr(engine.engine_config, "dynamic_context_parallel", False):
+        # verl's unpacking gathers over the CP group: a collective per chunk that ranks with different
+        # numbers of scored rows would not call in step
+        _log_once("verl_fused_hook: output_processor_fused_loss: context parallelism not fused; two-pass path")
         return None
     from verl.utils.device import get_device_id
 
