@@ -339,12 +339,14 @@ def engine_step(fused: bool, loss_config, spy: list):
 
 @pytest.fixture
 def verl_hook_mode(monkeypatch):
-    """verl with the plugin installed and megatron's parallel state on one CPU rank; verl restored after."""
+    """verl with the plugin installed and megatron's parallel state on one CPU rank; verl (and, when this
+    fixture created it, the absence of a process group) restored after."""
     from verl_fused_hook.switch import ENV_VAR
     from verl_fused_hook.testing.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import call_sites, install
 
     monkeypatch.delenv(ENV_VAR, raising=False)
+    had_process_group = dist.is_initialized()
     init_model_parallel(1)
     install()
     import verl.workers.engine.megatron.transformer_impl as transformer_impl
@@ -362,6 +364,11 @@ def verl_hook_mode(monkeypatch):
     yield spy
     call_sites.restore()
     call_sites.install_build_gate(transformer_impl)
+    if not had_process_group:  # later tests (e.g. test_op's tp_group check) expect no process group
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
