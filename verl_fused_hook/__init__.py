@@ -6,7 +6,7 @@ load on first use, so `from verl_fused_hook import log_probs_and_entropy` stays 
 
 import importlib
 
-from .ops import BACKEND_CHOICES, log_probs_and_entropy
+from .ops import BACKEND_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
 
 _LAZY = {
     "FusedOutputProcessorContext": ".hook",
@@ -16,7 +16,7 @@ _LAZY = {
     "require_output_processor_support": ".probe",
 }
 
-__all__ = ["BACKEND_CHOICES", "log_probs_and_entropy", *_LAZY]
+__all__ = ["BACKEND_CHOICES", "log_probs_and_entropy", "log_probs_entropy_and_loss", *_LAZY]
 
 
 def __getattr__(name):

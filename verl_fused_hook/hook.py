@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .ops import BACKEND_CHOICES, log_probs_and_entropy
+from .ops.fused_loss import log_probs_entropy_and_loss
 from .ops.interface import check_temperature_values
 
 # "verl" runs verl's own Triton kernel exactly as verl's forward does (bit-identical A/B runs).
@@ -49,6 +51,11 @@ class FusedOutputProcessorContext:
     vocab_size: the true vocabulary; padded columns past it leave the softmax.
     as_tuple: return `(log_probs, entropy)` tensors instead of an output object
         (the combined-1F1B schedule plan only carries tensors).
+    loss_fn: a token-separable loss of the [s, b] log-probs and entropy -> (loss, metrics),
+        computed inside the op (`log_probs_entropy_and_loss`); the output's `loss` then
+        back-propagates into the model and `loss_metrics` holds the metrics.
+    loss_name: names loss_fn in errors.
+    row_gradients: optional per-row gradients of loss_fn (see `log_probs_entropy_and_loss`).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -58,8 +65,16 @@ class FusedOutputProcessorContext:
     tile_rows: int | None = None
     vocab_size: int | None = None
     as_tuple: bool = False
+    loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
+    loss_name: str = "loss"
+    row_gradients: Callable | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        if self.loss_fn is not None and (self.backend == "verl" or self.as_tuple):
+            raise ValueError(
+                "FusedOutputProcessorContext.loss_fn: needs the op (backend in "
+                f"{', '.join(BACKEND_CHOICES)}) and an output object (as_tuple=False)"
+            )
         _check_temperature_field(self.temperature)
         if not isinstance(self.calculate_entropy, bool):
             raise ValueError(f"FusedOutputProcessorContext.calculate_entropy: expected a bool, got {self.calculate_entropy!r}")
@@ -111,6 +126,7 @@ class LogProbsOutput:
     past_key_values: object = None
     hidden_states: torch.Tensor | None = None
     attentions: object = None
+    loss_metrics: Any = None  # the metrics of a fused loss (context.loss_fn)
 
 
 def _make_output(log_probs: torch.Tensor, entropy: torch.Tensor | None, hidden_states: torch.Tensor):
@@ -166,6 +182,10 @@ def _per_token(value: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if value.dim() == 1:
         value = value.unsqueeze(1)
     return value.to(labels.device).expand(labels.shape)
+
+
+def _transposed(values: torch.Tensor | None) -> torch.Tensor | None:
+    return values.t().contiguous() if values is not None else None
 
 
 def fused_output_processor(
@@ -226,6 +246,24 @@ def fused_output_processor(
             hidden, weight, labels_sb.contiguous(), temperature, "none", tp_group if tp_size > 1 else None
         )
         log_probs, entropy = log_probs.view(labels_sb.shape), entropy.view(labels_sb.shape)
+    elif context.loss_fn is not None:
+        fused = log_probs_entropy_and_loss(
+            hidden,
+            weight,
+            labels_sb,
+            loss_fn=context.loss_fn,
+            loss_name=context.loss_name,
+            temperature=temperature,
+            tp_group=tp_group if tp_size > 1 else None,
+            score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
+            vocab_size=context.vocab_size,
+            calculate_entropy=context.calculate_entropy,
+            chunk_rows=context.tile_rows,
+            row_gradients=context.row_gradients,
+        )
+        output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
+        output.loss, output.loss_metrics = fused.loss, fused.metrics
+        return output
     else:
         log_probs, entropy = log_probs_and_entropy(
             hidden,
@@ -240,7 +278,7 @@ def fused_output_processor(
             tile_rows=context.tile_rows,
         )
     log_probs = log_probs.t().contiguous()
-    entropy = entropy.t().contiguous() if entropy is not None else None
+    entropy = _transposed(entropy)
     if context.as_tuple:
         return (log_probs, entropy) if entropy is not None else (log_probs,)
     return _make_output(log_probs, entropy, hidden_states)

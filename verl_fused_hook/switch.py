@@ -12,7 +12,8 @@ Precedence (documented in docs/usage.md):
    (true hook, false legacy).
 3. Neither set: mode "unset", the plugin leaves verl's fused path as verl ships it.
 The op backend comes only from `...fused_kernel_options.output_processor_backend`
-(default "auto") and only matters in hook mode.
+(default "auto") and only matters in hook mode, as does `...output_processor_fused_loss`
+(default false: the actor update's ppo_loss computed inside the op, see verl_integration/fused_loss.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ENV_VALUES = {"1": "hook", "0": "legacy"}
 CONFIG_PREFIX = "actor_rollout_ref.model.fused_kernel_options"
 CONFIG_HOOK_KEY = "use_output_processor_hook"
 CONFIG_BACKEND_KEY = "output_processor_backend"
+CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
 
 # "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
 # the others are the op's backends ("auto", "torch", GPU kernels).
@@ -46,6 +48,7 @@ class FusedForwardPlan:
     backend: str | None  # the op backend in hook mode, else None
     source: str  # human-readable origin of the mode
     note: str | None = None  # an override or ignored entry worth a log line
+    fused_loss: bool = False  # hook mode computes the actor update's ppo_loss inside the op
 
     @property
     def is_set(self) -> bool:
@@ -54,6 +57,8 @@ class FusedForwardPlan:
     def log_line(self, engine_name: str) -> str:
         if self.mode == HOOK:
             text = f"verl_fused_hook: {engine_name} uses the output_processor hook, backend={self.backend} ({self.source})"
+            if self.fused_loss:
+                text += f", {CONFIG_FUSED_LOSS_KEY}=true"
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -106,11 +111,22 @@ def parse_config_backend(options: Mapping | None) -> str | None:
     return value
 
 
+def parse_config_fused_loss(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_fused_loss` as a bool, or None when absent/null."""
+    value = None if options is None else options.get(CONFIG_FUSED_LOSS_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}={value!r} is not allowed; use true, false or null (off)")
+    return value
+
+
 def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | None = None) -> FusedForwardPlan:
     """Combine the environment and an engine's `fused_kernel_options` into one plan (see module docstring)."""
     env_mode = parse_env(environ)
     config_mode = parse_config_mode(options)
     config_backend = parse_config_backend(options)
+    fused_loss = parse_config_fused_loss(options)
 
     notes = []
     if env_mode is not None:
@@ -130,4 +146,13 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         backend = config_backend or DEFAULT_BACKEND
     elif config_backend is not None:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={config_backend} ignored outside hook mode")
-    return FusedForwardPlan(mode=mode, backend=backend, source=source, note="; ".join(notes) or None)
+    if fused_loss and mode == HOOK and backend == VERL_BACKEND:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true needs the op: {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl "
+            "runs verl's kernel, which cannot fuse the loss; use output_processor_backend=auto"
+        )
+    if fused_loss and mode != HOOK:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true ignored outside hook mode")
+    return FusedForwardPlan(
+        mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=bool(fused_loss) and mode == HOOK
+    )

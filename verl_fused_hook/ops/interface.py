@@ -91,6 +91,37 @@ def log_probs_and_entropy(
     """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKEND_CHOICES)}")
+    problem = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        tp_group=tp_group,
+        score_mask=score_mask,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+        calculate_entropy=calculate_entropy,
+        tile_rows=tile_rows,
+    )
+    log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
+    log_probs = log_probs.view(labels.shape)
+    return log_probs, (entropy.view(labels.shape) if entropy is not None else None)
+
+
+def build_problem(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    score_mask: torch.Tensor | None,
+    ignore_index: int,
+    vocab_size: int | None,
+    calculate_entropy: bool,
+    tile_rows: int | None,
+) -> LogProbProblem:
+    """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it)."""
     if hidden.dim() < 1 or hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
@@ -145,6 +176,4 @@ def log_probs_and_entropy(
         calculate_entropy=bool(calculate_entropy),
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
     )
-    log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
-    log_probs = log_probs.view(labels.shape)
-    return log_probs, (entropy.view(labels.shape) if entropy is not None else None)
+    return problem

@@ -35,12 +35,14 @@ class _Gemms:
         selected = hidden.index_select(0, rows)
         return selected if self.mixed else selected.float()
 
-    def logits(self, h: torch.Tensor, temperature) -> torch.Tensor:
+    def raw_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 h @ W.T, before any temperature."""
         if self.mixed:
-            logits = torch.mm(h, self.weight.t(), out_dtype=torch.float32)
-        else:
-            logits = h @ self.weight.t()
-        return logits.div_(temperature)
+            return torch.mm(h, self.weight.t(), out_dtype=torch.float32)
+        return h @ self.weight.t()
+
+    def logits(self, h: torch.Tensor, temperature) -> torch.Tensor:
+        return self.raw_logits(h).div_(temperature)
 
     def grad_operand(self, grad_logits: torch.Tensor) -> torch.Tensor:
         return grad_logits.to(self.weight.dtype) if self.mixed else grad_logits

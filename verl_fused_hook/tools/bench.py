@@ -10,10 +10,14 @@ file and a PNG plot.
 Methods: triton (this package), torch (the portable backend), naive (full
 logits), verl (verl's Triton kernel, loaded from its file without `import verl`),
 liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
-when installed, and floor (the cuBLAS GEMMs of the same shapes).
+when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
+the backward's recompute, 3 without). fused_loss (the op with verl's ppo_loss
+inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
+layer plus the policy loss (bench_loss.py; they need `import verl`).
 
     verl-fused-hook bench --out docs/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
+    verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..ops import log_probs_and_entropy
+from . import bench_loss
 
 GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
@@ -41,11 +46,12 @@ SWEEP_TOKENS = (4096, 16384, 65536, 131072, 262144)
 SWEEP_WIDTHS = ((2048, 151936), (4096, 248320), (5120, 248320))
 # The floor's GEMMs run on row chunks whose [rows, V] bf16 upstream gradient stays under this size.
 FLOOR_CHUNK_BYTES = 8 * GIB
-ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce")
+ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss")
 
 
 # ---------------------------------------------------------------- methods
-# Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None).
+# Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None),
+# or a scalar loss for the loss methods (marked fn.returns_loss).
 def _ours(backend: str):
     def fn(h, w, labels, temperature, score_mask=None):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend)
@@ -132,6 +138,8 @@ def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
         "verl": lambda: _load_verl(verl_kernel_dir),
         "liger": _load_liger,
         "cce": _load_cce,
+        "fused_loss": bench_loss.fused_loss_method,
+        "verl_loss": lambda: bench_loss.verl_loss_method(_load_verl(verl_kernel_dir)),
     }
     methods = {}
     for name in names:
@@ -189,6 +197,8 @@ def _inputs(n, h, v, seed):
 def _fwd_bwd(fn, hidden, weight, labels, temperature, g_lp, g_ent, score_mask=None):
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
+    if getattr(fn, "returns_loss", False):
+        return torch.autograd.grad(fn(h, w, labels, temperature, score_mask), (h, w))
     lp, ent = fn(h, w, labels, temperature, score_mask)
     outputs, grads = [lp], [g_lp]
     if ent is not None:
@@ -224,7 +234,13 @@ def floor_ms(hidden, weight, warmup, repeats) -> dict:
         for key, value in _floor_chunk_ms(hidden, weight, rest, warmup, repeats).items():
             total[key] += value
     torch.cuda.empty_cache()
-    return {**total, "fwd_bwd_ms": 2 * total["gemm_ms"] + total["dx_ms"] + total["dw_ms"], "chunk_rows": rows}
+    gradients_ms = total["dx_ms"] + total["dw_ms"]
+    return {
+        **total,
+        "fwd_bwd_ms": 2 * total["gemm_ms"] + gradients_ms,
+        "fwd_bwd_3gemm_ms": total["gemm_ms"] + gradients_ms,  # logits computed once (a fused loss)
+        "chunk_rows": rows,
+    }
 
 
 def extra_memory_gib(fn, hidden, weight, labels, temperature, g_lp, g_ent) -> float:
@@ -304,6 +320,10 @@ def accuracy(methods, n, h, v, temperature) -> dict:
         del log_softmax, hd, wd
     torch.cuda.empty_cache()
     for name, fn in methods.items():
+        if getattr(fn, "returns_loss", False):
+            out[name] = _guard(f"accuracy {name}", lambda: bench_loss.loss_accuracy(fn, hidden, weight, labels, temperature))
+            print(f"# accuracy {name} {out[name]}", flush=True)
+            continue
 
         def measure():
             h = hidden.detach().requires_grad_()
@@ -339,19 +359,26 @@ def _fmt(value, reference=None):
 def markdown(results: dict) -> str:
     names = [m for m in results["methods"] if m != "floor"]
     lines = [
-        "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients:",
+        "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients"
+        " (fused_loss, verl_loss: the output layer plus verl's ppo_loss):",
         "",
-        "| N, H, V | floor | " + " | ".join(names) + " |",
-        "|---|---|" + "---|" * len(names),
+        "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
     ]
     for row in results["shapes"]:
         floor = row.get("floor", {}).get("fwd_bwd_ms")
-        cells = []
+        cells = [_fmt(row.get("floor", {}).get("fwd_bwd_3gemm_ms"), floor)]
         for name in names:
             r = row.get(name, {})
             mem = r.get("extra_gib")
             cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
+    if {"fused_loss", "verl_loss"} <= set(names):
+        lines += ["", "fused_loss speed-up over verl_loss (verl's kernel + its ppo_loss):", ""]
+        for row in results["shapes"]:
+            fused, verl = row.get("fused_loss", {}).get("fwd_bwd_ms"), row.get("verl_loss", {}).get("fwd_bwd_ms")
+            if isinstance(fused, float) and isinstance(verl, float):
+                lines.append(f"- {row['N']}, {row['H']}, {row['V']}: {verl / fused:.2f}x")
     lines += ["", "Forward without gradient (ratio to one GEMM):", "",
               "| N, H, V | one GEMM | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for row in results["shapes"]:
@@ -372,15 +399,15 @@ def markdown(results: dict) -> str:
     if results.get("accuracy"):
         n, h, v = results["accuracy_shape"]
         lines += ["", f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):", "",
-                  "| method | log-prob max err | entropy max err | d_hidden rel err | d_weight rel err |",
-                  "|---|---|---|---|---|"]
+                  "| method | log-prob max err | entropy max err | loss rel err | d_hidden rel err | d_weight rel err |",
+                  "|---|---|---|---|---|---|"]
+        sci = lambda value: "n/a" if value is None else f"{value:.2e}"  # noqa: E731
         for name, acc in results["accuracy"].items():
             if isinstance(acc, dict):
-                ent = acc["entropy_max_err"]
-                lines.append(f"| {name} | {acc['log_prob_max_err']:.2e} | {'n/a' if ent is None else f'{ent:.2e}'} | "
-                             f"{acc['d_hidden_rel_err']:.2e} | {acc['d_weight_rel_err']:.2e} |")
+                lines.append(f"| {name} | {sci(acc['log_prob_max_err'])} | {sci(acc['entropy_max_err'])} | "
+                             f"{sci(acc.get('loss_rel_err'))} | {sci(acc['d_hidden_rel_err'])} | {sci(acc['d_weight_rel_err'])} |")
             else:
-                lines.append(f"| {name} | {acc} | | | |")
+                lines.append(f"| {name} | {acc} | | | | |")
     return "\n".join(lines) + "\n"
 
 

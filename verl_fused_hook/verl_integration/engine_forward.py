@@ -15,7 +15,9 @@ import torch
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
+from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_row_gradients
 from .model_plan import plan_of
+from .step_scoring import current_step
 
 MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -96,6 +98,31 @@ def make_hook_engine_forward(vision_model: bool):
         if vision_model:
             packed_ids, attention_mask = build_vlm_attn_mask_thd(input_ids, pad_token_id)
 
+        def unpack(values: torch.Tensor) -> torch.Tensor:
+            return postprocess_thd_engine(
+                values,
+                packed_seq_params,
+                input_ids,
+                input_ids.shape[0],
+                post_process=True,
+                cp_layout=cp_layout,
+                local_cp_size=local_cp_size,
+            )
+
+        step = current_step()
+        fused_loss = step.fused_loss if step is not None and gpt.post_process else None
+        loss_options = {}
+        if fused_loss is not None:  # the op sees [s, b] rows; verl's loss reads them unpacked like our result
+            rows_shape = packed_labels.t().shape
+            loss_options = dict(
+                loss_fn=ppo_loss_of_rows(
+                    fused_loss.loss_function, fused_loss.data, lambda rows: unpack(rows.t()), fused_loss.dp_group
+                ),
+                loss_name=fused_loss.name,
+                row_gradients=ppo_row_gradients(
+                    fused_loss.config, fused_loss.data, lambda rows: unpack(rows.t()), rows_shape, packed_labels.device
+                ),
+            )
         if isinstance(temperature, torch.Tensor):
             # Padding positions pack as 0; give them 1.0 so every row holds a valid temperature.
             token_temperature = pack(_per_token_nested(temperature.float(), input_ids))
@@ -108,6 +135,7 @@ def make_hook_engine_forward(vision_model: bool):
             calculate_entropy=bool(calculate_entropy) or backend == VERL_BACKEND,
             score_mask=None if score_rows is None else pack(score_rows),
             backend=backend,
+            **loss_options,
         )
         output = model(
             input_ids=packed_ids,
@@ -122,20 +150,11 @@ def make_hook_engine_forward(vision_model: bool):
         if not gpt.post_process:
             return output
 
-        def unpack(values: torch.Tensor) -> torch.Tensor:
-            return postprocess_thd_engine(
-                values,
-                packed_seq_params,
-                input_ids,
-                input_ids.shape[0],
-                post_process=True,
-                cp_layout=cp_layout,
-                local_cp_size=local_cp_size,
-            )
-
         result = {"log_probs": unpack(output.log_probs)}
         if calculate_entropy:
             result["entropy"] = unpack(output.entropy)
+        if fused_loss is not None:
+            result[FUSED_LOSS_OUTPUT_KEY] = (output.loss, output.loss_metrics)
         return result
 
     return hook_engine_forward

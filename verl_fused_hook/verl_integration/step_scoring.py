@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..switch import HOOK, VERL_BACKEND
+from .fused_loss import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class HookStep:
     score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
     layout: str = THD  # verl's data_format for this engine: packed (thd) or padded (bshd)
     forced_max_seqlen: int | None = None  # BSHD: verl's pad_bshd_to_minibatch_max length
+    fused_loss: FusedLossRequest | None = None  # output_processor_fused_loss: the loss the op computes
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -117,7 +119,18 @@ def make_forward_step(original):
             rows = None
         else:
             rows = response_score_rows(batch, logits_processor_func)
-        token = _current_step.set(HookStep(score_rows=rows, **_layout_of(self, batch)))
+        layout = _layout_of(self, batch)
+        fused = None
+        if plan.fused_loss and layout["layout"] == BSHD:
+            _log_once("verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path")
+        elif plan.fused_loss:
+            # only verl's own postprocess partial says whether this is a training step
+            forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
+            fused = fused_loss_request(self, batch, logits_processor_func, forward_only)
+        if fused is not None:
+            batch = fused.data
+            postprocess_micro_batch_func = functools.partial(postprocess_micro_batch_func, loss_function=fused_result_loss)
+        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, **layout))
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:

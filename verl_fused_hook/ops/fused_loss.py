@@ -1,0 +1,307 @@
+"""Log-probs, entropy and a token-separable loss in one pass: each chunk's logits are computed once.
+
+`log_probs_and_entropy` learns the upstream gradient only in backward, so it
+recomputes the logits there (four GEMMs). Given the loss up front, each chunk of
+scored rows is multiplied once: its statistics give the rows' log-probs and
+entropy, the loss's per-row gradients of those rows (asked of the loss itself,
+through autograd) turn the same fp32 logits into d_logits, and the two gradient
+GEMMs run right away (three GEMMs). The returned loss's backward only scales the
+stored d_hidden and d_weight by the incoming gradient.
+
+Why this is exact only for token-separable losses: a chunk's rows are
+differentiated before later chunks' log-probs exist (they hold 0 then). So after
+the last chunk the loss is evaluated once more on the real values and its
+per-row gradients must equal those used; otherwise NonSeparableLossError. A
+gradient reaching the returned log-probs or entropy in backward (a further loss
+on them) raises LossGradientError: it would otherwise be dropped silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import chunk_elementwise
+from .interface import build_problem
+from .problem import LogProbProblem
+from .statistics import combine_row_statistics
+from .torch_backend import _Gemms
+
+logger = logging.getLogger(__name__)
+
+# loss_fn(log_probs, entropy or None), both fp32 shaped like labels -> (scalar loss, metrics)
+LossFunction = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, Any]]
+# row_gradients(rows, log_probs of those rows, entropy of those rows or None) -> (d loss/d log_prob,
+# d loss/d entropy or None) of those rows: a cheap stand-in for differentiating loss_fn once per chunk.
+RowGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+# Per-row gradients of a token-separable loss do not depend on other rows' values: the
+# two evaluations agree to the last bits; anything beyond this is a dependency on other rows.
+SEPARABILITY_RTOL = 1e-6
+
+
+class NonSeparableLossError(RuntimeError):
+    """The loss's gradient for a row depends on other rows: the one-pass gradient would be wrong."""
+
+
+class LossGradientError(RuntimeError):
+    """A gradient reached the log-probs or entropy returned next to the fused loss."""
+
+
+@dataclass
+class FusedLossResult:
+    """loss: scalar, differentiable in hidden and weight; metrics: what loss_fn returned with it;
+    log_probs, entropy: fp32 shaped like labels (entropy None unless asked); not to be differentiated."""
+
+    loss: torch.Tensor
+    metrics: Any
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+@dataclass
+class _LossCall:
+    loss_fn: LossFunction
+    loss_name: str
+    shape: torch.Size
+    row_gradients: RowGradients | None = None
+    metrics: Any = field(default=None)
+
+
+@functools.cache
+def _elementwise_functions(device_type: str):
+    """(chunk_statistics, chunk_grad_logits) for tensors on this device type: on CUDA the Triton pair
+    (ops/triton_chunk_kernels.py, same signatures), else, or when it cannot be imported (said once), the
+    portable pair."""
+    if device_type == "cuda":
+        try:
+            from . import triton_chunk_kernels
+        except ImportError as error:
+            logger.warning("log_probs_entropy_and_loss: Triton chunk kernels unavailable (%s); portable passes on CUDA", error)
+        else:
+            return triton_chunk_kernels.chunk_statistics, triton_chunk_kernels.chunk_grad_logits
+    return chunk_elementwise.chunk_statistics, chunk_elementwise.chunk_grad_logits
+
+
+def _evaluate(call: _LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool):
+    """loss_fn on full-length values; with_grad: also its gradients in log_probs and entropy (zeros if unused)."""
+    if not with_grad:
+        loss, metrics = call.loss_fn(log_probs.view(call.shape), None if entropy is None else entropy.view(call.shape))
+        return loss, metrics, None, None
+    with torch.enable_grad():
+        lp = log_probs.detach().requires_grad_(True)
+        ent = None if entropy is None else entropy.detach().requires_grad_(True)
+        loss, metrics = call.loss_fn(lp.view(call.shape), None if ent is None else ent.view(call.shape))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn ({call.loss_name}): must return (scalar tensor, metrics), got {type(loss).__name__}")
+        inputs = [lp] if ent is None else [lp, ent]
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+    g_lp = grads[0] if grads[0] is not None else torch.zeros_like(log_probs)
+    g_ent = None
+    if ent is not None:
+        g_ent = grads[1] if grads[1] is not None else torch.zeros_like(entropy)
+    return loss.detach().reshape(()), metrics, g_lp.float(), g_ent if g_ent is None else g_ent.float()
+
+
+def _check_separable(call: _LossCall, used: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor, what: str) -> None:
+    used, exact = used.index_select(0, rows), exact.index_select(0, rows)
+    scale = exact.abs().max() if exact.numel() else exact.new_zeros(())
+    if not bool(((used - exact).abs() <= SEPARABILITY_RTOL * scale).all()):
+        worst = float((used - exact).abs().max())
+        if call.row_gradients is not None:
+            raise NonSeparableLossError(
+                f"loss {call.loss_name}: its row_gradients disagree with autograd of the loss in the {what} "
+                f"(by up to {worst:.3e}); the fused gradient would be wrong"
+            )
+        raise NonSeparableLossError(
+            f"loss {call.loss_name}: its gradient in the {what} of a row depends on other rows' values "
+            f"(per-chunk and whole-batch gradients differ by up to {worst:.3e}), so it is not token-separable "
+            "and cannot be fused; compute it on the outputs of log_probs_and_entropy instead"
+        )
+
+
+def _chunk_row_gradients(call: _LossCall, rows, log_probs, entropy, chunk_log_probs, chunk_entropy):
+    """fp32 (g_lp, g_ent) of the chunk's rows: from call.row_gradients, else by differentiating loss_fn on
+    full-length values (rows not yet computed hold 0). g_ent is zeros when the entropy is not computed."""
+    if call.row_gradients is not None:
+        g_lp, g_ent = call.row_gradients(rows, chunk_log_probs, chunk_entropy)
+    else:
+        _, _, g_lp_all, g_ent_all = _evaluate(call, log_probs, entropy, with_grad=True)
+        g_lp = g_lp_all.index_select(0, rows)
+        g_ent = None if g_ent_all is None else g_ent_all.index_select(0, rows)
+    g_lp = g_lp.float()
+    if g_ent is None or chunk_entropy is None:
+        return g_lp, torch.zeros_like(g_lp)
+    return g_lp, g_ent.float()
+
+
+def _label_columns(p: LogProbProblem, rows: torch.Tensor) -> torch.Tensor:
+    local = p.labels.index_select(0, rows) - p.vocab_start
+    return torch.where((local >= 0) & (local < p.valid_columns), local, torch.full_like(local, -1))
+
+
+def _inverse_temperature(p: LogProbProblem, rows: torch.Tensor) -> torch.Tensor:
+    if isinstance(p.temperature, torch.Tensor):
+        return p.temperature.index_select(0, rows).reciprocal()
+    return torch.full((rows.numel(),), 1.0 / p.temperature, dtype=torch.float32, device=rows.device)
+
+
+def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool):
+    """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
+    Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
+    gemms = _Gemms(p.weight, p.valid_columns)
+    chunk_statistics, chunk_grad_logits = _elementwise_functions(p.hidden.device.type)
+    device, n = p.hidden.device, p.num_rows
+    log_probs = torch.zeros(n, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
+    g_lp_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads else None
+    g_ent_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads and p.calculate_entropy else None
+    d_hidden = torch.zeros_like(p.hidden) if want_grads else None
+    d_weight32 = (
+        torch.zeros(p.valid_columns, p.hidden.shape[1], dtype=torch.float32, device=device) if want_grads else None
+    )
+    n_active = p.active_rows.numel()
+    for start in range(0, n_active, p.tile_rows):
+        rows = p.active_rows[start : start + p.tile_rows]
+        label_col, inv_temp = _label_columns(p, rows), _inverse_temperature(p, rows)
+        if p.valid_columns > 0:
+            h = gemms.rows(p.hidden, rows)
+            raw = gemms.raw_logits(h)
+            partials = chunk_statistics(raw, label_col, inv_temp)
+        else:  # a shard of padding only: no mass, still part of the TP merge
+            raw = h = None
+            zeros = torch.zeros(rows.numel(), dtype=torch.float32, device=device)
+            partials = (torch.full_like(zeros, float("-inf")), zeros, zeros, zeros)
+        lp, ent, row_max, log_sum, shifted_mean = combine_row_statistics(p, *partials)
+        log_probs.index_copy_(0, rows, lp)
+        if entropy is not None:
+            entropy.index_copy_(0, rows, ent)
+        if not want_grads:
+            continue
+        g_lp, g_ent = _chunk_row_gradients(call, rows, log_probs, entropy, lp, ent)
+        g_lp_used.index_copy_(0, rows, g_lp)
+        if g_ent_used is not None:
+            g_ent_used.index_copy_(0, rows, g_ent)
+        if raw is None:
+            continue
+        out_dtype = p.weight.dtype if gemms.mixed else torch.float32
+        grad_logits = chunk_grad_logits(raw, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, out_dtype)
+        del raw
+        d_hidden.index_copy_(0, rows, gemms.grad_hidden(grad_logits).to(p.hidden.dtype))
+        gemms.accumulate_grad_weight(d_weight32, grad_logits, h)
+        del grad_logits
+    loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, with_grad=want_grads)
+    if want_grads:
+        _check_separable(call, g_lp_used, g_lp_exact, p.active_rows, "log-prob")
+        if g_ent_used is not None:
+            _check_separable(call, g_ent_used, g_ent_exact, p.active_rows, "entropy")
+    d_weight = None
+    if want_grads:
+        d_weight = torch.zeros_like(p.weight)
+        d_weight[: p.valid_columns] = d_weight32.to(p.weight.dtype)
+    return loss, metrics, log_probs, entropy, d_hidden, d_weight
+
+
+def _scaled(gradient: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if bool(scale == 1):
+        return gradient
+    return (gradient.float() * scale.float()).to(gradient.dtype)
+
+
+class _FusedLogProbEntropyLoss(torch.autograd.Function):
+    """Forward does all the work; backward scales the stored input gradients by d(result)/d(loss)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: LogProbProblem, call: _LossCall):
+        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, want_grads=True)
+        ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
+        ctx.set_materialize_grads(False)
+        return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_log_probs, grad_entropy):
+        for name, grad in (("log-probs", grad_log_probs), ("entropy", grad_entropy)):
+            if grad is not None and bool(grad.ne(0).any()):
+                raise LossGradientError(
+                    f"loss {ctx.loss_name}: a gradient reached the {name} returned by log_probs_entropy_and_loss; "
+                    "the fused op only back-propagates its own loss, so a further loss on its outputs would be "
+                    "dropped. Fold that term into loss_fn, or use log_probs_and_entropy"
+                )
+        if grad_loss is None:
+            return None, None, None, None
+        grad_hidden = _scaled(ctx.d_hidden, grad_loss) if ctx.needs_input_grad[0] else None
+        grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
+        ctx.d_hidden = ctx.d_weight = None
+        return grad_hidden, grad_weight, None, None
+
+
+def log_probs_entropy_and_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    loss_fn: LossFunction,
+    loss_name: str,
+    temperature: float | torch.Tensor = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    score_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+    calculate_entropy: bool = True,
+    chunk_rows: int | None = None,
+    row_gradients: RowGradients | None = None,
+) -> FusedLossResult:
+    """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
+
+    Arguments as `log_probs_and_entropy` (same checks), plus:
+        loss_fn: (log_probs, entropy or None), fp32 shaped like labels -> (scalar loss, metrics). Must be
+            token-separable (row i's gradient depends on row i's values only) and deterministic; it is
+            called once per chunk of rows and once more on the final values, identically on every TP rank.
+        loss_name: names the loss in errors.
+        chunk_rows: scored rows per chunk (default: one fp32 [chunk_rows, V_local] chunk near 256 MiB).
+        row_gradients: optional (rows, their log_probs, their entropy or None) -> (g_lp, g_ent or None),
+            the loss's gradients for the given flat rows; spares a whole-batch loss_fn call per chunk.
+            Checked like the separability: against autograd of loss_fn after the last chunk.
+
+    Returns FusedLossResult: `loss` back-propagates into hidden and weight (TP: partial d_hidden, as
+    `log_probs_and_entropy`); `metrics` come from the final evaluation. Backward raises LossGradientError
+    if a gradient reaches the returned log_probs/entropy; the forward raises NonSeparableLossError when
+    loss_fn is not token-separable.
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn: expected a callable (log_probs, entropy) -> (loss, metrics), got {type(loss_fn).__name__}")
+    if not isinstance(loss_name, str) or not loss_name:
+        raise ValueError(f"loss_name: expected a non-empty str, got {loss_name!r}")
+    p = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        tp_group=tp_group,
+        score_mask=score_mask,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+        calculate_entropy=calculate_entropy,
+        tile_rows=chunk_rows,
+    )
+    if row_gradients is not None and not callable(row_gradients):
+        raise ValueError(f"row_gradients: expected None or a callable, got {type(row_gradients).__name__}")
+    call = _LossCall(loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients)
+    if not p.needs_grad:
+        with torch.no_grad():
+            loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, want_grads=False)
+    else:
+        loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call)
+        metrics = call.metrics
+        entropy = entropy if p.calculate_entropy else None
+    return FusedLossResult(
+        loss=loss,
+        metrics=metrics,
+        log_probs=log_probs.view(labels.shape),
+        entropy=None if entropy is None else entropy.view(labels.shape),
+    )

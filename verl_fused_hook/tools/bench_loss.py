@@ -1,0 +1,129 @@
+"""The bench's policy-loss methods: the output layer plus verl's `ppo_loss`, forward and backward.
+
+fused_loss: `log_probs_entropy_and_loss` with verl's ppo_loss inside the op (logits once, three GEMMs).
+verl_loss: verl's Triton kernel for log-probs and entropy, then verl's ppo_loss on them (verl's path).
+Both run the same loss on the same synthetic actor-update batch: sequences of SEQUENCE_TOKENS tokens
+(one prompt token, the rest response), GRPO-like settings (vanilla clipped loss, token-mean over the
+batch's tokens, entropy bonus, low-variance KL to reference log-probs). Needs `import verl`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..ops import log_probs_entropy_and_loss
+
+SEQUENCE_TOKENS = 2048
+# One fp32 [rows, V] chunk of logits near this size: few chunks, so few calls of verl's loss per step.
+CHUNK_BYTES = 1024**3
+
+
+def _loss_config():
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(
+        strategy="megatron",
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        entropy_coeff=0.001,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.001,
+        loss_agg_mode="token-mean",
+    )
+
+
+@functools.cache
+def row_loss(n: int, device: str) -> tuple[Callable, Callable, str]:
+    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its name) for a synthetic batch of
+    N tokens on `device`."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_row_gradients
+
+    length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
+    sequences = n // length
+    g = torch.Generator(device=device).manual_seed(n)
+
+    def jagged(width: int, make):  # built from a list, as verl's batches are
+        return torch.nested.as_nested_tensor([make((width,)) for _ in range(sequences)], layout=torch.jagged)
+
+    response = length - 1
+    data = tu.get_tensordict(
+        {
+            "prompts": jagged(1, lambda s: torch.zeros(s, dtype=torch.long, device=device)),
+            "responses": jagged(response, lambda s: torch.zeros(s, dtype=torch.long, device=device)),
+            "response_mask": jagged(response, lambda s: torch.ones(s, dtype=torch.long, device=device)),
+            "old_log_probs": jagged(response, lambda s: -torch.rand(s, generator=g, device=device) * 3),
+            "ref_log_prob": jagged(response, lambda s: -torch.rand(s, generator=g, device=device) * 3),
+            "advantages": jagged(response, lambda s: torch.randn(s, generator=g, device=device)),
+        },
+        non_tensor_dict={"dp_size": 1, "batch_num_tokens": sequences * response, "global_batch_size": sequences},
+    )
+    offsets = torch.arange(sequences + 1, device=device) * length
+    config = _loss_config()
+    to_nested = functools.partial(torch.nested.nested_tensor_from_jagged, offsets=offsets)
+    return (
+        ppo_loss_of_rows(functools.partial(ppo_loss, config=config), data, to_nested),
+        ppo_row_gradients(config, data, to_nested, torch.Size([n]), device),
+        ppo_loss_name(config),
+    )
+
+
+def _as_loss_method(fn):
+    fn.returns_loss = True  # bench: back-propagate the returned scalar instead of (log_probs, entropy)
+    return fn
+
+
+def fused_loss_method():
+    def fn(h, w, labels, temperature, score_mask=None):
+        loss_fn, row_gradients, name = row_loss(h.shape[0], str(h.device))
+        chunk_rows = max(1, CHUNK_BYTES // (4 * w.shape[0]))
+        result = log_probs_entropy_and_loss(
+            h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
+            chunk_rows=chunk_rows, row_gradients=row_gradients,
+        )
+        return result.loss
+
+    return _as_loss_method(fn)
+
+
+def verl_loss_method(verl_kernel: Callable | None):
+    """verl's kernel (bench's `verl` method: (log_probs, entropy)) followed by verl's ppo_loss; None without it."""
+    if verl_kernel is None:
+        return None
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        loss_fn = row_loss(h.shape[0], str(h.device))[0]
+        log_probs, entropy = verl_kernel(h, w, labels, temperature, score_mask)
+        return loss_fn(log_probs, entropy)[0]
+
+    return _as_loss_method(fn)
+
+
+def loss_accuracy(fn, hidden, weight, labels, temperature) -> dict:
+    """Relative error of a loss method's loss and both gradients against fp64 logits and the same loss."""
+    loss_fn = row_loss(hidden.shape[0], str(hidden.device))[0]
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
+    lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = -(log_softmax.exp() * log_softmax).sum(-1)
+    del log_softmax
+    want_loss = loss_fn(lp, ent)[0]
+    want_dh, want_dw = torch.autograd.grad(want_loss, (hd, wd))
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    loss = fn(h, w, labels, temperature, None)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    return {
+        "log_prob_max_err": None,
+        "entropy_max_err": None,
+        "loss_rel_err": abs(loss.item() - want_loss.item()) / abs(want_loss.item()),
+        "d_hidden_rel_err": rel(dh, want_dh),
+        "d_weight_rel_err": rel(dw, want_dw),
+    }
