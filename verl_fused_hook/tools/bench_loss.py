@@ -17,8 +17,6 @@ import torch
 from ..ops import log_probs_entropy_and_loss
 
 SEQUENCE_TOKENS = 2048
-# One fp32 [rows, V] chunk of logits near this size: few chunks, so few calls of verl's loss per step.
-CHUNK_BYTES = 1024**3
 
 
 def _loss_config():
@@ -83,10 +81,9 @@ def _as_loss_method(fn):
 def fused_loss_method():
     def fn(h, w, labels, temperature, score_mask=None):
         loss_fn, row_gradients, name = row_loss(h.shape[0], str(h.device))
-        chunk_rows = max(1, CHUNK_BYTES // (4 * w.shape[0]))
         result = log_probs_entropy_and_loss(
             h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
-            chunk_rows=chunk_rows, row_gradients=row_gradients,
+            row_gradients=row_gradients,  # chunk_rows: the op's default, what hook mode uses
         )
         return result.loss
 
