@@ -276,3 +276,13 @@ def test_logging_level_is_read_once_per_install(caplog):
     assert [r.getMessage() for r in caplog.records].count(
         "verl_fused_hook: VERL_FUSED_HOOK_LOGGING_LEVEL='loud' is not a level; use one of DEBUG, INFO, WARNING, ERROR, CRITICAL; using INFO"
     ) == 1
+
+
+def test_tp_group_that_is_not_a_group_is_a_value_error_with_torch_distributed_up():
+    """With a process group initialized (as in any trainer), a stray object must not reach torch.distributed."""
+    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+
+    init_model_parallel(1)
+    hidden, weight, labels = _problem(requires_grad=False)
+    with pytest.raises(ValueError, match="^tp_group: expected a torch.distributed ProcessGroup or None, got object"):
+        log_probs_and_entropy(hidden, weight, labels, tp_group=object())

@@ -19,6 +19,8 @@ _row_counts_checked: set = set()
 
 
 def _tp_layout(tp_group) -> tuple[int, int]:
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(f"tp_group: expected a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         if tp_group is not None:
             raise ValueError("tp_group was given but torch.distributed is not initialized; pass tp_group=None for one rank")
