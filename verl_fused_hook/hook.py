@@ -81,9 +81,15 @@ class FusedOutputProcessorContext:
         if not isinstance(self.as_tuple, bool):
             raise ValueError(f"FusedOutputProcessorContext.as_tuple: expected a bool, got {self.as_tuple!r}")
         if self.score_mask is not None and (
-            not isinstance(self.score_mask, torch.Tensor) or self.score_mask.dtype != torch.bool or self.score_mask.dim() != 2
+            not isinstance(self.score_mask, torch.Tensor)
+            or self.score_mask.dtype != torch.bool
+            or self.score_mask.dim() != 2
+            or self.score_mask.device.type == "meta"
         ):
-            raise ValueError("FusedOutputProcessorContext.score_mask: expected None or a bool tensor [b, s] shaped like labels")
+            raise ValueError(
+                "FusedOutputProcessorContext.score_mask: expected None or a bool tensor [b, s] shaped like labels "
+                "(not on the meta device)"
+            )
         if self.backend not in PROCESSOR_BACKENDS:
             raise ValueError(
                 f"FusedOutputProcessorContext.backend: unknown {self.backend!r}; allowed: {', '.join(PROCESSOR_BACKENDS)}"
@@ -178,7 +184,12 @@ def _tp_group_of(output_layer):
 
 
 def _per_token(value: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Broadcast a 0-d, [b] or [b, s] tensor to labels' [b, s]."""
+    """Broadcast a [b] or [b, s] temperature tensor to labels' [b, s]."""
+    if value.shape not in (labels.shape[:1], labels.shape):
+        raise ValueError(
+            f"FusedOutputProcessorContext.temperature: a tensor must be 0-d, [b] = {tuple(labels.shape[:1])} "
+            f"or [b, s] = {tuple(labels.shape)} like labels, got {tuple(value.shape)}"
+        )
     if value.dim() == 1:
         value = value.unsqueeze(1)
     return value.to(labels.device).expand(labels.shape)
@@ -186,6 +197,15 @@ def _per_token(value: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _transposed(values: torch.Tensor | None) -> torch.Tensor | None:
     return values.t().contiguous() if values is not None else None
+
+
+def _check_output_layer_has_no_bias(output_layer) -> None:
+    """The processor computes hidden @ weight.T; a bias it silently dropped would change every log-prob."""
+    if getattr(output_layer, "bias", None) is not None:
+        raise ValueError(
+            f"output_layer ({type(output_layer).__name__}) has a bias; fused_output_processor supports only a "
+            "bias-free output layer (megatron-core's GPTModel builds it without one)"
+        )
 
 
 def fused_output_processor(
@@ -216,6 +236,7 @@ def fused_output_processor(
         )
     if labels is None:
         raise ValueError("labels: fused_output_processor computes log-probs of the labels, so GPTModel.forward needs labels=")
+    _check_output_layer_has_no_bias(output_layer)
     weight = resolve_output_weight(output_layer, output_weight)
     tp_group = _tp_group_of(output_layer)
     tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
@@ -231,6 +252,11 @@ def fused_output_processor(
             f"{tuple(hidden.shape)}, got {tuple(labels.shape)}"
         )
 
+    if context.score_mask is not None and context.score_mask.shape != labels.shape:
+        raise ValueError(
+            f"FusedOutputProcessorContext.score_mask: must be shaped like labels [b, s] = {tuple(labels.shape)}, "
+            f"got {tuple(context.score_mask.shape)}"
+        )
     temperature = context.temperature
     multiplier = logit_multiplier(scale_logits, config)
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:

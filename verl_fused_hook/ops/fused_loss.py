@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from . import chunk_elementwise
 from .interface import build_problem
@@ -230,6 +231,7 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
         return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
 
     @staticmethod
+    @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
     def backward(ctx, grad_loss, grad_log_probs, grad_entropy):
         for name, grad in (("log-probs", grad_log_probs), ("entropy", grad_entropy)):
             if grad is not None and bool(grad.ne(0).any()):
@@ -301,13 +303,15 @@ def log_probs_entropy_and_loss(
     if row_gradients is not None and not callable(row_gradients):
         raise ValueError(f"row_gradients: expected None or a callable, got {type(row_gradients).__name__}")
     call = _LossCall(loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients)
-    if not p.needs_grad:
-        with torch.no_grad():
-            loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, want_grads=False)
-    else:
-        loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call)
-        metrics = call.metrics
-        entropy = entropy if p.calculate_entropy else None
+    # fp32 whatever the caller's autocast says, as log_probs_and_entropy (its backward only scales)
+    with torch.autocast(device_type=p.hidden.device.type, enabled=False):
+        if not p.needs_grad:
+            with torch.no_grad():
+                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, want_grads=False)
+        else:
+            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call)
+            metrics = call.metrics
+            entropy = entropy if p.calculate_entropy else None
     return FusedLossResult(
         loss=loss,
         metrics=metrics,

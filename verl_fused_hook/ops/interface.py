@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,8 +11,16 @@ import torch.distributed as dist
 from .backends import BACKEND_CHOICES, resolve_backend
 from .problem import LogProbProblem, default_tile_rows
 
+logger = logging.getLogger(__name__)
+
+# Groups whose ranks have been seen to agree on the row counts (checked on a group's first call, and on
+# every call while this module's logger is at DEBUG): a mismatch would hang the first collective.
+_row_counts_checked: set = set()
+
 
 def _tp_layout(tp_group) -> tuple[int, int]:
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(f"tp_group: expected a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         if tp_group is not None:
             raise ValueError("tp_group was given but torch.distributed is not initialized; pass tp_group=None for one rank")
@@ -20,8 +29,14 @@ def _tp_layout(tp_group) -> tuple[int, int]:
 
 
 def check_temperature_values(field: str, temperature) -> None:
-    """ValueError naming `field` unless `temperature` is a finite number > 0 or a tensor of such values."""
+    """ValueError naming `field` unless `temperature` is a finite number > 0 or a floating tensor of such values."""
     if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise ValueError(f"{field}: a tensor must be floating point, got {temperature.dtype}")
+        if temperature.device.type == "meta":
+            raise ValueError(f"{field}: a tensor on the meta device holds no values; pass it on the CPU or the model's device")
+        if temperature.requires_grad:
+            raise ValueError(f"{field}: requires grad, but no gradient flows to the temperature; pass temperature.detach()")
         if not bool(torch.isfinite(temperature).all()) or not bool((temperature > 0).all()):
             raise ValueError(f"{field}: every value must be finite and > 0")
         return
@@ -45,6 +60,38 @@ def _check_temperature(temperature, labels: torch.Tensor, device: torch.device) 
     return temperature.reshape(-1).to(device=device, dtype=torch.float32)
 
 
+def _check_tensor(field: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{field}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise ValueError(f"{field}: a tensor on the meta device holds no values")
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def check_row_counts_agree(tp_group, device: torch.device, num_rows: int, scored_rows: int) -> None:
+    """ValueError naming every rank's row counts when the ranks of `tp_group` disagree.
+
+    Every rank must pass the same rows (the collectives exchange per-row
+    statistics); otherwise the first collective waits forever. One small
+    all-gather on a group's first call, and on every call at DEBUG level.
+    """
+    if tp_group in _row_counts_checked and not logger.isEnabledFor(logging.DEBUG):
+        return
+    mine = torch.tensor([num_rows, scored_rows], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(everyone, mine, group=tp_group)
+    counts = [tuple(int(x) for x in rank_counts.tolist()) for rank_counts in everyone]
+    if any(c != counts[0] for c in counts):
+        per_rank = ", ".join(f"rank {rank}: {n} rows ({k} scored)" for rank, (n, k) in enumerate(counts))
+        raise ValueError(
+            f"hidden/labels/score_mask: every rank of tp_group must pass the same rows and the same scored rows, got {per_rank}"
+        )
+    _row_counts_checked.add(tp_group)
+
+
 def log_probs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -65,11 +112,12 @@ def log_probs_and_entropy(
     backward recomputes each tile's logits.
 
     Args:
-        hidden: [..., H] rows (any float dtype; computed in fp32).
+        hidden: [..., H] rows (any float dtype; computed in fp32, also under torch.autocast).
         weight: [V_local, H], this rank's contiguous vocabulary shard: rank r of
             `tp_group` holds global ids r*V_local ... (r+1)*V_local-1.
         labels: global token ids shaped like `hidden` without its last dim.
-        temperature: float > 0, or a tensor of per-row temperatures shaped like labels.
+        temperature: float > 0, or a floating tensor of per-row temperatures shaped like
+            labels (no gradient flows to it: a tensor that requires grad is refused).
         tp_group: the tensor-parallel group the vocabulary is sharded over (None: one rank).
         score_mask: bool tensor shaped like labels; False rows are not computed.
         ignore_index: label value of rows that are not computed.
@@ -103,7 +151,10 @@ def log_probs_and_entropy(
         calculate_entropy=calculate_entropy,
         tile_rows=tile_rows,
     )
-    log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
+    # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
+    # recomputes in fp32, see the backends' fp32_backward) working against bf16 statistics.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
     log_probs = log_probs.view(labels.shape)
     return log_probs, (entropy.view(labels.shape) if entropy is not None else None)
 
@@ -122,7 +173,17 @@ def build_problem(
     tile_rows: int | None,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it)."""
-    if hidden.dim() < 1 or hidden.shape[:-1] != labels.shape:
+    for field, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        _check_tensor(field, value)
+    if score_mask is not None:
+        _check_tensor("score_mask", score_mask)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+    if not isinstance(calculate_entropy, bool):
+        raise ValueError(f"calculate_entropy: expected a bool, got {calculate_entropy!r}")
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden: must be [..., H] with H >= 1, got {tuple(hidden.shape)}")
+    if hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
         )
@@ -136,7 +197,7 @@ def build_problem(
         raise ValueError(f"hidden/weight: must be floating point, got {hidden.dtype} and {weight.dtype}")
     if hidden.device != weight.device or labels.device != hidden.device:
         raise ValueError(f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}")
-    if labels.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+    if not _is_integer_dtype(labels.dtype):
         raise ValueError(f"labels: must be an integer tensor, got {labels.dtype}")
     if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
@@ -162,6 +223,9 @@ def build_problem(
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
 
+    if tp_world_size > 1:
+        check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), int(scored.sum()))
+
     vocab_start = tp_rank * local_vocab
     problem = LogProbProblem(
         hidden=hidden.reshape(-1, hidden.shape[-1]),
@@ -173,7 +237,7 @@ def build_problem(
         valid_columns=max(0, min(local_vocab, vocab_size - vocab_start)),
         tp_group=tp_group if tp_world_size > 1 else None,
         tp_world_size=tp_world_size,
-        calculate_entropy=bool(calculate_entropy),
+        calculate_entropy=calculate_entropy,
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
     )
     return problem

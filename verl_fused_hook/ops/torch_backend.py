@@ -10,7 +10,9 @@ per-row statistics travel: one MAX and one SUM all-reduce per call.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from .precision import fp32_backward
 from .problem import LogProbProblem
 from .statistics import combine_row_statistics, scatter_rows
 
@@ -107,6 +109,8 @@ class _TiledLogProbEntropy(torch.autograd.Function):
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)
 
     @staticmethod
+    @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
+    @fp32_backward
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, labels, active_rows, row_max, log_sum, shifted_mean, temperature = ctx.saved_tensors
         vocab_start, valid_columns, tile_rows, calculate_entropy = ctx.layout

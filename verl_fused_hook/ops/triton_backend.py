@@ -20,7 +20,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from .precision import fp32_backward
 from .problem import LogProbProblem
 from .statistics import combine_row_statistics, rescale_partials, scatter_rows
 
@@ -243,6 +245,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)
 
     @staticmethod
+    @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
+    @fp32_backward
     def backward(ctx, grad_log_probs, grad_entropy):
         *saved, active_rows = ctx.saved_tensors
         valid_columns, num_rows, calculate_entropy = ctx.layout

@@ -9,14 +9,14 @@ and is safe to call more than once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 from .lazy_import import when_imported
+from .ray_env import LOG_LEVEL_ENV, install_ray_env_forwarding
 
 logger = logging.getLogger(__name__)
-
-LOG_LEVEL_ENV = "VERL_FUSED_HOOK_LOGGING_LEVEL"
 
 
 def _on_engine_import(engine_module) -> None:
@@ -31,18 +31,46 @@ def _on_mbridge_import(util_module) -> None:
     apply(util_module)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level_from_env(environ=None) -> tuple[str, str | None]:
+    """The level `VERL_FUSED_HOOK_LOGGING_LEVEL` names (default INFO), and a warning when it names none.
+
+    A bad level must never stop `install()`: verl's plugin loader hides plugin errors at
+    debug level, so raising here would switch the whole plugin off without a word.
+    """
+    raw = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV)
+    if raw is None:
+        return "INFO", None
+    if raw.strip().upper() in LOG_LEVELS:
+        return raw.strip().upper(), None
+    return "INFO", f"{LOG_LEVEL_ENV}={raw!r} is not a level; use one of {', '.join(LOG_LEVELS)}; using INFO"
+
+
+@functools.cache  # `import verl` installs us twice (package import and entry point): one line per problem
+def _report_once(level: int, message: str) -> None:
+    logger.log(level, message)
+
+
 def install() -> None:
     """Hook into verl's Megatron engine (and fix mbridge on megatron-core >= 0.18) once they are imported."""
     from ..switch import parse_env
 
-    logging.getLogger("verl_fused_hook").setLevel(os.getenv(LOG_LEVEL_ENV, "INFO").upper())
+    level, level_warning = log_level_from_env()
+    logging.getLogger("verl_fused_hook").setLevel(level)
+    if level_warning is not None:
+        _report_once(logging.WARNING, f"verl_fused_hook: {level_warning}")
     try:
         parse_env()
     except ValueError as error:
         # verl's plugin loader swallows exceptions, so say it now; the engine build raises it again.
-        logger.error("verl_fused_hook: %s (the Megatron engine build will stop with this error)", error)
+        _report_once(
+            logging.ERROR, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)"
+        )
     when_imported("verl.workers.engine.megatron.transformer_impl", _on_engine_import)
     when_imported("mbridge.core.util", _on_mbridge_import)
+    install_ray_env_forwarding()
 
 
 __all__ = ["install"]

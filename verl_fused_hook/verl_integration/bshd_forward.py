@@ -21,7 +21,7 @@ import torch
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import VERL_BACKEND
-from .engine_forward import MULTI_MODAL_KEYS, check_backend_accepts
+from .engine_forward import MULTI_MODAL_KEYS, check_backend_accepts, sample_temperatures
 from .model_plan import plan_of
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ def make_bshd_engine_forward(vision_model: bool):
     ):
         """Fused log-probs (and entropy) of nested `labels`, run on verl's padded [batch, seq] layout.
 
-        temperature: a float, or per-sample values [batch] (broadcast over each sample's tokens).
+        temperature: a float, or per-sample values [batch] (broadcast over each sample's tokens), under
+            verl's rule (`sample_temperatures`: non-finite raises, <= 0 floored to 1e-8).
         score_rows: optional jagged bool shaped like input_ids; False rows are never computed
             and come back as 0. Padding rows are never computed either (except by backend
             verl, whose kernel scores every row; logged once).
@@ -83,6 +84,7 @@ def make_bshd_engine_forward(vision_model: bool):
         _check_bshd_inputs(local_cp_size, router_padding_mask, pad_to_length_bucket)
         gpt = unwrap_to_gpt(model)
         backend = plan_of(model).backend
+        temperature = sample_temperatures(temperature, input_ids.shape[0])  # verl's rule: NaN raises, <= 0 -> 1e-8
         check_backend_accepts(backend, temperature, score_rows)
         layout = dict(use_fp8_padding=gpt.config.fp8 in ("e4m3", "hybrid"), forced_max_seqlen=forced_max_seqlen)
 
@@ -102,10 +104,6 @@ def make_bshd_engine_forward(vision_model: bool):
             score_mask = real_rows
         else:
             score_mask = preprocess_bshd_engine(score_rows, pre_process=True, **layout)[0] & real_rows
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.float()  # [batch]: the context broadcasts it over each sample's row
-        else:
-            temperature = float(temperature)
         context = FusedOutputProcessorContext(
             temperature=temperature,
             # verl's kernel always computes both; asking it for less is refused by the context.

@@ -6,7 +6,7 @@ functions that use them and calls `_resolve_fused_temperature` and its methods
 through module/class lookups, so replacing those attributes reroutes every
 call without touching verl's files. Each replacement dispatches on the plan
 stored on the model and hands every model without one to verl's original.
-The originals are kept, so `restore()` puts verl back exactly.
+The originals are kept (`replacements`), so `restore()` puts verl back exactly.
 """
 
 from __future__ import annotations
@@ -21,34 +21,14 @@ from .bshd_forward import make_bshd_engine_forward
 from .engine_forward import make_hook_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import make_patch_postprocess
+from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
+from .replacements import replace as _replace
 from .step_scoring import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 VERL_HIDDEN_MULTIPLE = 128  # verl's Triton kernel asserts hidden_size % 128 == 0
-
-_originals: dict[tuple[object, str], object] = {}
-
-
-def _replace(owner, name: str, make) -> None:
-    if (owner, name) in _originals:
-        return
-    original = getattr(owner, name)
-    _originals[(owner, name)] = original
-    setattr(owner, name, make(original))
-
-
-def original(owner, name: str):
-    """verl's own object behind a replaced attribute (the attribute itself when not replaced)."""
-    return _originals.get((owner, name), getattr(owner, name))
-
-
-def restore() -> None:
-    """Put every replaced attribute back (tests, and switching a process back to plain verl)."""
-    for (owner, name), value in list(_originals.items()):
-        setattr(owner, name, value)
-        del _originals[(owner, name)]
 
 
 def _check_backend_at_build(backend: str, gpt) -> None:

@@ -10,6 +10,8 @@ temperatures, the rows to score and the configured backend.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..hook import FusedOutputProcessorContext, fused_output_processor
@@ -27,6 +29,33 @@ def _per_token_nested(per_sample: torch.Tensor, like: torch.Tensor) -> torch.Ten
     offsets = like.offsets()
     values = per_sample.to(offsets.device).repeat_interleave(offsets.diff())
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+VERL_TEMPERATURE_FLOOR = 1e-8  # verl's floor for non-positive (padding) temperatures
+
+
+def sample_temperatures(temperature, batch_size: int) -> float | torch.Tensor:
+    """verl's rule for the engine forward's `temperature`, on real samples: a float, or an fp32 [batch] tensor.
+
+    Non-finite values raise (verl's fused path refuses them, its unfused path
+    asserts); values <= 0 are floored to 1e-8, as verl's unfused path does.
+    """
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or temperature.dim() != 1 or temperature.shape[0] != batch_size:
+            raise ValueError(
+                f"temperature: a tensor must be floating point and [batch] = [{batch_size}], "
+                f"got {temperature.dtype} {tuple(temperature.shape)}"
+            )
+        if temperature.device.type == "meta":
+            raise ValueError("temperature: a tensor on the meta device holds no values")
+        if not bool(torch.isfinite(temperature).all()):
+            raise ValueError(f"temperature: every per-sample value must be finite, got {temperature.tolist()}")
+        return temperature.detach().float().clamp_min(VERL_TEMPERATURE_FLOOR)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature: expected a float or a tensor [batch], got {type(temperature).__name__}")
+    if not math.isfinite(temperature):
+        raise ValueError(f"temperature: must be finite, got {temperature}")
+    return max(float(temperature), VERL_TEMPERATURE_FLOOR)
 
 
 def check_backend_accepts(backend: str, temperature, score_rows) -> None:
@@ -62,7 +91,8 @@ def make_hook_engine_forward(vision_model: bool):
     ):
         """Fused log-probs (and entropy) of nested `labels` through the output_processor hook.
 
-        temperature: a float, or per-sample values [batch] (mixed temperatures).
+        temperature: a float, or per-sample values [batch] (mixed temperatures); verl's rule
+            applies (`sample_temperatures`: non-finite raises, <= 0 floored to 1e-8).
         score_rows: optional jagged bool shaped like input_ids; False positions are
             never computed and come back as 0 (only for callers that never read them).
         Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's
@@ -70,6 +100,7 @@ def make_hook_engine_forward(vision_model: bool):
         """
         gpt = unwrap_to_gpt(model)
         backend = plan_of(model).backend
+        temperature = sample_temperatures(temperature, input_ids.shape[0])
         check_backend_accepts(backend, temperature, score_rows)
         config = gpt.config
         layout = dict(
@@ -124,8 +155,9 @@ def make_hook_engine_forward(vision_model: bool):
                 ),
             )
         if isinstance(temperature, torch.Tensor):
-            # Padding positions pack as 0; give them 1.0 so every row holds a valid temperature.
-            token_temperature = pack(_per_token_nested(temperature.float(), input_ids))
+            # Real positions hold their sample's temperature (>= 1e-8 after verl's floor); padding
+            # positions pack as 0: give them 1.0 so every row holds a valid temperature.
+            token_temperature = pack(_per_token_nested(temperature, input_ids))
             token_temperature = torch.where(token_temperature > 0, token_temperature, torch.ones_like(token_temperature))
         else:
             token_temperature = float(temperature)

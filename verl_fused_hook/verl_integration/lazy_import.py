@@ -19,16 +19,19 @@ _lock = threading.Lock()
 
 
 class _AfterImportLoader(importlib.abc.Loader):
-    def __init__(self, loader, callback: Callable):
+    def __init__(self, loader, finder: "_AfterImportFinder"):
         self._loader = loader
-        self._callback = callback
+        self._finder = finder
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        # If this raises (the module or the callback), the import fails as a whole and the finder
+        # stays in place, so the next import runs the callback again: never a module without it.
         self._loader.exec_module(module)
-        self._callback(module)
+        self._finder.callback(module)
+        self._finder.retire()
 
     def __getattr__(self, name):  # get_code, get_source, is_package, ... of the real loader
         return getattr(self._loader, name)
@@ -38,15 +41,25 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, callback: Callable):
         self.name = name
         self.callback = callback
+        self._searching = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self._searching:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from finding us again
-        spec = importlib.util.find_spec(fullname)
+        self._searching = True  # keeps the find_spec below from finding us again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _AfterImportLoader(spec.loader, self.callback)
+            spec.loader = _AfterImportLoader(spec.loader, self)
         return spec
+
+    def retire(self) -> None:
+        """Leave sys.meta_path once the callback has run on the imported module."""
+        with _lock:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
 
 
 def when_imported(name: str, callback: Callable) -> None:
