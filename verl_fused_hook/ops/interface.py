@@ -58,7 +58,8 @@ def log_probs_and_entropy(
     calculate_entropy: bool = True,
     backend: str = "auto",
     tile_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_label_is_max: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
 
     Never materializes [rows, vocab] logits: rows are processed in tiles and the
@@ -78,10 +79,14 @@ def log_probs_and_entropy(
         calculate_entropy: when False the entropy is neither computed nor returned.
         backend: one of "auto", "torch" (and GPU kernels when installed).
         tile_rows: rows per tile; default keeps one fp32 logits tile near 256 MiB.
+        return_label_is_max: also return, per row, whether the label's logit is the
+            row maximum over the whole vocabulary (greedy acceptance, e.g. MTP's).
 
     Returns:
         (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
-        Rows not computed hold 0 and get zero gradient.
+        Rows not computed hold 0 and get zero gradient. With return_label_is_max a
+        third output: bool shaped like labels, not differentiable, False on rows not
+        computed; a label tied with another column at the maximum counts as True.
 
     Tensor-parallel contract (Megatron's convention): every rank passes the same
     full `hidden` and gets identical outputs. Backward returns each rank's
@@ -107,6 +112,8 @@ def log_probs_and_entropy(
         raise ValueError(f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}")
     if labels.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise ValueError(f"labels: must be an integer tensor, got {labels.dtype}")
+    if not isinstance(return_label_is_max, bool):
+        raise ValueError(f"return_label_is_max: expected a bool, got {return_label_is_max!r}")
     if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
 
@@ -144,7 +151,11 @@ def log_probs_and_entropy(
         tp_world_size=tp_world_size,
         calculate_entropy=bool(calculate_entropy),
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
+        label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
     )
     log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
     log_probs = log_probs.view(labels.shape)
-    return log_probs, (entropy.view(labels.shape) if entropy is not None else None)
+    entropy = entropy.view(labels.shape) if entropy is not None else None
+    if return_label_is_max:
+        return log_probs, entropy, problem.label_is_max.view(labels.shape)
+    return log_probs, entropy
