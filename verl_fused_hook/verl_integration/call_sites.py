@@ -19,7 +19,7 @@ from ..probe import require_output_processor_support, unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, LEGACY, VERL_BACKEND, resolve_plan
 from .engine_forward import make_hook_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
-from .mtp import make_patch_postprocess
+from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
 from .step_scoring import current_step, make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ def _make_engine_fn_getter(verl_getter):
             step = current_step()
             if step is not None and step.score_rows is not None:
                 kwargs.setdefault("score_rows", step.score_rows)
+            if step is not None and step.mtp is not None:
+                kwargs.setdefault("mtp", step.mtp)
             return hook_forward(model, *args, **kwargs)
 
         return fused_forward
@@ -114,10 +116,12 @@ def install_call_sites() -> None:
     mcore = importlib.import_module("verl.models.mcore")
     fused = importlib.import_module("verl.models.mcore.model_forward_fused")
     mtp_patch = importlib.import_module("verl.models.mcore.mtp_patch")
+    gpt_model = importlib.import_module("megatron.core.models.gpt.gpt_model")
     engine = importlib.import_module(ENGINE_MODULE)
     _replace(fused, "patch_fused_forward", _make_patch_fused_forward)
     _replace(mcore, "get_mcore_forward_fused_model_engine_fn", _make_engine_fn_getter)
     _replace(mtp_patch, "patch_postprocess", make_patch_postprocess)
+    _replace(gpt_model, "process_mtp_loss", make_process_mtp_loss)
     _replace(engine, "_resolve_fused_temperature", make_resolve_fused_temperature)
     _replace(engine.MegatronEngineWithLMHead, "forward_step", make_forward_step)
 
@@ -139,7 +143,8 @@ def _make_build_gate(verl_enable):
         for model in self.module:
             set_plan(model, plan)
         try:
-            verl_enable(self)
+            with keep_fused_kernels_with_mtp(self, plan):  # hook mode only: lifts verl's MTP disable
+                verl_enable(self)
         except BaseException:
             for model in self.module:
                 set_plan(model, None)

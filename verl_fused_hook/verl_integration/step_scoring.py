@@ -28,6 +28,7 @@ import torch
 
 from ..switch import HOOK, VERL_BACKEND
 from .model_plan import plan_of
+from .mtp import mtp_step_inputs, mtp_training_of
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HookStep:
     score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
+    mtp: object = None  # mtp.MtpStepInputs when the model trains its MTP layers
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -102,7 +104,8 @@ def make_forward_step(original):
             rows = None
         else:
             rows = response_score_rows(batch, logits_processor_func)
-        token = _current_step.set(HookStep(score_rows=rows))
+        mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
+        token = _current_step.set(HookStep(score_rows=rows, mtp=mtp))
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:

@@ -1,0 +1,201 @@
+"""Hook mode's MTP on real megatron-core GPTModels with MTP layers (CPU, gloo) against verl's unfused path.
+
+verl's path is its MTP `_postprocess` patch (verl/models/mcore/mtp_patch.py), which calls
+megatron-core's own `process_mtp_loss` (MTP logits through the output layer) and returns
+main-head logits; the main log-probs come from them with verl's
+`vocab_parallel_log_probs_from_logits`. Hook mode runs the same model through the plugin's
+`patch_postprocess` wrapper: the main head through `fused_output_processor`, the MTP loss
+through `fused_process_mtp_loss`. Compared: main log-probs, the logged MTP loss and
+acceptance counts, and every parameter gradient of sum(g * log_probs) (which carries the
+injected MTP loss).
+"""
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from verl_fused_hook.testing.distributed import run_on_gloo
+
+VOCAB, TEMPERATURE = 160, 0.7
+RTOL = 1e-5  # fp32: values and every gradient, relative to the reference's largest magnitude
+
+SCENARIOS = {
+    # name: (tp, sequence_parallel, tied, layout, mtp layers, extras)
+    "tp1_untied_padded_1": (1, False, False, "padded", 1, {}),
+    "tp1_tied_thd_2_mup_detach": (1, False, True, "thd", 2, {"use_mup": True, "mtp_detach_heads": True}),
+    "tp1_untied_thd_2_per_token": (1, False, False, "thd", 2, {"per_token_factor": 0.8}),
+    "tp2_untied_thd_2": (2, False, False, "thd", 2, {}),
+    "tp2_tied_padded_1": (2, False, True, "padded", 1, {}),
+    "tp2_sp_tied_thd_1": (2, True, True, "thd", 1, {}),
+    "tp2_sp_untied_padded_2_per_token": (2, True, False, "padded", 2, {"per_token_factor": 1.25}),
+}
+
+
+def make_batch(layout):
+    generator = torch.Generator().manual_seed(5)
+    if layout == "padded":  # b=2, s=16, the second sequence 11 tokens long
+        lengths, seq = torch.tensor([16, 11]), 16
+        ids = torch.randint(0, VOCAB, (2, seq), generator=generator)
+        valid = torch.arange(seq)[None, :] < lengths[:, None]
+        causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        attention_mask = (causal[None] | ~valid[:, None, :])[:, None]  # True = masked
+        position_ids = torch.arange(seq).expand(2, seq)
+        loss_mask = (valid & (torch.arange(seq)[None, :] >= 3)).float()
+        batch = dict(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask)
+    else:  # THD: three packed sequences (5, 7, 8 tokens), the first 2 of each a prompt
+        cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+        ids = torch.randint(0, VOCAB, (1, 20), generator=generator)
+        position_ids = torch.cat([torch.arange(n) for n in (5, 7, 8)])[None]
+        loss_mask = (position_ids >= 2).float()
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=8, max_seqlen_kv=8
+        )
+        batch = dict(input_ids=ids, position_ids=position_ids, attention_mask=None, packed_seq_params=packed)
+    loss_mask[0, 7] = 0  # a hole inside a response (tool output)
+    labels = torch.roll(ids, -1, dims=1)  # the label ids' values only matter, not their source
+    return batch, labels, loss_mask
+
+
+def tracker_snapshot():
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    snapshot = {key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values") if key in tracker}
+    tracker.clear()  # scenarios differ in MTP layer count, and the tracker sizes itself once
+    return snapshot
+
+
+def parameter_grads(model):
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative_error(got, want):
+    scale = want.double().abs().max().clamp_min(1e-30)
+    return ((got.double() - want.double()).abs().max() / scale).item()
+
+
+def compare_scenario(name, verl_patch):
+    from verl.models.mcore import mtp_patch
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits
+
+    from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
+    from verl_fused_hook.switch import HOOK, FusedForwardPlan
+    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook.verl_integration.model_plan import set_plan
+    from verl_fused_hook.verl_integration.mtp import set_mtp_training
+
+    tp, sp, tied, layout, mtp_layers, extras = SCENARIOS[name]
+    config = tiny_transformer_config(sequence_parallel=sp, mtp_num_layers=mtp_layers, use_mup=extras.get("use_mup", False))
+    config.mtp_loss_scaling_factor = 0.3
+    config.mtp_detach_heads = extras.get("mtp_detach_heads", False)
+    config.calculate_per_token_loss = "per_token_factor" in extras
+    model = build_cpu_gpt(config, vocab_size=VOCAB, tied=tied)
+    batch, labels, loss_mask = make_batch(layout)
+    if "per_token_factor" in extras:
+        if layout == "thd":
+            batch["packed_seq_params"]._verl_mtp_loss_normalization_factor = extras["per_token_factor"]
+    grad_out = torch.randn(labels.shape, generator=torch.Generator().manual_seed(9))
+    tracker_snapshot()
+
+    output_layer_calls = []
+    model.output_layer.register_forward_hook(lambda module, args, out: output_layer_calls.append(args[0].shape))
+
+    def verl_path(train):
+        output_layer_calls.clear()
+        verl_patch(model)
+        kwargs = dict(labels=labels, loss_mask=loss_mask) if train else {}
+        logits = model(**batch, **kwargs)
+        if config.use_mup:  # verl's patch returns the main head's logits without megatron's MuP scale
+            logits = model._scale_logits(logits)
+        log_probs = vocab_parallel_log_probs_from_logits(logits / TEMPERATURE, labels)
+        (log_probs * grad_out).sum().backward()
+        mtp_patch.unpatch_postprocess(model)
+        assert len(output_layer_calls) == 1 + (mtp_layers if train else 0)  # main + MTP logits
+        return log_probs.detach(), parameter_grads(model), tracker_snapshot()
+
+    def hook_path(train):
+        output_layer_calls.clear()
+        set_plan(model, FusedForwardPlan(mode=HOOK, backend="torch", source="test"))
+        set_mtp_training(model, train)
+        mtp_patch.patch_postprocess(model)  # the plugin's wrapper (install_call_sites ran)
+        output = model(
+            **batch,
+            labels=labels,
+            loss_mask=loss_mask if train else None,
+            output_processor=fused_output_processor,
+            output_processor_context=FusedOutputProcessorContext(temperature=TEMPERATURE, backend="torch"),
+        )
+        (output.log_probs * grad_out).sum().backward()
+        mtp_patch.unpatch_postprocess(model)
+        set_plan(model, None)
+        assert not output_layer_calls, "hook mode must build no logits, main head or MTP"
+        return output.log_probs.detach(), parameter_grads(model), tracker_snapshot()
+
+    result = {}
+    for train in (True, False):
+        (ref_lp, ref_grads, ref_metrics), (lp, grads, metrics) = verl_path(train), hook_path(train)
+        result[train] = dict(
+            log_probs=relative_error(lp, ref_lp),
+            grad_names=(sorted(grads), sorted(ref_grads)),
+            grad_errors={key: relative_error(grads[key], ref_grads[key]) for key in ref_grads if key in grads},
+            metrics={key: (metrics.get(key), value) for key, value in ref_metrics.items()},
+            mtp_grads=sum(1 for key in grads if key.startswith("mtp.")),
+        )
+    return result
+
+
+def scenarios_worker(rank, world_size, names):
+    from verl.models.mcore import mtp_patch
+
+    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook.verl_integration import call_sites
+
+    init_model_parallel(world_size)
+    call_sites.install_call_sites()
+    verl_patch = call_sites.original(mtp_patch, "patch_postprocess")
+    return {name: compare_scenario(name, verl_patch) for name in names}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def results(request):
+    names = [name for name, scenario in SCENARIOS.items() if scenario[0] == request.param]
+    per_rank = run_on_gloo(scenarios_worker, request.param, names)
+    return {name: [rank_result[name] for rank_result in per_rank] for name in names}
+
+
+def _scenario_results(results, name):
+    if name not in results:
+        pytest.skip(f"{name} runs in the other tensor-parallel fixture")
+    return results[name]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_mtp_loss_metrics_and_gradients_match_verls_path(results, name):
+    for rank, result in enumerate(_scenario_results(results, name)):
+        trained = result[True]
+        assert trained["log_probs"] <= RTOL, (rank, trained["log_probs"])
+        names, ref_names = trained["grad_names"]
+        assert names == ref_names, f"rank {rank}: parameters with gradients differ"
+        assert trained["mtp_grads"] > 3, "the MTP layers must train"
+        worst = max(trained["grad_errors"], key=trained["grad_errors"].get)
+        assert trained["grad_errors"][worst] <= RTOL, (rank, worst, trained["grad_errors"][worst])
+        assert set(trained["metrics"]) == {"loss_values", "correct_values", "total_values"}
+        for key, (got, want) in trained["metrics"].items():
+            assert got is not None and got.shape == want.shape, key
+            assert relative_error(got, want) <= RTOL, (rank, key, got, want)
+        assert trained["metrics"]["total_values"][1].min() > 0
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_mtp_not_trained_runs_no_mtp_like_verls_path(results, name):
+    for rank, result in enumerate(_scenario_results(results, name)):
+        untrained = result[False]
+        assert untrained["log_probs"] <= RTOL, (rank, untrained["log_probs"])
+        names, ref_names = untrained["grad_names"]
+        assert names == ref_names and untrained["mtp_grads"] == 0
+        worst = max(untrained["grad_errors"], key=untrained["grad_errors"].get)
+        assert untrained["grad_errors"][worst] <= RTOL, (rank, worst, untrained["grad_errors"][worst])
+        for key, (got, want) in untrained["metrics"].items():
+            assert not bool(want.any()) and (got is None or not bool(got.any())), key
