@@ -199,3 +199,143 @@ def test_mtp_not_trained_runs_no_mtp_like_verls_path(results, name):
         assert untrained["grad_errors"][worst] <= RTOL, (rank, worst, untrained["grad_errors"][worst])
         for key, (got, want) in untrained["metrics"].items():
             assert not bool(want.any()) and (got is None or not bool(got.any())), key
+
+
+# ---------------------------------------------------------------- through verl's engine (build step and forward_step)
+
+PROMPT_LENS, RESPONSE_LENS = (4, 6, 3), (5, 2, 7)
+
+
+def rl_batch(vocab):
+    from verl.utils import tensordict_utils as tu
+
+    def nested(parts):
+        return torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in PROMPT_LENS]
+    responses = [torch.randint(0, vocab, (n,), generator=generator) for n in RESPONSE_LENS]
+    loss_mask = [torch.cat([torch.zeros(len(p)), torch.ones(len(r))]).long() for p, r in zip(prompts, responses)]
+    loss_mask[0][6] = 0  # a tool-output token inside a response
+    return tu.get_tensordict(
+        {
+            "input_ids": nested(torch.cat(pair) for pair in zip(prompts, responses)),
+            "loss_mask": nested(loss_mask),
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "temperature": torch.full((len(PROMPT_LENS),), 0.7),
+        },
+        non_tensor_dict={"calculate_entropy": True},
+    )
+
+
+def engine_steps_worker(rank, world_size, switch):
+    """MTP engines built and stepped as verl does (build gate, patch_engine_mtp, forward_step, backward),
+    with mtp.enable_train True and False, in one process with the switch set or unset."""
+    import logging
+    import os
+
+    from verl_fused_hook.switch import ENV_VAR
+    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook.verl_integration import install
+
+    if switch:
+        os.environ[ENV_VAR] = "1"
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("verl_fused_hook").addHandler(handler)
+    logging.getLogger("verl_fused_hook").setLevel(logging.INFO)
+    install()
+    import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
+
+    init_model_parallel(1)
+    steps = {train: engine_step(switch, train, records) for train in (True, False)}
+    if switch:  # legacy mode (verl's monkey-patched forward) keeps verl's MTP disable
+        from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+        from verl_fused_hook.testing.verl_engine import megatron_engine
+
+        os.environ[ENV_VAR] = "0"
+        legacy = megatron_engine([build_cpu_gpt(tiny_transformer_config(mtp_num_layers=1), vocab_size=VOCAB)], mtp_enable=True)
+        legacy._maybe_enable_fused_kernels()
+        steps["legacy_fused"] = legacy.engine_config.use_fused_kernels
+    return steps
+
+
+def engine_step(switch, enable_train, records):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from verl.utils.megatron_utils import patch_engine_mtp
+
+    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook.testing.verl_engine import megatron_engine
+
+    records.clear()
+    MTPLossLoggingHelper.tracker.clear()
+    config = tiny_transformer_config(mtp_num_layers=1)
+    config.mtp_loss_scaling_factor = 0.3
+    model = build_cpu_gpt(config, vocab_size=VOCAB)
+    engine = megatron_engine(
+        [model], fused_kernel_options={"output_processor_backend": "torch"} if switch else None,
+        mtp_enable=True, mtp_enable_train=enable_train,
+    )
+    engine._maybe_enable_fused_kernels()
+    patch_engine_mtp(engine.module, engine.model_config)  # what verl's initialize does next
+    batch = rl_batch(VOCAB)
+    output, _ = engine.forward_step(iter([batch]), model, None, lambda output, **_: output)
+    log_probs = output["log_probs"]
+    response_rows = torch.cat(
+        [torch.arange(p + r) >= p - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    ) & torch.cat([torch.arange(p + r) < p + r - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)])
+    values = log_probs.values() * response_rows
+    grad_out = torch.randn(values.shape, generator=torch.Generator().manual_seed(3))
+    (values * grad_out).sum().backward()
+    tracker = {key: MTPLossLoggingHelper.tracker[key].clone() for key in ("loss_values", "correct_values", "total_values")
+               if key in MTPLossLoggingHelper.tracker}
+    return dict(
+        fused=engine.engine_config.use_fused_kernels,
+        log_probs=values.detach(),
+        grads={name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+        tracker=tracker,
+        logs=list(records),
+    )
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+    return run_on_gloo(engine_steps_worker, 1, False)[0], run_on_gloo(engine_steps_worker, 1, True)[0]
+
+
+@pytest.fixture(params=[True, False], ids=["train", "no_train"])
+def engine_steps(request, engine_runs):
+    verl_as_shipped, hook = engine_runs
+    return request.param, verl_as_shipped[request.param], hook[request.param]
+
+
+def test_switch_unset_keeps_verls_mtp_disable(engine_steps):
+    _, verl_as_shipped, _ = engine_steps
+    assert verl_as_shipped["fused"] is False
+    assert not any("keeps fused kernels on with MTP" in line for line in verl_as_shipped["logs"])
+
+
+def test_legacy_mode_keeps_verls_mtp_disable(engine_runs):
+    assert engine_runs[1]["legacy_fused"] is False
+
+
+def test_hook_mode_keeps_fused_kernels_on_with_mtp_and_says_so(engine_steps):
+    train, _, hook = engine_steps
+    assert hook["fused"] is True
+    lines = [line for line in hook["logs"] if "keeps fused kernels on with MTP" in line]
+    assert len(lines) == 1 and f"mtp.enable_train={train}" in lines[0], hook["logs"]
+
+
+def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
+    train, verl_as_shipped, hook = engine_steps
+    assert relative_error(hook["log_probs"], verl_as_shipped["log_probs"]) <= RTOL
+    assert sorted(hook["grads"]) == sorted(verl_as_shipped["grads"])
+    assert any(name.startswith("mtp.") for name in hook["grads"]) == train
+    for name, want in verl_as_shipped["grads"].items():
+        assert relative_error(hook["grads"][name], want) <= RTOL, name
+    assert set(hook["tracker"]) == set(verl_as_shipped["tracker"])
+    for key, want in verl_as_shipped["tracker"].items():
+        assert relative_error(hook["tracker"][key], want) <= RTOL, key
+    assert bool(verl_as_shipped["tracker"]["total_values"].gt(0).all()) if train else not verl_as_shipped["tracker"]
