@@ -339,3 +339,56 @@ def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
     for key, want in verl_as_shipped["tracker"].items():
         assert relative_error(hook["tracker"][key], want) <= RTOL, key
     assert bool(verl_as_shipped["tracker"]["total_values"].gt(0).all()) if train else not verl_as_shipped["tracker"]
+
+
+# ---------------------------------------------------------------- the A/B script's MTP scenario, the e2e bench's MTP option
+
+
+def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
+    import json
+
+    from verl_fused_hook.tools import ab_parity
+
+    out = tmp_path / "ab_mtp.json"
+    code = ab_parity.main(["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["match"] and report["mtp_layers"] == 2
+    (entry,) = report["scenarios"]
+    assert entry["fused"] == {"verl": False, "hook": True}
+    assert all(entry["vs_verl_rel"][k] <= ab_parity.UNFUSED_RTOL for k in ("log_probs", "entropy", "policy_loss", "grads"))
+    assert entry["mtp"]["mtp_loss"] <= ab_parity.UNFUSED_RTOL and entry["mtp"]["acceptance_gap"] == 0
+
+
+def test_ab_parity_refuses_negative_mtp_layers(capsys):
+    from verl_fused_hook.tools import ab_parity
+
+    with pytest.raises(SystemExit):
+        ab_parity.main(["--device", "cpu", "--mtp-layers", "-1"])
+    assert "--mtp-layers" in capsys.readouterr().err
+
+
+def _e2e_mtp_worker(rank, world_size, out):
+    from verl_fused_hook.tools import e2e_bench
+
+    return e2e_bench.main([
+        "--mtp", "1", "--device", "cpu", "--hf-config", "verl_fused_hook/configs/tiny_qwen2", "--vocab-size", "1000",
+        "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(out),
+    ])
+
+
+def test_e2e_bench_mtp_option_on_cpu(tmp_path):
+    import json
+
+    from verl_fused_hook.tools.e2e_bench_mtp import SIDES
+
+    assert run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0] == 0
+    report = json.loads((tmp_path / "e2e_mtp.json").read_text())
+    assert report["vocab_size"] == 1000 and report["mtp_layers"] == 1
+    (entry,) = report["sizes"]
+    assert [row["side"] for row in entry["sides"]] == list(SIDES)
+    assert {row["side"]: row["fused_kernels"] for row in entry["sides"]} == {"hook": True, "verl": False}
+    assert all(row["train_s"] > 0 and row["train_peak_bytes"] > 0 for row in entry["sides"])
+    parity = entry["hook_vs_verl"]
+    assert parity["same_parameters"] and parity["grads_rel"] <= RTOL and parity["log_probs"] <= RTOL
+    assert parity["mtp_loss"] <= RTOL and parity["acceptance_correct"] == 0
+    assert "| 256 | hook | True |" in (tmp_path / "e2e_mtp.md").read_text()
