@@ -23,11 +23,11 @@ SCENARIOS = {
     # name: (tp, sequence_parallel, tied, layout, mtp layers, extras)
     "tp1_untied_padded_1": (1, False, False, "padded", 1, {}),
     "tp1_tied_thd_2_mup_detach": (1, False, True, "thd", 2, {"use_mup": True, "mtp_detach_heads": True}),
-    "tp1_untied_thd_2_per_token": (1, False, False, "thd", 2, {"per_token_factor": 0.8}),
+    "tp1_untied_thd_2_per_token": (1, False, False, "thd", 2, {"per_token": True, "factor": 0.8}),
     "tp2_untied_thd_2": (2, False, False, "thd", 2, {}),
     "tp2_tied_padded_1": (2, False, True, "padded", 1, {}),
     "tp2_sp_tied_thd_1": (2, True, True, "thd", 1, {}),
-    "tp2_sp_untied_padded_2_per_token": (2, True, False, "padded", 2, {"per_token_factor": 1.25}),
+    "tp2_sp_untied_padded_2_per_token": (2, True, False, "padded", 2, {"per_token": True}),
 }
 
 
@@ -90,12 +90,11 @@ def compare_scenario(name, verl_patch):
     config = tiny_transformer_config(sequence_parallel=sp, mtp_num_layers=mtp_layers, use_mup=extras.get("use_mup", False))
     config.mtp_loss_scaling_factor = 0.3
     config.mtp_detach_heads = extras.get("mtp_detach_heads", False)
-    config.calculate_per_token_loss = "per_token_factor" in extras
+    config.calculate_per_token_loss = extras.get("per_token", False)
     model = build_cpu_gpt(config, vocab_size=VOCAB, tied=tied)
     batch, labels, loss_mask = make_batch(layout)
-    if "per_token_factor" in extras:
-        if layout == "thd":
-            batch["packed_seq_params"]._verl_mtp_loss_normalization_factor = extras["per_token_factor"]
+    if "factor" in extras:  # verl's mtp_loss_normalization_factor travels on the packed params (THD only)
+        batch["packed_seq_params"]._verl_mtp_loss_normalization_factor = extras["factor"]
     grad_out = torch.randn(labels.shape, generator=torch.Generator().manual_seed(9))
     tracker_snapshot()
 

@@ -9,8 +9,9 @@ step, `patch_engine_mtp` and `forward_step` (testing/mtp_engine.py), then the
 same GRPO-style loss and its backward. Compared, relative to verl's side:
 log-probs and entropy on the response rows, the loss, every parameter gradient
 (MTP layers included, through the injected MTP loss) and the logged MTP loss;
-acceptance counts must be equal on the CPU (fp32) and within 1% of the total on
-CUDA (bf16 rounding can flip near ties).
+acceptance counts must be equal on the CPU (fp32); on CUDA verl's argmax reads
+bf16-rounded logits (ties at bf16 resolution go to the lowest id) and ours fp32
+ones, so counts may differ by up to 2 or 1% of the total, whichever is larger.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..testing.distributed import free_port, run_on_gloo
 
 SIDES = ("verl", "hook")
 CUDA_ACCEPTANCE_SLACK = 0.01
+CUDA_ACCEPTANCE_MIN_SLACK = 2
 
 
 def _response_values(nested, data) -> torch.Tensor:
@@ -101,7 +103,7 @@ def _metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, bo
         loss_error = max(loss_error, ((got["loss_values"].double() - want["loss_values"].double()).abs().max() / scale).item())
         gap = (got["correct_values"] - want["correct_values"]).abs().max().item()
         count_gap = max(count_gap, gap)
-        slack = 0 if device == "cpu" else CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item()
+        slack = 0 if device == "cpu" else max(CUDA_ACCEPTANCE_MIN_SLACK, CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item())
         ok = ok and gap <= slack and torch.equal(got["total_values"], want["total_values"])
     return {"mtp_loss": loss_error, "acceptance_gap": count_gap}, ok
 

@@ -119,10 +119,10 @@ def make_process_mtp_loss(original):
     from verl.models.mcore.mtp_patch import _get_mtp_loss_config
 
     @functools.wraps(original)
-    def process_mtp_loss(**kwargs):
+    def process_mtp_loss(*args, **kwargs):
         call = _current_call.get()
         if call is None:
-            return original(**kwargs)
+            return original(*args, **kwargs)
         if not call.train:
             return kwargs["hidden_states"]  # the MTP block did not run: these are the main hidden states
         packed_seq_params = kwargs.get("packed_seq_params")

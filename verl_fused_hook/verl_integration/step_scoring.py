@@ -28,7 +28,7 @@ import torch
 
 from ..switch import HOOK, VERL_BACKEND
 from .model_plan import plan_of
-from .mtp import mtp_step_inputs, mtp_training_of
+from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HookStep:
     score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
-    mtp: object = None  # mtp.MtpStepInputs when the model trains its MTP layers
+    mtp: MtpStepInputs | None = None  # when the model trains its MTP layers
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
