@@ -343,12 +343,15 @@ def test_value_model_without_remove_padding_stays_as_verl_does_it(caplog):
     assert "verl turned fused kernels off for this engine (use_remove_padding=False, value model)" in caplog.text
 
 
-def test_disabling_reasons_follow_verl_and_hook_mode_lifts_only_padding():
+def test_disabling_reasons_follow_verl_and_hook_mode_lifts_padding_or_mtp_not_both():
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=VOCAB, seed=7)
     engine = megatron_engine([model], use_remove_padding=False, mtp_enable=True)
-    assert call_sites.verl_disabling_reasons(engine) == ["use_remove_padding=False", "mtp.enable=True"]
+    reasons = call_sites.verl_disabling_reasons(engine)
+    assert reasons == ["use_remove_padding=False", "mtp.enable=True"]
     assert call_sites.verl_disabling_reasons(megatron_engine([model])) == []
-    assert call_sites.reasons_hook_mode_lifts() == {"use_remove_padding=False"}
+    # MTP's fused loss runs on packed batches: with the padded layout too, verl's MTP disable stands
+    assert call_sites.reasons_hook_mode_lifts(reasons) == {"use_remove_padding=False"}
+    assert call_sites.reasons_hook_mode_lifts(["mtp.enable=True"]) == {"mtp.enable=True"}
 
 
 # ---------------------------------------------------------------- the CPU stand-in attention

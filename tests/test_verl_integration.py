@@ -27,7 +27,6 @@ from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
 from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 from verl_fused_hook.testing.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
-from verl_fused_hook.verl_integration.mtp import HookMtpConflictError
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 192  # no other layer of the tiny model has 192 output features, so output-weight matmuls are countable
@@ -324,20 +323,7 @@ def test_verl_mtp_postprocess_patch_keeps_the_hook(monkeypatch):
         engine_forward(engine2, unprotected, batch)
 
 
-def test_mtp_layers_in_hook_mode_stop_at_build(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "1")
-    engine, model = built({"output_processor_backend": "torch"}, mtp_num_layers=1)
-    with pytest.raises(HookMtpConflictError, match="mtp_num_layers=1.*Set VERL_FUSED_USE_OP_HOOK=0"):
-        mtp_patch.patch_postprocess(model)
-
-
-def test_mtp_enabled_engine_keeps_verl_refusal_and_logs(monkeypatch, caplog):
-    monkeypatch.setenv(ENV_VAR, "1")
-    model = tiny_model(mtp_num_layers=1)
-    engine = megatron_engine([model], mtp_enable=True)
-    engine._maybe_enable_fused_kernels()
-    assert engine.engine_config.use_fused_kernels is False and not hasattr(model, "_verl_fused_hook_plan")
-    assert "verl turned fused kernels off for this engine" in caplog.text
+# MTP engines (hook mode keeps fused kernels on; the switch unset keeps verl's disable): tests/test_mtp.py
 
 
 # ---------------------------------------------------------------- mbridge, plugin loading

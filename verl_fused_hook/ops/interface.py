@@ -105,7 +105,8 @@ def log_probs_and_entropy(
     calculate_entropy: bool = True,
     backend: str = "auto",
     tile_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_label_is_max: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
 
     Never materializes [rows, vocab] logits: rows are processed in tiles and the
@@ -126,10 +127,14 @@ def log_probs_and_entropy(
         calculate_entropy: when False the entropy is neither computed nor returned.
         backend: one of "auto", "torch" (and GPU kernels when installed).
         tile_rows: rows per tile; default keeps one fp32 logits tile near 256 MiB.
+        return_label_is_max: also return, per row, whether the label's logit is the
+            row maximum over the whole vocabulary (greedy acceptance, e.g. MTP's).
 
     Returns:
         (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
-        Rows not computed hold 0 and get zero gradient.
+        Rows not computed hold 0 and get zero gradient. With return_label_is_max a
+        third output: bool shaped like labels, not differentiable, False on rows not
+        computed; a label tied with another column at the maximum counts as True.
 
     Tensor-parallel contract (Megatron's convention): every rank passes the same
     full `hidden` and gets identical outputs. Backward returns each rank's
@@ -150,13 +155,17 @@ def log_probs_and_entropy(
         vocab_size=vocab_size,
         calculate_entropy=calculate_entropy,
         tile_rows=tile_rows,
+        return_label_is_max=return_label_is_max,
     )
     # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
     # recomputes in fp32, see the backends' fp32_backward) working against bf16 statistics.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
     log_probs = log_probs.view(labels.shape)
-    return log_probs, (entropy.view(labels.shape) if entropy is not None else None)
+    entropy = entropy.view(labels.shape) if entropy is not None else None
+    if return_label_is_max:
+        return log_probs, entropy, problem.label_is_max.view(labels.shape)
+    return log_probs, entropy
 
 
 def build_problem(
@@ -171,6 +180,7 @@ def build_problem(
     vocab_size: int | None,
     calculate_entropy: bool,
     tile_rows: int | None,
+    return_label_is_max: bool = False,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it)."""
     for field, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
@@ -199,6 +209,8 @@ def build_problem(
         raise ValueError(f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}")
     if not _is_integer_dtype(labels.dtype):
         raise ValueError(f"labels: must be an integer tensor, got {labels.dtype}")
+    if not isinstance(return_label_is_max, bool):
+        raise ValueError(f"return_label_is_max: expected a bool, got {return_label_is_max!r}")
     if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
 
@@ -239,5 +251,6 @@ def build_problem(
         tp_world_size=tp_world_size,
         calculate_entropy=calculate_entropy,
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
+        label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
     )
     return problem

@@ -23,7 +23,10 @@ class LogProbProblem:
     `active_rows` are read); temperature: a float or an fp32 [N] tensor;
     active_rows: int64 indices of the rows to compute (sorted, unique);
     vocab_start: first global id held by this rank; valid_columns: how many of
-    this rank's columns are real vocabulary (the rest is Megatron's padding).
+    this rank's columns are real vocabulary (the rest is Megatron's padding);
+    label_is_max: None, or a bool [N] buffer (all False) that the statistics
+    merge fills at the scored rows with "the label's logit is the row maximum",
+    so acceptance needs no logits and no backend change.
     """
 
     hidden: torch.Tensor
@@ -37,6 +40,7 @@ class LogProbProblem:
     tp_world_size: int
     calculate_entropy: bool
     tile_rows: int
+    label_is_max: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

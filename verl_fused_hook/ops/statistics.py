@@ -27,7 +27,11 @@ def rescale_partials(global_max, local_max, local_sum, local_shifted_dot):
 
 def combine_row_statistics(p: LogProbProblem, local_max, local_sum, local_shifted_dot, label_logit):
     """Merge this rank's partial statistics with the other ranks'; return
-    (log_probs, entropy or None, max, log sum-exp, shifted mean), all over the scored rows."""
+    (log_probs, entropy or None, max, log sum-exp, shifted mean), all over the scored rows.
+
+    When `p.label_is_max` is a buffer, also record whether each row's label logit equals the
+    row max: the label logit is one rank's value plus exact zeros and the max a MAX all-reduce
+    of values rounded the same way, so the comparison is exact (a tie counts as True)."""
     global_max = local_max.clone()
     if p.tp_world_size > 1:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=p.tp_group)
@@ -36,6 +40,8 @@ def combine_row_statistics(p: LogProbProblem, local_max, local_sum, local_shifte
     if p.tp_world_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=p.tp_group)
     total, total_dot, label = sums.unbind(0)
+    if p.label_is_max is not None:
+        p.label_is_max.index_copy_(0, p.active_rows, label >= global_max)
     log_sum = total.log()
     shifted_mean = total_dot / total
     log_probs = label - global_max - log_sum

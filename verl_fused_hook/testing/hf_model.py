@@ -56,6 +56,7 @@ def build_gpt_from_hf(
     dtype: torch.dtype = torch.float32,
     use_transformer_engine: bool | None = None,
     cpu_initialization: bool = True,
+    mtp_num_layers: int | None = None,
 ) -> GPTModel:
     """GPTModel for `hf_config` on the current model-parallel state, weights from `seed`.
 
@@ -63,10 +64,13 @@ def build_gpt_from_hf(
     cpu_initialization: True (default) initializes each full weight on the CPU and splits it per rank, so
         every process and every TP size holds identical weights; False initializes in place on the current
         device (megatron's default, much faster for large models; identical weights only for one TP size).
+    mtp_num_layers: that many MTP layers (megatron-core's MTP block after the decoder); None keeps mbridge's.
     """
     from mbridge import AutoBridge
 
-    from .megatron_cpu import cpu_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from .megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied
@@ -79,9 +83,17 @@ def build_gpt_from_hf(
         masked_softmax_fusion=False,
     )
     config = bridge.config
+    if mtp_num_layers is not None:
+        config.mtp_num_layers = mtp_num_layers or None
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     spec = bridge._get_transformer_layer_spec() if use_transformer_engine else cpu_block_spec(config)
+    if not config.mtp_num_layers:
+        mtp_spec = None
+    elif use_transformer_engine:
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=True)
+    else:
+        mtp_spec = cpu_mtp_block_spec(config)
     torch.manual_seed(seed)
     return GPTModel(
         config=config,
@@ -91,4 +103,5 @@ def build_gpt_from_hf(
         position_embedding_type="rope",
         rotary_base=_rope_base(hf_config),
         share_embeddings_and_output_weights=share,
+        mtp_block_spec=mtp_spec,
     )

@@ -126,6 +126,18 @@ def cpu_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=CpuNorm)
 
 
+def cpu_mtp_block_spec(config: TransformerConfig):
+    """The MTP block spec for `config.mtp_num_layers` layers with CPU-ready norms (None without MTP)."""
+    if not config.mtp_num_layers:
+        return None
+    spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(config), use_transformer_engine=False)
+    for layer in spec.layer_specs:
+        layer.submodules.enorm = CpuNorm
+        layer.submodules.hnorm = CpuNorm
+        layer.submodules.layer_norm = CpuNorm
+    return spec
+
+
 def tiny_transformer_config(
     *,
     hidden_size: int = 64,
@@ -177,13 +189,6 @@ def build_cpu_gpt(
 ) -> GPTModel:
     """A GPTModel with the CPU layer spec (and MTP block when `config.mtp_num_layers`), seeded."""
     torch.manual_seed(seed)
-    mtp_spec = None
-    if config.mtp_num_layers:
-        mtp_spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(config), use_transformer_engine=False)
-        for layer in mtp_spec.layer_specs:
-            layer.submodules.enorm = CpuNorm
-            layer.submodules.hnorm = CpuNorm
-            layer.submodules.layer_norm = CpuNorm
     return GPTModel(
         config=config,
         transformer_layer_spec=cpu_block_spec(config),
@@ -193,6 +198,6 @@ def build_cpu_gpt(
         post_process=post_process,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
-        mtp_block_spec=mtp_spec,
+        mtp_block_spec=cpu_mtp_block_spec(config),
     )
 

@@ -34,6 +34,7 @@ def megatron_engine(
     forward_only: bool = False,
     mtp_enable: bool = False,
     use_remove_padding: bool = True,
+    mtp_enable_train: bool = False,
 ):
     """A MegatronEngineWithLMHead over `models` (a list of model chunks), ready for
     `_maybe_enable_fused_kernels()` and `forward_step(...)`."""
@@ -47,7 +48,7 @@ def megatron_engine(
         load_tokenizer=False,
         use_fused_kernels=use_fused_kernels,
         fused_kernel_options=dict(fused_kernel_options or {}),
-        mtp=MtpConfig(enable=mtp_enable),
+        mtp=MtpConfig(enable=mtp_enable, enable_train=mtp_enable_train),
     )
     model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size)
     engine = MegatronEngineWithLMHead.__new__(MegatronEngineWithLMHead)

@@ -35,7 +35,10 @@ path: hook mode against verl as it ships there (fused kernels off, its unfused B
 unfused tolerance (tools/ab_bshd.py).
 
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
-                                  [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-]
+                                  [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N]
+
+`--mtp-layers N` runs the MTP scenario instead (tools/ab_parity_mtp.py, packed layout): models with N MTP
+layers, hook mode's fused MTP loss against verl's own MTP path (fused kernels off), within the unfused tolerance.
 Exit status: 0 when hook and legacy match (exactly with one kernel on both sides, within the kernels'
 accuracy with two) and the hook matches the unfused forward, 1 otherwise.
 """
@@ -340,7 +343,7 @@ def run_mode(mode: str, scenarios, setup: Setup):
     return run_on_gloo(mode_worker, world_size, mode, scenarios, setup, env=env)
 
 
-def _nccl_worker(rank, world_size, port, folder, mode, scenarios, setup, env):
+def _nccl_worker(rank, world_size, port, folder, mode, scenarios, setup, env, worker=None, extra=()):
     import torch.distributed as dist
 
     from verl_fused_hook.testing.determinism import prepare_cublas_workspace
@@ -350,13 +353,13 @@ def _nccl_worker(rank, world_size, port, folder, mode, scenarios, setup, env):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size)
     try:
-        result = mode_worker(rank, world_size, mode, scenarios, setup)
+        result = (worker or mode_worker)(rank, world_size, mode, scenarios, setup, *extra)
         torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _run_on_nccl(mode, scenarios, setup, env, port, world_size):
+def _run_on_nccl(mode, scenarios, setup, env, port, world_size, worker=None, extra=()):
     import tempfile
 
     import torch.multiprocessing as mp
@@ -364,7 +367,7 @@ def _run_on_nccl(mode, scenarios, setup, env, port, world_size):
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(
             _nccl_worker,
-            args=(world_size, port, folder, mode, scenarios, setup, env),
+            args=(world_size, port, folder, mode, scenarios, setup, env, worker, extra),
             nprocs=world_size,
             start_method="spawn",
         )
@@ -511,7 +514,14 @@ def main(argv=None) -> int:
         "hook vs verl as it ships there (fused kernels off: its unfused forward)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
+    parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                        help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
+                             "(tools/ab_parity_mtp.py); 0 (default): the legacy/hook comparison")
     args = parser.parse_args(argv)
+    if args.mtp_layers < 0:
+        parser.error(f"--mtp-layers: expected an int >= 0, got {args.mtp_layers}")
+    if args.mtp_layers and args.layout == "bshd":
+        parser.error("--mtp-layers: the MTP scenario runs on the packed layout; drop --layout bshd")
 
     from verl_fused_hook.switch import allowed_backends
     from verl_fused_hook.testing.hf_model import TINY_QWEN2
@@ -552,6 +562,10 @@ def main(argv=None) -> int:
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout)
+    if args.mtp_layers:
+        from .ab_parity_mtp import run_mtp_parity
+
+        return run_mtp_parity(scenarios, setup, args.mtp_layers, rtol, args.json)
 
     kernel_note = (
         "both modes use the portable op (backend=%s); verl's Triton kernel needs CUDA, so the legacy forward's "

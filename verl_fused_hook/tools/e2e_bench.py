@@ -38,6 +38,8 @@ forward over full logits) against hook mode, which keeps fused kernels on (tools
 mode goes through verl's `forward_step`. A mode that runs out of device memory is reported as OOM.
 
 Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
+       verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
+(--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, tools/e2e_bench_mtp.py)
 """
 
 from __future__ import annotations
@@ -495,6 +497,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-init", action=argparse.BooleanOptionalAction, default=None,
                         help="initialize weights on the CPU (default: on the CPU only when running there)")
     parser.add_argument("--out", type=Path, default=None, help="folder for e2e.json and e2e.md (rewritten after every size)")
+    parser.add_argument("--mtp", type=int, default=0, metavar="N",
+                        help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
+    parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
     args = parser.parse_args(argv)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -522,8 +527,18 @@ def main(argv=None) -> int:
     reference = REFERENCE[args.layout]
     if reference not in args.modes:
         parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")
+    if args.mtp < 0 or args.vocab_size < 1:
+        parser.error("--mtp must be >= 0 and --vocab-size >= 1")
+    if args.mtp and args.layout == "bshd":
+        parser.error("--mtp: the MTP benchmark runs on the packed layout; drop --layout bshd")
     if args.warmups < 1 or args.repeats < 1:
         parser.error("--warmups and --repeats must be >= 1")
+    if args.mtp:
+        from .e2e_bench_mtp import markdown_table as mtp_table, run_mtp
+
+        logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
+        print(mtp_table(run_mtp(args)))
+        return 0
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
 
     report = run(args)

@@ -20,7 +20,7 @@ from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, VERL_BACKE
 from .bshd_forward import make_bshd_engine_forward
 from .engine_forward import make_hook_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
-from .mtp import make_patch_postprocess
+from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
 from .step_scoring import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
@@ -91,6 +91,8 @@ def _make_engine_fn_getter(verl_getter):
             if step is not None and step.layout == BSHD:
                 kwargs.setdefault("forced_max_seqlen", step.forced_max_seqlen)
                 return bshd_forward(model, *args, **kwargs)
+            if step is not None and step.mtp is not None:
+                kwargs.setdefault("mtp", step.mtp)
             return hook_forward(model, *args, **kwargs)
 
         return fused_forward
@@ -103,10 +105,12 @@ def install_call_sites() -> None:
     mcore = importlib.import_module("verl.models.mcore")
     fused = importlib.import_module("verl.models.mcore.model_forward_fused")
     mtp_patch = importlib.import_module("verl.models.mcore.mtp_patch")
+    gpt_model = importlib.import_module("megatron.core.models.gpt.gpt_model")
     engine = importlib.import_module(ENGINE_MODULE)
     _replace(fused, "patch_fused_forward", _make_patch_fused_forward)
     _replace(mcore, "get_mcore_forward_fused_model_engine_fn", _make_engine_fn_getter)
     _replace(mtp_patch, "patch_postprocess", make_patch_postprocess)
+    _replace(gpt_model, "process_mtp_loss", make_process_mtp_loss)
     _replace(engine, "_resolve_fused_temperature", make_resolve_fused_temperature)
     _replace(engine.MegatronEngineWithLMHead, "forward_step", make_forward_step)
 
@@ -129,12 +133,15 @@ def verl_disabling_reasons(engine) -> list[str]:
     return reasons
 
 
-def reasons_hook_mode_lifts() -> frozenset[str]:
+def reasons_hook_mode_lifts(reasons: list[str]) -> frozenset[str]:
     """verl's disabling reasons that do not hold in hook mode: the one place such decisions are made.
 
-    Padded batches: bshd_forward runs the hook on verl's BSHD layout.
+    Padded batches: bshd_forward runs the hook on verl's BSHD layout. MTP: the MTP loss goes through the op
+    (mtp.py) on packed (THD) batches; an MTP engine on the padded layout as well keeps verl's disable.
     """
-    return frozenset({REMOVE_PADDING_OFF})
+    if REMOVE_PADDING_OFF in reasons:
+        return frozenset({REMOVE_PADDING_OFF})
+    return frozenset({MTP_ENABLED})
 
 
 def _enable_despite(engine, lifted: list[str], log_line: str) -> None:
@@ -160,14 +167,18 @@ def _make_build_gate(verl_enable):
             )
             return verl_enable(self)
         reasons = verl_disabling_reasons(self)
-        lifted = [reason for reason in reasons if plan.mode == HOOK and reason in reasons_hook_mode_lifts()]
+        lifted = [reason for reason in reasons if plan.mode == HOOK and reason in reasons_hook_mode_lifts(reasons)]
         for model in self.module:
             set_plan(model, plan)
         try:
-            if reasons and len(lifted) == len(reasons):
+            if MTP_ENABLED in lifted:  # verl's other checks (value model) still run on what it is shown
+                with keep_fused_kernels_with_mtp(self, plan):
+                    verl_enable(self)
+            elif reasons and len(lifted) == len(reasons):
                 _enable_despite(self, lifted, plan.log_line(name))
                 return
-            verl_enable(self)
+            else:
+                verl_enable(self)
         except BaseException:
             for model in self.module:
                 set_plan(model, None)

@@ -88,6 +88,7 @@ def make_hook_engine_forward(vision_model: bool):
         router_padding_mask: torch.Tensor | None = None,
         pad_to_length_bucket: int | None = None,
         score_rows: torch.Tensor | None = None,
+        mtp=None,
     ):
         """Fused log-probs (and entropy) of nested `labels` through the output_processor hook.
 
@@ -95,6 +96,8 @@ def make_hook_engine_forward(vision_model: bool):
             applies (`sample_temperatures`: non-finite raises, <= 0 floored to 1e-8).
         score_rows: optional jagged bool shaped like input_ids; False positions are
             never computed and come back as 0 (only for callers that never read them).
+        mtp: MtpStepInputs when the model trains its MTP layers: the loss mask,
+            position ids and loss normalization reach the MTP loss as in verl's path.
         Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's
         engine forward, or the hidden states on a non-last pipeline stage.
         """
@@ -116,13 +119,19 @@ def make_hook_engine_forward(vision_model: bool):
         def pack(nested: torch.Tensor, **extra) -> torch.Tensor:
             return preprocess_thd_engine(nested, pre_process=True, **extra, **layout)[0].contiguous()
 
-        packed_ids, packed_seq_params, _ = preprocess_thd_engine(input_ids, pre_process=gpt.pre_process, **layout)
+        # MTP layers on the last stage embed the input ids, so verl packs them there too
+        pre_process = gpt.pre_process or (gpt.post_process and mtp is not None)
+        packed_ids, packed_seq_params, position_ids = preprocess_thd_engine(input_ids, pre_process=pre_process, **layout)
         packed_ids = packed_ids.contiguous()
         packed_labels = pack(labels, need_roll=True)
 
         model_kwargs = {
             key: multi_modal_inputs[key].to(input_ids.device) for key in MULTI_MODAL_KEYS if key in multi_modal_inputs
         }
+        if mtp is not None and gpt.post_process:
+            model_kwargs["loss_mask"] = pack(mtp.loss_mask, need_roll=True)
+            if mtp.normalization_factor is not None:
+                packed_seq_params._verl_mtp_loss_normalization_factor = mtp.normalization_factor
         if router_padding_mask is not None:
             model_kwargs["padding_mask"] = router_padding_mask
         attention_mask = None
@@ -172,7 +181,7 @@ def make_hook_engine_forward(vision_model: bool):
         output = model(
             input_ids=packed_ids,
             attention_mask=attention_mask,
-            position_ids=None,
+            position_ids=position_ids if mtp is not None else None,  # only MTP reads them, as in verl's path
             packed_seq_params=packed_seq_params,
             labels=packed_labels,
             output_processor=fused_output_processor,

@@ -30,6 +30,7 @@ import torch
 from ..switch import HOOK, VERL_BACKEND
 from .fused_loss import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
+from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class HookStep:
     layout: str = THD  # verl's data_format for this engine: packed (thd) or padded (bshd)
     forced_max_seqlen: int | None = None  # BSHD: verl's pad_bshd_to_minibatch_max length
     fused_loss: FusedLossRequest | None = None  # output_processor_fused_loss: the loss the op computes
+    mtp: MtpStepInputs | None = None  # when the model trains its MTP layers
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -130,7 +132,8 @@ def make_forward_step(original):
         if fused is not None:
             batch = fused.data
             postprocess_micro_batch_func = functools.partial(postprocess_micro_batch_func, loss_function=fused_result_loss)
-        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, **layout))
+        mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
+        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, **layout))
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:

@@ -1,0 +1,131 @@
+"""megatron-core's MTP loss through the op: the MTP heads' cross-entropy without MTP logits.
+
+Why: megatron-core 0.19's `process_mtp_loss` calls the output layer once per MTP
+layer, so every MTP head materializes [tokens, vocab] logits (and their
+gradient) even when the main head goes through the output_processor hook.
+`fused_process_mtp_loss` takes the same arguments and has the same effects:
+the loss of MTP layer k is minus the log-prob, at temperature 1 (MuP scale
+included), of the label rolled k steps, masked by the loss mask rolled k
+steps (packed and context-parallel rolls by megatron's own `roll_tensor`),
+scaled and injected into the main hidden states with `MTPLossAutoScaler`
+exactly as megatron does, and logged (loss and acceptance counts) through
+megatron's `MTPLossLoggingHelper`. Acceptance (label == argmax) comes from
+the op's `return_label_is_max`; a label tied with another id at the maximum
+counts as accepted, where megatron's argmax accepts only the lowest tied id.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper, roll_tensor
+
+from .hook import logit_multiplier, resolve_output_weight
+from .ops import log_probs_and_entropy
+
+
+def _full_rows(hidden: torch.Tensor, output_layer, tp_group, tp_size: int) -> torch.Tensor:
+    """What megatron's ColumnParallelLinear feeds its GEMM: sequence-parallel shards gathered
+    (reduce-scatter in backward), else the rows as they are (all-reduce in backward)."""
+    if tp_size == 1:
+        return hidden
+    if getattr(output_layer, "sequence_parallel", False):
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+
+
+def _tensor_parallel_group(output_layer, tp_group):
+    group = tp_group if tp_group is not None else getattr(output_layer, "tp_group", None)
+    if group is None:
+        group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    return group, size
+
+
+def fused_process_mtp_loss(
+    *,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    output_layer,
+    output_weight: torch.Tensor | None,
+    is_training: bool,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn=None,
+    input_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+    **_unused_logit_arguments,
+) -> torch.Tensor:
+    """Drop-in for megatron's `process_mtp_loss` (same keywords); returns the main hidden states
+    with every MTP layer's loss attached by `MTPLossAutoScaler`.
+
+    Accepts and ignores the arguments that only shape megatron's logits
+    (`runtime_gather_output`, `compute_language_model_loss`): no logits exist here.
+    """
+    num_layers = config.mtp_num_layers
+    chunks = torch.chunk(hidden_states, 1 + num_layers, dim=0)
+    hidden_states = chunks[0]
+    labels_from_input_ids = labels is None
+    if labels_from_input_ids:
+        if input_ids is None:
+            return hidden_states
+        labels, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+
+    weight = resolve_output_weight(output_layer, output_weight)
+    if config.mtp_detach_heads:
+        weight = weight.detach()
+    group, tp_size = _tensor_parallel_group(output_layer, tp_group)
+    temperature = 1.0 / logit_multiplier(scale_logits_fn, config)
+
+    mtp_labels = labels.clone()
+    if loss_mask is None:
+        loss_mask = torch.ones_like(mtp_labels)
+    if labels_from_input_ids:  # the last rolled-in label is fabricated: mask it, as megatron does
+        loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    original_num_tokens = loss_mask.sum()
+
+    for layer in range(num_layers):
+        mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        loss_mask, num_tokens = roll_tensor(
+            loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+        )
+        log_probs, _, label_is_max = log_probs_and_entropy(
+            _full_rows(chunks[layer + 1], output_layer, group, tp_size),
+            weight,
+            mtp_labels.t(),
+            temperature=temperature,
+            tp_group=group if tp_size > 1 else None,
+            score_mask=(loss_mask != 0).t(),
+            calculate_entropy=False,
+            backend=backend,
+            return_label_is_max=True,
+        )
+        mtp_loss = loss_mask * -log_probs.t()
+
+        if is_training:
+            mtp_loss_for_log = (torch.sum(mtp_loss) * (num_tokens > 0).to(mtp_loss.dtype)) / num_tokens.clamp(min=1)
+            valid = loss_mask.bool()
+            MTPLossLoggingHelper.save_metrics_to_tracker(
+                mtp_loss_for_log,
+                (label_is_max.t() & valid).sum().float(),
+                valid.sum().float(),
+                layer,
+                num_layers,
+                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            )
+        mtp_loss_scale = config.mtp_loss_scaling_factor / num_layers
+        if config.calculate_per_token_loss:
+            # finalize_model_grads divides by the main loss's token count; MTP has fewer (rolled) tokens
+            scaled = mtp_loss_scale * mtp_loss * (original_num_tokens / torch.clamp(num_tokens, min=1))
+        else:
+            scaled = mtp_loss_scale * mtp_loss / num_tokens.clamp(min=1)
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, scaled)
+    return hidden_states

@@ -1,0 +1,152 @@
+"""A/B parity with MTP layers (`ab-parity --mtp-layers N`): hook mode's fused MTP loss against verl's own MTP path.
+
+With `actor_rollout_ref.model.mtp.enable=True, enable_train=True`, verl as it
+ships turns fused kernels off: its unfused forward builds the main head's
+logits and megatron's `process_mtp_loss` builds every MTP head's logits. Hook
+mode keeps fused kernels on and computes both through the op. Each side runs
+in its own processes on identical weights and batch, through verl's build
+step, `patch_engine_mtp` and `forward_step` (testing/mtp_engine.py), then the
+same GRPO-style loss and its backward. Compared, relative to verl's side:
+log-probs and entropy on the response rows, the loss, every parameter gradient
+(MTP layers included, through the injected MTP loss) and the logged MTP loss;
+acceptance counts must be equal on the CPU (fp32); on CUDA verl's argmax reads
+bf16-rounded logits (ties at bf16 resolution go to the lowest id) and ours fp32
+ones, so counts may differ by up to 2 or 1% of the total, whichever is larger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .ab_parity import TEMPERATURE, _row, _run_on_nccl, compare, grpo_loss, make_batch, world_size_for
+from ..testing.distributed import free_port, run_on_gloo
+
+SIDES = ("verl", "hook")
+CUDA_ACCEPTANCE_SLACK = 0.01
+CUDA_ACCEPTANCE_MIN_SLACK = 2
+
+
+def _response_values(nested, data) -> torch.Tensor:
+    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+
+    return nested.values()[response_score_rows(data, None).values()].detach().cpu()
+
+
+def run_side(scenario, side: str, setup, mtp_layers: int) -> dict:
+    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook.testing.mtp_engine import build_mtp_engine, mtp_batch, mtp_forward, take_mtp_metrics
+
+    from .ab_parity import DTYPES
+
+    device = setup.device
+    init_model_parallel(scenario.tp, seed=setup.seed)
+    hf_config = load_hf_config(setup.hf_path)
+    model = build_gpt_from_hf(
+        hf_config, sequence_parallel=scenario.sequence_parallel, tied=scenario.tied, seed=setup.seed,
+        dtype=DTYPES[setup.dtype], mtp_num_layers=mtp_layers,
+    ).to(device)
+    engine = build_mtp_engine(model, hook=side == "hook", backend=setup.backend, model_path=setup.hf_path)
+    prompts, responses, advantages, old_offset = make_batch(hf_config.vocab_size, setup.seed)
+    nested = lambda parts: torch.nested.as_nested_tensor([p.to(device) for p in parts], layout=torch.jagged)  # noqa: E731
+    batch = mtp_batch(nested([torch.cat(pair) for pair in zip(prompts, responses)]), nested(prompts), nested(responses), TEMPERATURE)
+    take_mtp_metrics()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    output = mtp_forward(engine, model, batch)
+    loss = grpo_loss(output["log_probs"], output["entropy"], batch, advantages, old_offset)
+    loss.backward()
+    return {
+        "fused": engine.engine_config.use_fused_kernels,
+        "log_probs": _response_values(output["log_probs"], batch),
+        "entropy": _response_values(output["entropy"], batch),
+        "policy_loss": loss.detach().reshape(1).cpu(),
+        "grads": {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None},
+        "mtp": take_mtp_metrics(),
+        "peak_bytes": int(torch.cuda.max_memory_allocated() - base) if device == "cuda" else 0,
+    }
+
+
+def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_layers: int):
+    from verl_fused_hook.verl_integration import install
+
+    install()
+    if rank != 0:
+        logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
+    import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
+
+    if setup.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    results = {}
+    for scenario in scenarios:
+        started = time.time()
+        results[scenario.name] = run_side(scenario, side, setup, mtp_layers)
+        if rank == 0:
+            print(f"[{side}, mtp_layers={mtp_layers}] {scenario.name} done in {time.time() - started:.1f}s", flush=True)
+    return results
+
+
+def _metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, bool]:
+    """Largest relative MTP-loss error and acceptance-count difference over ranks; whether they pass."""
+    loss_error, count_gap, ok = 0.0, 0.0, True
+    for verl_rank, hook_rank in zip(verl_runs, hook_runs):
+        want, got = verl_rank[name]["mtp"], hook_rank[name]["mtp"]
+        if set(want) != set(got) or not want:
+            return {"mtp_loss": float("inf"), "acceptance_gap": float("inf")}, False
+        scale = want["loss_values"].double().abs().max().clamp_min(1e-30)
+        loss_error = max(loss_error, ((got["loss_values"].double() - want["loss_values"].double()).abs().max() / scale).item())
+        gap = (got["correct_values"] - want["correct_values"]).abs().max().item()
+        count_gap = max(count_gap, gap)
+        slack = 0 if device == "cpu" else max(CUDA_ACCEPTANCE_MIN_SLACK, CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item())
+        ok = ok and gap <= slack and torch.equal(got["total_values"], want["total_values"])
+    return {"mtp_loss": loss_error, "acceptance_gap": count_gap}, ok
+
+
+def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: str | None) -> int:
+    world_size = world_size_for(setup.device, scenarios)
+    print(f"A/B parity with {mtp_layers} MTP layer(s) on {setup.device} ({world_size} processes per side): "
+          f"verl as it ships (fused off with MTP) vs hook mode (backend={setup.backend}, MTP loss through the op)",
+          flush=True)
+    runs = {}
+    for side in SIDES:
+        if setup.device == "cuda":
+            runs[side] = _run_on_nccl(side, scenarios, setup, {}, free_port(), world_size,
+                                      worker=side_worker, extra=(mtp_layers,))
+        else:
+            runs[side] = run_on_gloo(side_worker, world_size, side, scenarios, setup, mtp_layers)
+    report = {"device": setup.device, "backend": setup.backend, "dtype": setup.dtype, "mtp_layers": mtp_layers,
+              "rtol": rtol, "scenarios": []}
+    print(f"\n{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad")
+    for scenario in scenarios:
+        name = scenario.name
+        rows = compare(runs["verl"], name, runs["hook"], name, relative=True)
+        metrics, metrics_ok = _metric_rows(runs["verl"], runs["hook"], name, setup.device)
+        fused = {side: runs[side][0][name]["fused"] for side in SIDES}
+        match = (
+            fused == {"verl": False, "hook": True}
+            and all(rows[k] <= rtol for k in ("log_probs", "entropy", "policy_loss", "grads"))
+            and metrics["mtp_loss"] <= rtol
+            and metrics_ok
+        )
+        mtp_grads = any(key.startswith("mtp.") for key in runs["hook"][0][name]["grads"])
+        match = match and mtp_grads
+        peaks = {side: max(r[name]["peak_bytes"] for r in runs[side]) for side in SIDES}
+        report["scenarios"].append({"scenario": name, "fused": fused, "vs_verl_rel": rows, "mtp": metrics,
+                                    "peak_bytes": peaks, "match": match})
+        print(_row(name, "hook vs verl's MTP path (rel)", rows, "" if match else "   MISMATCH"))
+        print(f"{'':<18} {'MTP loss (rel), acceptance':<28} {metrics['mtp_loss']:>10.3g} {metrics['acceptance_gap']:>10.3g}"
+              f"   fused kernels: verl {fused['verl']}, hook {fused['hook']}")
+    report["match"] = all(entry["match"] for entry in report["scenarios"])
+    print()
+    print(f"PASS: hook mode's fused MTP loss within {rtol:g} of verl's MTP path" if report["match"]
+          else "FAIL: mismatches above")
+    if json_path:
+        text = json.dumps(report, indent=2)
+        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
+    return 0 if report["match"] else 1
