@@ -40,7 +40,6 @@ class EngineSetup:
     lr: float
     offload: bool
     fused_kernel_options: dict
-    sequence_parallel: bool = False
 
 
 def _model_provider(engine, setup: EngineSetup):
@@ -117,8 +116,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False, checkpoint_d
         use_fused_kernels=True,
         use_remove_padding=True,
         forward_only=forward_only,
-        tensor_model_parallel_size=setup.tp,
-        sequence_parallel=setup.sequence_parallel,
+        tensor_model_parallel_size=setup.tp,  # with TP > 1 mbridge's conversion turns sequence parallelism on
         use_distributed_optimizer=True,
         use_dist_checkpointing=True,
         param_offload=setup.offload,

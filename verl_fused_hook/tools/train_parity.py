@@ -88,10 +88,12 @@ TEMPERATURE = 1.0
 ENTROPY_COEF = 0.01
 KL_COEF = 0.001
 LR = 1e-4
-# Modes with another kernel than legacy's: per step, |loss gap| and |grad-norm gap| relative to legacy's value.
-# Sized from the kernels' accuracy (log-probs within 3e-5 of fp64, docs/benchmarks.md) carried through K
-# optimizer steps; bf16 parameters round each update, so a gap of a few bf16 ulps per step is expected.
-TWO_KERNEL_LOSS_RTOL = {"float32": 1e-3, "bfloat16": 5e-2}
+# Modes with another kernel than legacy's (hook-auto on CUDA; hook-auto-mask where the mask changes the rounding):
+# per step, the absolute loss gap (GRPO losses sit near 0, so a relative gap means nothing) and the gradient
+# norm's gap relative to legacy's. Bounds for a sanity check, not a claim: each kernel's log-probs are within
+# 3e-5 of fp64 (docs/benchmarks.md), and over K optimizer steps bf16 parameters round every update, so the
+# runs drift apart a little each step; the tool reports the gap per step next to the bound.
+TWO_KERNEL_LOSS_ATOL = {"float32": 1e-4, "bfloat16": 2e-2}
 TWO_KERNEL_GRAD_NORM_RTOL = {"float32": 1e-3, "bfloat16": 5e-2}
 QWEN2_5_0_5B = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_0_5b"
 
@@ -130,6 +132,8 @@ class Plan:
     seed: int
     modes: tuple[str, ...]
     offload: tuple[bool, ...]
+    offload_modes: tuple[str, ...]  # the modes that also run with offload on, when offload includes True
+    deterministic: bool  # CUDA: bitwise-repeatable steps (testing/determinism.py)
     checkpoint_root: str
 
     @property
@@ -308,7 +312,9 @@ def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, lo
             load_checkpoint_for_resume(actor, plan.checkpoint_dir(mode.name))
         loss_function = _loss_function(plan)
         repeatable = (
-            deterministic_steps(*actor.module, *reference.module) if plan.device == "cuda" else contextlib.nullcontext()
+            deterministic_steps(*actor.module, *reference.module)
+            if plan.device == "cuda" and plan.deterministic
+            else contextlib.nullcontext()
         )
         rows = []
         with repeatable:
@@ -336,6 +342,8 @@ def uninterrupted_worker(rank: int, world_size: int, plan: Plan) -> dict:
     for name in plan.modes:
         mode = MODES[name]
         for offload in plan.offload:
+            if offload and name not in plan.offload_modes:
+                continue
             key = f"{name}/offload-{'on' if offload else 'off'}"
             started = time.time()
             results[key] = _run_steps(plan, mode, offload, first=1, save=not offload, load=False)
@@ -417,14 +425,13 @@ def identical(rows_a: list[dict], rows_b: list[dict]) -> tuple[bool, list[int]]:
 
 
 def largest_gap(reference: list[dict], other: list[dict]) -> dict:
-    """Largest relative gap of loss and grad norm to the reference over all steps, and the gap per step."""
+    """Largest absolute loss gap and relative grad-norm gap to the reference over all steps, and both per step."""
     per_step = []
     for a, b in zip(reference, other):
-        loss_gap = abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12)
         norm_gap = abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-12)
-        per_step.append({"step": a["step"], "loss_rel": loss_gap, "grad_norm_rel": norm_gap})
+        per_step.append({"step": a["step"], "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": norm_gap})
     return {
-        "loss_rel": max(r["loss_rel"] for r in per_step),
+        "loss_abs": max(r["loss_abs"] for r in per_step),
         "grad_norm_rel": max(r["grad_norm_rel"] for r in per_step),
         "per_step": per_step,
     }
@@ -443,7 +450,7 @@ def evaluate(runs: dict, plan: Plan) -> dict:
     same_kernel = one_kernel_mode(plan.device)
     for name in plan.modes:
         plain = runs[f"{name}/{base}"]
-        if "offload-on" != base and f"{name}/offload-on" in runs:
+        if f"{name}/offload-on" in runs:
             ok, steps = identical(plain, runs[f"{name}/offload-on"])
             checks.append({"check": f"{name}: offload on == off", "ok": ok, "differing_steps": steps})
         ok, steps = identical(plain, runs[f"{name}/resumed"])
@@ -457,11 +464,11 @@ def evaluate(runs: dict, plan: Plan) -> dict:
         else:
             gap = largest_gap(legacy, plain)
             gaps[name] = gap
-            bound = {"loss_rel": TWO_KERNEL_LOSS_RTOL[plan.dtype], "grad_norm_rel": TWO_KERNEL_GRAD_NORM_RTOL[plan.dtype]}
+            bound = {"loss_abs": TWO_KERNEL_LOSS_ATOL[plan.dtype], "grad_norm_rel": TWO_KERNEL_GRAD_NORM_RTOL[plan.dtype]}
             exact, _ = identical(legacy, plain)
-            ok = gap["loss_rel"] <= bound["loss_rel"] and gap["grad_norm_rel"] <= bound["grad_norm_rel"]
-            checks.append({"check": f"{name} vs legacy within loss {bound['loss_rel']:g}, grad norm "
-                                    f"{bound['grad_norm_rel']:g} (relative)", "ok": ok,
+            ok = gap["loss_abs"] <= bound["loss_abs"] and gap["grad_norm_rel"] <= bound["grad_norm_rel"]
+            checks.append({"check": f"{name} vs legacy: loss within {bound['loss_abs']:g} (absolute), grad norm "
+                                    f"within {bound['grad_norm_rel']:g} (relative)", "ok": ok,
                            "largest": {k: gap[k] for k in bound}, "bitwise_identical": exact})
     return {"checks": checks, "gaps": gaps, "match": all(c["ok"] for c in checks)}
 
@@ -498,10 +505,10 @@ def markdown(report: dict) -> str:
     gaps = report["evaluation"]["gaps"]
     if gaps:
         names = list(gaps)
-        lines += ["", "| step | " + " | ".join(f"{n} loss gap (rel) | {n} grad-norm gap (rel)" for n in names) + " |",
+        lines += ["", "| step | " + " | ".join(f"{n} loss gap (abs) | {n} grad-norm gap (rel)" for n in names) + " |",
                   "|---|" + "---|---|" * len(names)]
         for index, row in enumerate(gaps[names[0]]["per_step"]):
-            cells = [f"{gaps[n]['per_step'][index]['loss_rel']:.2e} | {gaps[n]['per_step'][index]['grad_norm_rel']:.2e}"
+            cells = [f"{gaps[n]['per_step'][index]['loss_abs']:.2e} | {gaps[n]['per_step'][index]['grad_norm_rel']:.2e}"
                      for n in names]
             lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -549,13 +556,17 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
     parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: CPU the shipped tiny "
                         "Qwen2, CUDA the shipped Qwen2.5-0.5B-shaped config)")
     parser.add_argument("--steps", type=int, default=None, help="K (even, >= 2; default 20 on CUDA, 4 on the CPU)")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8 CUDA, 2 CPU)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default 4 CUDA, 2 CPU)")
     parser.add_argument("--n", type=int, default=5, help="responses per prompt")
     parser.add_argument("--prompt-lengths", default=None, help="LO,HI tokens (default 64,256 CUDA, 3,9 CPU)")
     parser.add_argument("--response-lengths", default=None, help="LO,HI tokens (default 128,512 CUDA, 2,10 CPU)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 10 CUDA, 5 CPU)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 5)")
     parser.add_argument("--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default: all the device runs)")
     parser.add_argument("--offload", choices=("both", "off", "on"), default="both", help="verl's param/grad/optimizer offload")
+    parser.add_argument("--offload-modes", default=None, help="with --offload both: the modes that also run with "
+                        "offload on (default: every mode)")
+    parser.add_argument("--nondeterministic", action="store_true", help="CUDA: PyTorch's default (faster, not "
+                        "bitwise repeatable) algorithms; identities are then not expected to hold")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="train_parity", help="folder for train_parity.{json,md,png}")
@@ -586,18 +597,21 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
         modes = tuple(m.name for m in MODES.values() if cuda or not m.cuda_only)
     try:
         shape = RolloutShape(
-            prompts=args.prompts or (8 if cuda else 2),
+            prompts=args.prompts or (4 if cuda else 2),
             n=args.n,
             prompt_lengths=_pair(args.prompt_lengths or ("64,256" if cuda else "3,9"), "--prompt-lengths"),
             response_lengths=_pair(args.response_lengths or ("128,512" if cuda else "2,10"), "--response-lengths"),
         )
     except (ValueError, argparse.ArgumentTypeError) as error:
         parser.error(str(error))
-    micro_batch = args.micro_batch or (10 if cuda else 5)
+    micro_batch = args.micro_batch or 5
     if shape.sequences % micro_batch:
         parser.error(f"--micro-batch {micro_batch}: must divide prompts*n = {shape.sequences}")
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype or ("bf16" if cuda else "fp32")]
     offload = {"both": (False, True), "off": (False,), "on": (True,)}[args.offload]
+    offload_modes = tuple(args.offload_modes.split(",")) if args.offload_modes else modes
+    if any(m not in modes for m in offload_modes):
+        parser.error(f"--offload-modes: {[m for m in offload_modes if m not in modes]} not among --modes {list(modes)}")
     plan = Plan(
         hf_path=str(hf_path.parent if hf_path.is_file() else hf_path),
         device=device,
@@ -609,6 +623,8 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
         seed=args.seed,
         modes=modes,
         offload=offload,
+        offload_modes=offload_modes,
+        deterministic=not args.nondeterministic,
         checkpoint_root=checkpoint_root,
     )
     return plan, Path(args.out)
