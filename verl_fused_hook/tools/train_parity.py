@@ -60,8 +60,10 @@ the bounds below.
 
 Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
-         [--modes legacy,hook-auto,...] [--offload both|off|on] [--out DIR]
-Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves).
+         [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--nondeterministic]
+         [--dtype bf16|fp32] [--seed S] [--out DIR]
+Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves). Checkpoints go to a
+temporary folder (under $TRAIN_PARITY_CHECKPOINT_DIR when set), removed at the end.
 """
 
 from __future__ import annotations
@@ -256,9 +258,11 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     from verl_fused_hook.testing.grpo_batches import packed, rollout
 
     device = plan.device
+    allocated = None
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        allocated = torch.cuda.memory_allocated()
     started = time.perf_counter()
     fields = rollout(plan.shape, actor.model_config.hf_config.vocab_size, plan.seed, step)
     fields["old_log_probs"] = _log_probs(actor, fields, plan, entropy=True)
@@ -284,6 +288,7 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         "old_log_prob_sum": float(fields["old_log_probs"].double().sum()),
         "seconds": seconds,
         "peak_bytes": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
+        "allocated_bytes_at_start": allocated,  # weights, grads and optimizer state held between steps
     }
 
 
@@ -328,15 +333,18 @@ def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, lo
 
 def _release(*engines) -> None:
     """Free one mode's engines before the next mode builds its own (megatron's parallel state stays)."""
+    import gc
+
     for engine in engines:
-        engine.module = None
-        engine.optimizer = None
+        engine.module = engine.optimizer = engine.lr_scheduler = None
+        engine.checkpoint_mananager = None  # sic: verl's spelling
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def uninterrupted_worker(rank: int, world_size: int, plan: Plan) -> dict:
-    """Every mode, K steps from the start: offload off (saving the checkpoint at K/2) and, if asked, on."""
+    """Every mode, K steps from the start, for each offload setting (saving the checkpoint at K/2 in the first)."""
     _prepare_process(plan, rank)
     results = {}
     for name in plan.modes:
@@ -346,7 +354,8 @@ def uninterrupted_worker(rank: int, world_size: int, plan: Plan) -> dict:
                 continue
             key = f"{name}/offload-{'on' if offload else 'off'}"
             started = time.time()
-            results[key] = _run_steps(plan, mode, offload, first=1, save=not offload, load=False)
+            # the checkpoint comes from the first offload setting, the one the resumed run uses
+            results[key] = _run_steps(plan, mode, offload, first=1, save=offload == plan.offload[0], load=False)
             if rank == 0:
                 print(f"[{key}] {plan.steps} steps in {time.time() - started:.1f}s", flush=True)
     return results
@@ -631,7 +640,7 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
 
 
 def main(argv=None) -> int:
-    checkpoint_root = tempfile.mkdtemp(prefix="train_parity_ckpt_")
+    checkpoint_root = tempfile.mkdtemp(prefix="train_parity_ckpt_", dir=os.environ.get("TRAIN_PARITY_CHECKPOINT_DIR"))
     try:
         plan, out = parse_plan(argv, checkpoint_root)
         print(f"train-parity on {plan.device}, TP={plan.tp}, {plan.dtype}, {plan.steps} steps, modes "
