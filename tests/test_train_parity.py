@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "train-parity"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 STEPS = 4
-FIELDS = ("loss", "grad_norm", "param_sha256")
+FIELDS = ("loss", "grad_norm", "param_checksum")
 
 
 def run_command(out: Path, *args):
@@ -40,7 +40,7 @@ def assert_trains(rows):
     """Real optimizer steps: finite losses, non-zero gradient norms, parameters that change every step."""
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert all(torch.isfinite(torch.tensor(row["loss"])) and row["grad_norm"] > 0 for row in rows)
-    assert len({row["param_sha256"] for row in rows}) == STEPS
+    assert len({row["param_checksum"] for row in rows}) == STEPS
 
 
 @pytest.mark.parametrize(

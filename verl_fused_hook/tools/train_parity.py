@@ -28,8 +28,8 @@ hook-verl (hook, backend verl: verl's Triton kernel; CUDA only), hook-auto
 (hook, backend auto, score mask on: only the rows `ppo_loss` reads are computed,
 the plugin's default for ppo_loss steps). Per step: the loss (sum over
 micro-batches, as verl's worker reports it), the gradient norm (from the
-optimizer step), a checksum of every parameter on every rank (SHA-256 of the
-bytes, and the float64 sum for the plot), step time and peak memory.
+optimizer step), a checksum of every parameter's bits on every rank (and the
+float64 sum), step time and peak memory.
 
 What verl runs and what is replaced: `MegatronEngine.__init__` and
 `initialize()` run as shipped (mbridge's config conversion, verl's `get_model`
@@ -240,17 +240,22 @@ def _log_probs(engine, fields, plan: Plan, *, entropy: bool):
 
 
 def parameter_checksum(engine) -> tuple[str, float]:
-    """SHA-256 over every parameter's bytes on this rank (model order) and their float64 sum."""
-    digest = hashlib.sha256()
-    total = 0.0
+    """A 64-bit checksum of every parameter's bits on this rank (model order) and their float64 sum.
+
+    Computed where the parameters live: each parameter's bit pattern (as integers) times position-dependent
+    odd weights, summed in int64 (integer sums are exact and order-free, so the checksum is deterministic),
+    chained over parameters. Any changed bit changes it (up to 2**-64 collisions); copying 0.5B parameters to
+    the host for a cryptographic hash would cost more than a training step."""
+    integer_of = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    chained, total = 0, 0.0
     for chunk in engine.module:
-        for name, param in chunk.named_parameters():
-            data = param.detach()
-            digest.update(name.encode())
-            # a copy: numpy must not share the parameter's storage (offload later resizes it to 0)
-            digest.update(data.to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+        for param in chunk.parameters():
+            data = param.detach().contiguous().reshape(-1)
+            bits = data.view(integer_of[data.element_size()]).to(torch.int64)
+            weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) * 2654435761 + 40503
+            chained = (chained * 1_000_003 + int((bits * weights).sum())) % 2**64
             total += data.double().sum().item()
-    return digest.hexdigest(), total
+    return f"{chained:016x}", total
 
 
 def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
@@ -272,18 +277,20 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     )
     with actor.train_mode():
         output = actor.train_batch(data, loss_function=loss_function)
+        checksum_started = time.perf_counter()
         checksum, total = parameter_checksum(actor)  # inside: with offload on, parameters leave on exit
+        checksum_seconds = time.perf_counter() - checksum_started
     actor.lr_scheduler_step()
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - checksum_seconds  # the step, not our checksum
     losses = output["loss"]
     grad_norm = output["metrics"].get("grad_norm")
     return {
         "step": step,
         "loss": float(sum(losses) if isinstance(losses, list) else losses),
         "grad_norm": None if grad_norm is None else float(grad_norm),
-        "param_sha256": checksum,
+        "param_checksum": checksum,
         "param_sum": total,
         "old_log_prob_sum": float(fields["old_log_probs"].double().sum()),
         "seconds": seconds,
@@ -417,13 +424,13 @@ def merge_ranks(per_rank: list[dict]) -> dict:
         merged[key] = []
         for index, row in enumerate(rows):
             ranks = [r[key][index] for r in per_rank]
-            combined = hashlib.sha256("".join(r["param_sha256"] for r in ranks).encode()).hexdigest()
-            merged[key].append(row | {"param_sha256": combined, "param_sum": sum(r["param_sum"] for r in ranks),
+            combined = hashlib.sha256("".join(r["param_checksum"] for r in ranks).encode()).hexdigest()
+            merged[key].append(row | {"param_checksum": combined, "param_sum": sum(r["param_sum"] for r in ranks),
                                       "peak_bytes": max((r["peak_bytes"] or 0) for r in ranks) or None})
     return merged
 
 
-IDENTITY_FIELDS = ("loss", "grad_norm", "param_sha256")
+IDENTITY_FIELDS = ("loss", "grad_norm", "param_checksum")
 
 
 def identical(rows_a: list[dict], rows_b: list[dict]) -> tuple[bool, list[int]]:
