@@ -19,7 +19,6 @@ seed (verl would load a checkpoint: there is none for a random model).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -89,7 +88,7 @@ def build_local_spec_module(engine, setup: EngineSetup):
     )
 
 
-def build_engine(setup: EngineSetup, *, forward_only: bool = False, checkpoint_dir: str | Path | None = None):
+def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     """A MegatronEngineWithLMHead through verl's __init__ and initialize() (model build replaced, see above).
 
     Call on an initialised process group; megatron's parallel state is initialised here when it is not yet."""

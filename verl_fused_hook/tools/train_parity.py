@@ -39,13 +39,20 @@ except `_build_megatron_module`: verl builds through mbridge, which hard-codes
 Transformer Engine's layer spec, and TE is not installable here; the stand-in
 (`testing/train_engine.py`) calls verl's own `get_model` with a provider that
 builds the GPTModel with megatron-core's local spec and seeded random weights
-(verl would load a checkpoint). Trainer-level code (Ray workers, rollout) is not
-used: this tool calls the engine methods verl's `TrainingWorker` calls.
+(verl would load a checkpoint). verl's `load_checkpoint` runs inside
+`testing.train_engine.load_checkpoint_for_resume`, which works around two faults
+of megatron-core's distributed optimizer on PyTorch's Adam (used without Apex or
+TE): a fresh optimizer cannot be loaded into (its state is primed with zeros
+first), and the load leaves each parameter's Adam step at 0 (it is set from the
+restored param groups afterwards). The LR scheduler is checkpointed
+(`use_checkpoint_opt_param_scheduler=True`). Trainer-level code (Ray workers,
+rollout) is not used: this tool calls the engine methods verl's `TrainingWorker`
+calls.
 
 On the CPU (gloo; any TP size) Triton cannot run: legacy's kernel is swapped for
 the portable op (`testing/legacy_kernel_swap.py`), "auto" is the portable op,
 and megatron-core's optimizer runs on CPU tensors through a named fake
-(`testing/cpu_optimizer.py`: its CUDA-only scalar placement and type checks);
+(`testing/cuda_on_cpu.py`: its CUDA-only scalar placement and type checks);
 hook-verl is skipped. On the CPU offload runs verl's functions, but the
 "device" they load to is the CPU itself. On CUDA (one GPU, TP=1) every step
 runs bitwise repeatable (`testing/determinism.py`).
