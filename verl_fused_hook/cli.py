@@ -13,6 +13,7 @@ COMMANDS = {
     "ab-parity": ("verl_fused_hook.tools.ab_parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
     "bench": ("verl_fused_hook.tools.bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
     "e2e-bench": ("verl_fused_hook.tools.e2e_bench", "verl's engine forward+backward in each mode (CUDA)"),
+    "train-parity": ("verl_fused_hook.tools.train_parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
 }
 
 

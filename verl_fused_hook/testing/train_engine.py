@@ -1,0 +1,180 @@
+"""verl's `MegatronEngineWithLMHead`, initialised by verl itself except for the one step that needs Transformer Engine.
+
+Why: a training-loop comparison should run verl's engine as the trainer does:
+`MegatronEngine.__init__` and `initialize()` (transformer config through
+mbridge's conversion, DDP wrapping, the fused-kernel build step, optimizer,
+LR scheduler, checkpoint manager, offload), then `train_batch` /
+`infer_batch`, `lr_scheduler_step`, `save_checkpoint` / `load_checkpoint`.
+Only `_build_megatron_module` is replaced, because verl builds the model
+through mbridge, which hard-codes Transformer Engine's layer spec (FACTS), and
+TE is not installable on the CPU or on the lead's GPU machine. The replacement
+does what verl's build step does with megatron-core's local layer spec: verl's
+own `verl.utils.megatron_utils.get_model` builds the GPTModel from the engine's
+transformer config (through a model provider), sets the TP attributes,
+wraps it in `Float16Module` for bf16 and in Megatron's DDP with verl's DDP
+overrides (`_resolve_override_ddp_config`). The weights are random from a
+seed (verl would load a checkpoint: there is none for a random model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
+TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What verl's config files would say for one engine (actor or reference)."""
+
+    hf_path: str
+    tp: int
+    dtype: str  # "bfloat16" or "float32"
+    seed: int
+    micro_batch_size: int
+    total_steps: int
+    lr: float
+    offload: bool
+    fused_kernel_options: dict
+
+
+def _model_provider(engine, setup: EngineSetup):
+    """The provider verl's `get_model` calls: a GPTModel on the engine's config with a CPU-capable local spec."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from .hf_model import _rope_base, padded_vocab_size, transformer_engine_available
+    from .megatron_cpu import cpu_block_spec
+
+    hf_config = engine.model_config.hf_config
+    config = engine.tf_config
+
+    def provider(pre_process=True, post_process=True, vp_stage=None):
+        if transformer_engine_available():
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        else:
+            spec = cpu_block_spec(config)
+        torch.manual_seed(setup.seed)  # identical weights in every mode and process of one TP size
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(hf_config.vocab_size, parallel_state.get_tensor_model_parallel_world_size()),
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            position_embedding_type="rope",
+            rotary_base=_rope_base(hf_config),
+            share_embeddings_and_output_weights=engine.share_embeddings_and_output_weights,
+        )
+
+    return provider
+
+
+def build_local_spec_module(engine, setup: EngineSetup):
+    """Stand-in for `MegatronEngine._build_megatron_module` (see the module docstring): verl's `get_model`."""
+    from verl.utils.megatron_utils import get_model
+
+    return get_model(
+        _model_provider(engine, setup),
+        wrap_with_ddp=not engine.engine_config.forward_only,
+        use_distributed_optimizer=engine.engine_config.use_distributed_optimizer,
+        override_ddp_config=engine._resolve_override_ddp_config(),
+        transformer_config=engine.tf_config,
+    )
+
+
+def build_engine(setup: EngineSetup, *, forward_only: bool = False):
+    """A MegatronEngineWithLMHead through verl's __init__ and initialize() (model build replaced, see above).
+
+    Call on an initialised process group; megatron's parallel state is initialised here when it is not yet."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from .cuda_on_cpu import cuda_names_on_cpu
+    from .grpo_batches import PAD_TOKEN_ID
+    from .verl_engine import word_level_tokenizer
+
+    if setup.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"EngineSetup.dtype: {setup.dtype!r}; allowed: bfloat16, float32")
+    model_config = HFModelConfig(
+        path=setup.hf_path,
+        load_tokenizer=False,
+        use_fused_kernels=True,
+        fused_kernel_options=dict(setup.fused_kernel_options),
+    )
+    model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size, PAD_TOKEN_ID)
+    engine_config = McoreEngineConfig(
+        use_mbridge=True,
+        vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
+        use_fused_kernels=True,
+        use_remove_padding=True,
+        forward_only=forward_only,
+        tensor_model_parallel_size=setup.tp,  # with TP > 1 mbridge's conversion turns sequence parallelism on
+        use_distributed_optimizer=True,
+        use_dist_checkpointing=True,
+        param_offload=setup.offload,
+        optimizer_offload=setup.offload,
+        seed=setup.seed,
+        dtype="bfloat16",  # verl accepts bfloat16/float16 only; float32 is set below (CPU runs)
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=setup.micro_batch_size,
+        infer_micro_batch_size_per_gpu=setup.micro_batch_size,
+        override_transformer_config={**TRANSFORMER_OVERRIDES, "use_cpu_initialization": not torch.cuda.is_available()},
+    )
+    if setup.dtype == "float32":
+        object.__setattr__(engine_config, "dtype", "float32")
+    # verl's default linear LR decay over the run; the scheduler's position is saved and restored with the
+    # checkpoint (verl's default, use_checkpoint_opt_param_scheduler=False, restarts the schedule on resume).
+    optimizer_config = McoreOptimizerConfig(
+        lr=setup.lr, clip_grad=1.0, total_training_steps=setup.total_steps, use_checkpoint_opt_param_scheduler=True
+    )
+    checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])
+    engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
+    engine._build_megatron_module = lambda: build_local_spec_module(engine, setup)
+    with cuda_names_on_cpu():
+        engine.initialize()
+    return engine
+
+
+def _torch_adams(engine):
+    for optimizer in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        if isinstance(optimizer.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            yield optimizer.optimizer
+
+
+def load_checkpoint_for_resume(engine, path: str) -> None:
+    """verl's `engine.load_checkpoint(path)`, with two workarounds for megatron-core's DistributedOptimizer on
+    PyTorch's Adam (what it uses without Apex or Transformer Engine, as on every machine here):
+
+    - before: `DistributedOptimizer.state_dict()` (called by `sharded_state_dict(is_loading=True)` inside the
+      load) asserts one common 'step' over the Adam state, which PyTorch creates only at the first step: a
+      fresh optimizer has none and the load fails. It gets zero moments and step 0 (what the first step would
+      create); the load overwrites the moments;
+    - after: the load puts the checkpoint's step into the param groups, then copies each parameter's state
+      from the loaded tensors, where 'step' still holds the template's 0 (Adam's bias correction would then
+      restart). Each parameter's step is set from its param group's restored step.
+    The load itself runs under no_grad: with fp32 parameters the optimizer's main params are views of leaves
+    that require grad, which the loader copies into in place."""
+    for adam in _torch_adams(engine):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                if not adam.state[param]:
+                    adam.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+    with torch.no_grad():
+        engine.load_checkpoint(path, del_local_after_load=False)
+    for adam in _torch_adams(engine):
+        for group in adam.param_groups:
+            if "step" not in group:
+                raise RuntimeError("load_checkpoint: the optimizer's param groups carry no restored 'step'")
+            for param in group["params"]:
+                adam.state[param]["step"] = torch.tensor(float(group["step"]))
