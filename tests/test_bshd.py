@@ -476,3 +476,13 @@ def test_e2e_bench_bshd_layout_on_the_cpu(tmp_path):
         parity = rows[name]["vs_verl_unfused"]
         assert parity["log_probs"] <= 1e-5 and parity["entropy"] <= 1e-5 and parity["grads_rel"] <= 1e-5, (name, parity)
     assert "padded" in (tmp_path / "e2e.md").read_text()
+
+
+def test_mtp_on_the_padded_layout_keeps_verls_refusal_in_hook_mode(caplog):
+    """The fused MTP loss takes verl's packed MTP inputs: MTP together with use_remove_padding=False is left to verl."""
+    os.environ[ENV_VAR] = "1"
+    model = build_cpu_gpt(tiny_transformer_config(), vocab_size=VOCAB, seed=7)
+    engine = megatron_engine([model], use_remove_padding=False, mtp_enable=True)
+    engine._maybe_enable_fused_kernels()
+    assert engine.engine_config.use_fused_kernels is False and not hasattr(model, "_verl_fused_hook_plan")
+    assert "verl turned fused kernels off for this engine (use_remove_padding=False, mtp.enable=True)" in caplog.text
