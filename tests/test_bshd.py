@@ -19,6 +19,7 @@ import torch
 
 from verl_fused_hook.switch import ENV_VAR
 from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook.testing.output_rows import OutputWeightRows
 from verl_fused_hook.testing.verl_engine import megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 
@@ -69,20 +70,6 @@ def padded_rl_batch(padding: str, temperatures=TEMPERATURES, seed: int = 0):
     return left_right_2_no_padding(data)
 
 
-class OutputWeightRows(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts hidden rows multiplied by the output weight (matmuls whose right operand is [H, V_local])."""
-
-    def __init__(self, hidden_size, vocab_local):
-        super().__init__()
-        self.shape = (hidden_size, vocab_local)
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            left, right = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
-            if tuple(right.shape) == self.shape:
-                self.rows += left.shape[0]
-        return func(*args, **(kwargs or {}))
 
 
 def forward_step(engine, model, batch, loss_function=None):

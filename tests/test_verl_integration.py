@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from verl_fused_hook.probe import OutputProcessorUnsupportedError
 from verl_fused_hook.switch import ENV_VAR
 from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
 from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook.testing.output_rows import OutputWeightRows
 from verl_fused_hook.testing.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 
@@ -250,20 +250,6 @@ def partial_sft():
     return partial(sft_loss, config=None)
 
 
-class OutputWeightRows(TorchDispatchMode):
-    """Counts hidden rows multiplied by the output weight (matmuls whose right operand is [H, V])."""
-
-    def __init__(self, hidden_size, vocab):
-        super().__init__()
-        self.shape = (hidden_size, vocab)
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            left, right = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
-            if tuple(right.shape) == self.shape:
-                self.rows += left.shape[0]
-        return func(*args, **(kwargs or {}))
 
 
 def test_score_mask_skips_rows_verl_never_reads(monkeypatch):

@@ -264,6 +264,14 @@ def fused_output_processor(
     else:
         temperature = float(temperature) / multiplier
     labels_sb = labels.t()
+    # what both ops take alike, in the [s, b] layout of the hidden states
+    problem = dict(
+        temperature=temperature,
+        tp_group=tp_group if tp_size > 1 else None,
+        score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
+        vocab_size=context.vocab_size,
+        calculate_entropy=context.calculate_entropy,
+    )
 
     if context.backend == "verl":
         from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
@@ -277,13 +285,9 @@ def fused_output_processor(
             hidden,
             weight,
             labels_sb,
+            **problem,
             loss_fn=context.loss_fn,
             loss_name=context.loss_name,
-            temperature=temperature,
-            tp_group=tp_group if tp_size > 1 else None,
-            score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
-            vocab_size=context.vocab_size,
-            calculate_entropy=context.calculate_entropy,
             chunk_rows=context.tile_rows,
             row_gradients=context.row_gradients,
         )
@@ -292,16 +296,7 @@ def fused_output_processor(
         return output
     else:
         log_probs, entropy = log_probs_and_entropy(
-            hidden,
-            weight,
-            labels_sb,
-            temperature=temperature,
-            tp_group=tp_group if tp_size > 1 else None,
-            score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
-            vocab_size=context.vocab_size,
-            calculate_entropy=context.calculate_entropy,
-            backend=context.backend,
-            tile_rows=context.tile_rows,
+            hidden, weight, labels_sb, **problem, backend=context.backend, tile_rows=context.tile_rows
         )
     log_probs = log_probs.t().contiguous()
     entropy = _transposed(entropy)
