@@ -3,7 +3,8 @@
 The fused loss computes a chunk's raw logits `raw = h @ W_local[:valid].T` once and
 then needs two passes over them: the per-row softmax statistics (to form log-probs and
 entropy) and, once the loss's per-row gradients are known, the gradient of the raw
-logits. The Triton versions (ops/triton_chunk_kernels.py) keep these exact signatures.
+logits. On CUDA with bf16 inputs the Triton path replaces both (the forward kernel keeps the
+logits in fp16, ops/triton_chunk_kernels.py forms d_logits over them); these run everywhere else.
 Conventions follow statistics.py: z = raw * inv_temp, everything shifted by the row max.
 """
 

@@ -4,8 +4,9 @@
 recomputes the logits there (four GEMMs). Given the loss up front, each chunk of
 scored rows is multiplied once: its statistics give the rows' log-probs and
 entropy, the loss's per-row gradients of those rows (asked of the loss itself,
-through autograd) turn the same fp32 logits into d_logits, and the two gradient
-GEMMs run right away (three GEMMs). The returned loss's backward only scales the
+through autograd) turn the same logits (kept in fp16 by the Triton forward kernel
+on CUDA, fp32 elsewhere) into d_logits, and the two gradient GEMMs run right away
+(three GEMMs). The returned loss's backward only scales the
 stored d_hidden and d_weight by the incoming gradient.
 
 Why this is exact only for token-separable losses: a chunk's rows are
@@ -18,6 +19,7 @@ on them) raises LossGradientError: it would otherwise be dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -46,10 +48,10 @@ RowGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple
 SEPARABILITY_RTOL = 1e-6
 
 
-# One fp32 [chunk_rows, V_local] logits chunk. Larger chunks add fewer times into the fp32 d_weight
-# accumulator (V_local x H x 4 bytes, read and written once per chunk): on an H200 at 32768 x 4096 x 151936,
-# 1 / 2 / 4 / 8 GiB chunks ran at 0.90 / 0.88 / 0.86 / 0.84x the 4-GEMM floor for 3.5 / 4.2 / 7.2 / 13.3 GiB
-# of extra memory.
+# Memory for one chunk of logits. CUDA (Triton): 2 bytes per logit, the forward kernel keeps them in fp16 and
+# d_logits overwrites them; elsewhere (portable): 4 bytes of fp32 logits plus d_logits. More rows per chunk add
+# fewer times into the fp32 d_weight accumulator (V_local x H x 4 bytes, read and written once per chunk; there
+# is none when one chunk holds every scored row).
 CHUNK_BUDGET_BYTES = 2 * 1024**3
 
 class NonSeparableLossError(RuntimeError):
@@ -78,21 +80,6 @@ class _LossCall:
     shape: torch.Size
     row_gradients: RowGradients | None = None
     metrics: Any = field(default=None)
-
-
-@functools.cache
-def _elementwise_functions(device_type: str):
-    """(chunk_statistics, chunk_grad_logits) for tensors on this device type: on CUDA the Triton pair
-    (ops/triton_chunk_kernels.py, same signatures), else, or when it cannot be imported (said once), the
-    portable pair."""
-    if device_type == "cuda":
-        try:
-            from . import triton_chunk_kernels
-        except ImportError as error:
-            logger.warning("log_probs_entropy_and_loss: Triton chunk kernels unavailable (%s); portable passes on CUDA", error)
-        else:
-            return triton_chunk_kernels.chunk_statistics, triton_chunk_kernels.chunk_grad_logits
-    return chunk_elementwise.chunk_statistics, chunk_elementwise.chunk_grad_logits
 
 
 def _evaluate(call: _LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool):
@@ -158,30 +145,149 @@ def _inverse_temperature(p: LogProbProblem, rows: torch.Tensor) -> torch.Tensor:
     return torch.full((rows.numel(),), 1.0 / p.temperature, dtype=torch.float32, device=rows.device)
 
 
-def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool):
+class _WeightGradient:
+    """d_weight summed over chunks: the only chunk's GEMM writes it directly; several add into an fp32
+    [valid_columns, H] accumulator, rounded once at the end."""
+
+    def __init__(self, p: LogProbProblem, chunks: int):
+        self.d_weight = torch.empty_like(p.weight)
+        self.d_weight[p.valid_columns :].zero_()
+        self.target = self.d_weight[: p.valid_columns]
+        self.accumulator = None
+        if chunks > 1:
+            self.accumulator = torch.empty(self.target.shape, dtype=torch.float32, device=p.weight.device)
+        self.added = 0
+
+    def add(self, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+        beta = min(self.added, 1)  # 0 on the first chunk: the buffer's old contents are ignored, NaN included
+        self.added += 1
+        if self.accumulator is None:
+            if grad_logits.dtype == self.target.dtype:
+                torch.mm(grad_logits.t(), h, out=self.target)
+            else:
+                self.target.copy_(grad_logits.t() @ h)
+        elif grad_logits.dtype == torch.float32:
+            self.accumulator.addmm_(grad_logits.t(), h, beta=beta)
+        else:
+            torch.addmm(self.accumulator, grad_logits.t(), h, beta=beta, out_dtype=torch.float32, out=self.accumulator)
+
+    def result(self) -> torch.Tensor:
+        if self.accumulator is not None:
+            self.target.copy_(self.accumulator)
+        return self.d_weight
+
+
+class _PortableChunks:
+    """Each chunk's fp32 logits materialized by cuBLAS/CPU GEMMs (`_Gemms`), the two elementwise passes in
+    torch (`chunk_elementwise`): 4 bytes per logit plus d_logits."""
+
+    def __init__(self, p: LogProbProblem, chunk_rows: int | None):
+        self.p, self.gemms = p, _Gemms(p.weight, p.valid_columns)
+        self.rows = chunk_rows or max(1, CHUNK_BUDGET_BYTES // (4 * max(1, p.valid_columns)))
+
+    def statistics(self, rows, label_col, inv_temp, keep: bool):
+        self.h = self.gemms.rows(self.p.hidden, rows)
+        self.raw = self.gemms.raw_logits(self.h)
+        return chunk_elementwise.chunk_statistics(self.raw, label_col, inv_temp)
+
+    def gradients(self, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, weight_gradient):
+        out_dtype = self.p.weight.dtype if self.gemms.mixed else torch.float32
+        grad_logits = chunk_elementwise.chunk_grad_logits(
+            self.raw, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, out_dtype
+        )
+        self.raw = None
+        weight_gradient.add(grad_logits, self.h)
+        return self.gemms.grad_hidden(grad_logits).to(self.p.hidden.dtype)
+
+
+class _StoredChunks:
+    """CUDA, Triton: the forward kernel reduces each chunk's logits to statistics and keeps them in fp16
+    (`triton_backend.StoredLogits`); the gradient pass overwrites them with d_logits in place
+    (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every chunk."""
+
+    def __init__(self, p: LogProbProblem, chunk_rows: int | None):
+        from .triton_backend import FORWARD_CONFIG, tma_ready
+
+        self.p, self.weight = p, tma_ready(p.weight)
+        self.columns = p.valid_columns
+        pitch = -(-self.columns // 8) * 8  # TMA: 16-byte aligned rows
+        tiles = -(-self.columns // FORWARD_CONFIG.block_n)
+        active = max(1, p.active_rows.numel())
+        if chunk_rows is None:
+            row_bytes, block = 2 * pitch + 4 * tiles, FORWARD_CONFIG.block_m
+            # One chunk when it fits in what several would take with their fp32 d_weight accumulator.
+            if active * row_bytes <= CHUNK_BUDGET_BYTES + 4 * self.columns * p.hidden.shape[1]:
+                fit = active
+            else:
+                fit = max(block, CHUNK_BUDGET_BYTES // row_bytes // block * block)
+            chunk_rows = -(-active // -(-active // fit))  # equal chunks
+        self.rows = chunk_rows = min(chunk_rows, active)
+        self.buffer = torch.empty(chunk_rows, pitch, dtype=torch.float16, device=p.weight.device)
+        self.tile_max = torch.empty(chunk_rows, tiles, dtype=torch.float32, device=p.weight.device)
+
+    def statistics(self, rows, label_col, inv_temp, keep: bool):
+        from .triton_backend import StoredLogits, local_statistics, tma_ready
+
+        count = rows.numel()
+        self.h = tma_ready(self.p.hidden.index_select(0, rows))
+        self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count]) if keep else None
+        return local_statistics(self.p, self.h, self.weight, label_col, inv_temp, self.store)
+
+    def gradients(self, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, weight_gradient):
+        from .triton_chunk_kernels import stored_grad_logits
+
+        grad_logits = stored_grad_logits(
+            self.store, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, self.p.hidden.dtype
+        )
+        weight_gradient.add(grad_logits, self.h)
+        return torch.mm(grad_logits, self.weight[: self.columns])
+
+
+@functools.cache
+def _log_portable_on_cuda(reason: str) -> None:
+    logger.warning("log_probs_entropy_and_loss: %s; portable fp32 chunk passes on CUDA (slower, more memory)", reason)
+
+
+def _chunk_passes(p: LogProbProblem, chunk_rows: int | None):
+    """The Triton passes where the Triton backend can run `p`, else the portable ones (said once on CUDA)."""
+    if p.hidden.device.type == "cuda":
+        try:
+            from . import triton_backend, triton_chunk_kernels  # noqa: F401  (Triton importable)
+        except ImportError as error:
+            _log_portable_on_cuda(f"Triton unavailable ({error})")
+        else:
+            reason = triton_backend.unavailable_reason(p)
+            if reason is None:
+                return _StoredChunks(p, chunk_rows)
+            _log_portable_on_cuda(reason)
+    return _PortableChunks(p, chunk_rows)
+
+
+def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: int | None):
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
-    gemms = _Gemms(p.weight, p.valid_columns)
-    chunk_statistics, chunk_grad_logits = _elementwise_functions(p.hidden.device.type)
-    device, n = p.hidden.device, p.num_rows
+    device, n, n_active = p.hidden.device, p.num_rows, p.active_rows.numel()
+    passes = _chunk_passes(p, chunk_rows) if p.valid_columns > 0 else None
+    step = passes.rows if passes is not None else max(1, n_active)
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
     entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
     g_lp_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads else None
     g_ent_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads and p.calculate_entropy else None
     d_hidden = torch.zeros_like(p.hidden) if want_grads else None
-    d_weight32 = (
-        torch.zeros(p.valid_columns, p.hidden.shape[1], dtype=torch.float32, device=device) if want_grads else None
-    )
-    n_active = p.active_rows.numel()
-    for start in range(0, n_active, p.tile_rows):
-        rows = p.active_rows[start : start + p.tile_rows]
+    weight_gradient = _WeightGradient(p, -(-n_active // step)) if want_grads else None
+    # CUDA: the last chunk's gradient pass and GEMMs go on a side stream, so the host synchronizations inside
+    # loss_fn (verl's ppo_loss has some) wait for the statistics only, and the loss's host work overlaps them.
+    side = None
+    if want_grads and isinstance(passes, _StoredChunks) and device.type == "cuda":
+        side = torch.cuda.Stream(device)
+    last_start = (n_active - 1) // step * step
+    side_inputs = None
+    for start in range(0, n_active, step):
+        rows = p.active_rows[start : start + step]
         label_col, inv_temp = _label_columns(p, rows), _inverse_temperature(p, rows)
-        if p.valid_columns > 0:
-            h = gemms.rows(p.hidden, rows)
-            raw = gemms.raw_logits(h)
-            partials = chunk_statistics(raw, label_col, inv_temp)
+        if passes is not None:
+            partials = passes.statistics(rows, label_col, inv_temp, keep=want_grads)
         else:  # a shard of padding only: no mass, still part of the TP merge
-            raw = h = None
             zeros = torch.zeros(rows.numel(), dtype=torch.float32, device=device)
             partials = (torch.full_like(zeros, float("-inf")), zeros, zeros, zeros)
         lp, ent, row_max, log_sum, shifted_mean = combine_row_statistics(p, *partials)
@@ -194,23 +300,26 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool):
         g_lp_used.index_copy_(0, rows, g_lp)
         if g_ent_used is not None:
             g_ent_used.index_copy_(0, rows, g_ent)
-        if raw is None:
+        if passes is None:
             continue
-        out_dtype = p.weight.dtype if gemms.mixed else torch.float32
-        grad_logits = chunk_grad_logits(raw, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, out_dtype)
-        del raw
-        d_hidden.index_copy_(0, rows, gemms.grad_hidden(grad_logits).to(p.hidden.dtype))
-        gemms.accumulate_grad_weight(d_weight32, grad_logits, h)
-        del grad_logits
-    loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, with_grad=want_grads)
-    if want_grads:
-        _check_separable(call, g_lp_used, g_lp_exact, p.active_rows, "log-prob")
-        if g_ent_used is not None:
-            _check_separable(call, g_ent_used, g_ent_exact, p.active_rows, "entropy")
-    d_weight = None
-    if want_grads:
-        d_weight = torch.zeros_like(p.weight)
-        d_weight[: p.valid_columns] = d_weight32.to(p.weight.dtype)
+        row_inputs = (label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
+        with contextlib.ExitStack() as on_side:
+            if side is not None and start == last_start:
+                side.wait_stream(torch.cuda.current_stream(device))
+                on_side.enter_context(torch.cuda.stream(side))
+                side_inputs = row_inputs  # allocated on the main stream: kept alive until it waits for the side
+            d_hidden.index_copy_(0, rows, passes.gradients(*row_inputs, weight_gradient))
+    try:
+        loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, with_grad=want_grads)
+        if want_grads:
+            _check_separable(call, g_lp_used, g_lp_exact, p.active_rows, "log-prob")
+            if g_ent_used is not None:
+                _check_separable(call, g_ent_used, g_ent_exact, p.active_rows, "entropy")
+    finally:
+        if side_inputs is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+            del side_inputs
+    d_weight = weight_gradient.result() if want_grads else None
     return loss, metrics, log_probs, entropy, d_hidden, d_weight
 
 
@@ -224,8 +333,8 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
     """Forward does all the work; backward scales the stored input gradients by d(result)/d(loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, p: LogProbProblem, call: _LossCall):
-        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, want_grads=True)
+    def forward(ctx, hidden, weight, p: LogProbProblem, call: _LossCall, chunk_rows: int | None):
+        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, chunk_rows)
         ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
         ctx.set_materialize_grads(False)
         return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
@@ -241,11 +350,11 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
                     "dropped. Fold that term into loss_fn, or use log_probs_and_entropy"
                 )
         if grad_loss is None:
-            return None, None, None, None
+            return None, None, None, None, None
         grad_hidden = _scaled(ctx.d_hidden, grad_loss) if ctx.needs_input_grad[0] else None
         grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
         ctx.d_hidden = ctx.d_weight = None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def log_probs_entropy_and_loss(
@@ -271,8 +380,8 @@ def log_probs_entropy_and_loss(
             token-separable (row i's gradient depends on row i's values only) and deterministic; it is
             called once per chunk of rows and once more on the final values, identically on every TP rank.
         loss_name: names the loss in errors.
-        chunk_rows: scored rows per chunk (default: one fp32 [chunk_rows, V_local] chunk near
-            CHUNK_BUDGET_BYTES).
+        chunk_rows: scored rows per chunk (default: a chunk of logits near CHUNK_BUDGET_BYTES, or every
+            scored row in one chunk where that fits in the budget plus the fp32 d_weight accumulator).
         row_gradients: optional (rows, their log_probs, their entropy or None) -> (g_lp, g_ent or None),
             the loss's gradients for the given flat rows; spares a whole-batch loss_fn call per chunk.
             Checked like the separability: against autograd of loss_fn after the last chunk.
@@ -286,8 +395,6 @@ def log_probs_entropy_and_loss(
         raise ValueError(f"loss_fn: expected a callable (log_probs, entropy) -> (loss, metrics), got {type(loss_fn).__name__}")
     if not isinstance(loss_name, str) or not loss_name:
         raise ValueError(f"loss_name: expected a non-empty str, got {loss_name!r}")
-    if chunk_rows is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        chunk_rows = max(1, CHUNK_BUDGET_BYTES // (4 * max(1, weight.shape[0])))
     p = build_problem(
         hidden,
         weight,
@@ -307,9 +414,9 @@ def log_probs_entropy_and_loss(
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         if not p.needs_grad:
             with torch.no_grad():
-                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, want_grads=False)
+                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, chunk_rows)
         else:
-            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call)
+            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, chunk_rows)
             metrics = call.metrics
             entropy = entropy if p.calculate_entropy else None
     return FusedLossResult(

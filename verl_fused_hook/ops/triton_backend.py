@@ -73,7 +73,7 @@ def unavailable_reason(p: LogProbProblem) -> str | None:
     return None
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """Row-major with a 16-byte aligned base, as TMA descriptors require (copies only if not)."""
     if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
@@ -112,7 +112,7 @@ def _row_inputs(p: LogProbProblem):
     """Compacted scored rows: hidden, label column in this shard (-1 elsewhere), 1/temperature."""
     rows = p.active_rows
     all_rows = rows.numel() == p.num_rows
-    hidden = _tma_ready(p.hidden if all_rows else p.hidden.index_select(0, rows))
+    hidden = tma_ready(p.hidden if all_rows else p.hidden.index_select(0, rows))
     local = p.labels.index_select(0, rows) - p.vocab_start
     label_col = torch.where((local >= 0) & (local < p.valid_columns), local, -1).to(torch.int32)
     if isinstance(p.temperature, torch.Tensor):
@@ -129,8 +129,19 @@ def _merge_splits(part_max, part_sum, part_dot, part_label):
     return row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0)
 
 
-def _local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp):
-    """This rank's (max, sum, shifted dot, label logit) per scored row, from the fused kernel."""
+@dataclass(frozen=True)
+class StoredLogits:
+    """Where the forward kernel keeps a chunk's logits for the fused loss's gradient pass: `shifted`,
+    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each FORWARD_CONFIG.block_n-wide
+    tile relative to its own row max, and that max, fp32 [rows, column tiles]."""
+
+    shifted: torch.Tensor
+    tile_max: torch.Tensor
+
+
+def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None):
+    """This rank's (max, sum, shifted dot, label logit) per row of `hidden` (the scored rows, compacted),
+    from the fused kernel; with `store`, the kernel also writes the logits there."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
@@ -148,9 +159,11 @@ def _local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp):
         _descriptor(hidden, [c.block_m, c.block_k]),
         _descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
         label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
+        None if store is None else _descriptor(store.shifted, [c.block_m, c.block_n]),
+        None if store is None else store.tile_max,
         n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy, num_warps=c.num_warps, num_stages=c.num_stages,
+        ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if splits == 1:
         return parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0]
@@ -158,9 +171,9 @@ def _local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp):
 
 
 def _forward(p: LogProbProblem):
-    weight = _tma_ready(p.weight)
+    weight = tma_ready(p.weight)
     hidden, label_col, inv_temp = _row_inputs(p)
-    stats = _local_statistics(p, hidden, weight, label_col, inv_temp)
+    stats = local_statistics(p, hidden, weight, label_col, inv_temp)
     log_probs, entropy, row_max, log_sum, shifted_mean = combine_row_statistics(p, *stats)
     return log_probs, entropy, row_max, log_sum, shifted_mean, (hidden, weight, label_col, inv_temp)
 

@@ -1,10 +1,11 @@
-"""Triton versions of the two elementwise passes over a chunk of materialized fp32 logits (CUDA).
+"""The fused loss's gradient pass on CUDA: d_logits formed in place over the logits the forward kernel kept.
 
-Why: when the op knows the loss in its forward, each chunk's logits are computed once by cuBLAS and kept
-in fp32 while the chunk's statistics and d_logits are formed. Done with torch ops those two steps are
-about ten passes over the chunk; these kernels make them two reads and one write. Same signatures and
-conventions as `chunk_elementwise` (the portable versions), same arithmetic as `triton_kernels`: the
-running max is kept on raw dot products, exponents in base 2, everything relative to the row max.
+Why: when the op knows the loss in its forward, each chunk's logits are computed once. The forward
+kernel (`triton_kernels.forward_statistics_kernel` with STORE) reduces them to softmax statistics and
+also keeps them, as fp16 differences to each tile's row max (`triton_backend.StoredLogits`). Once the
+loss's per-row gradients are known, this kernel reads each stored value once and writes d_logits in
+the input dtype (bf16/fp16, same size) over it: two bytes read and two written per logit, and no second
+buffer. Same arithmetic as `triton_kernels.grad_logits_kernel`: everything relative to the row max.
 """
 
 from __future__ import annotations
@@ -13,57 +14,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import LN2, LOG2E, NEG
+from .triton_backend import FORWARD_CONFIG, StoredLogits
+from .triton_kernels import LOG2E
 
-STATISTICS_BLOCK = 2048
 GRAD_BLOCK = 2048
 
 
 @triton.jit
-def _chunk_statistics_kernel(
-    raw_ptr, stride_row, label_col_ptr, inv_temp_ptr,
-    max_ptr, sum_ptr, dot_ptr, label_ptr,
-    columns, BLOCK: tl.constexpr,
+def _stored_grad_logits_kernel(
+    shifted_ptr, dz_ptr, stride_row, tile_max_ptr, num_col_tiles,
+    label_col_ptr, inv_temp_ptr, max_ptr, log_sum_ptr, shifted_mean_ptr, grad_lp_ptr, grad_ent_ptr,
+    columns, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per row: online (max, sum, shifted dot, label logit) over the row's columns."""
-    row = tl.program_id(0)
-    base = raw_ptr + row.to(tl.int64) * stride_row
-    label_col = tl.load(label_col_ptr + row)
-    inv_temp = tl.load(inv_temp_ptr + row)
-    scale = inv_temp * LOG2E
-    run_max = -1.0e30  # NEG: finite, so the first rescale is exp2(-huge) = 0, never inf * 0
-    run_sum = 0.0
-    run_dot = 0.0
-    label_raw = 0.0
-    for start in range(0, columns, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < columns, other=NEG)
-        label_raw += tl.sum(tl.where(cols == label_col, x, 0.0))
-        new_max = tl.maximum(run_max, tl.max(x))
-        shift = (run_max - new_max) * scale
-        rescale = tl.exp2(shift)
-        shifted = (x - new_max) * scale
-        e = tl.exp2(shifted)
-        run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted)
-        run_sum = run_sum * rescale + tl.sum(e)
-        run_max = new_max
-    tl.store(max_ptr + row, run_max * inv_temp)
-    tl.store(sum_ptr + row, run_sum)
-    tl.store(dot_ptr + row, run_dot * LN2)
-    tl.store(label_ptr + row, label_raw * inv_temp)
-
-
-@triton.jit
-def _chunk_grad_logits_kernel(
-    raw_ptr, stride_row, out_ptr, stride_out, label_col_ptr, inv_temp_ptr,
-    max_ptr, log_sum_ptr, shifted_mean_ptr, grad_lp_ptr, grad_ent_ptr,
-    columns, BLOCK: tl.constexpr,
-):
-    """One program per (row, block of columns): dz_j = (g_lp ([j == y] - p_j) + g_H p_j (E[z] - z_j)) / T."""
+    """One program per (row, block of columns): dz_j = (g_lp ([j == y] - p_j) + g_H p_j (E[z] - z_j)) / T,
+    with z_j / T - max rebuilt as d_j / T + (tile max / T - max): the second term is exactly 0 in the tile
+    holding the row max (both scaled with the same rounding), so no precision is lost to large logits."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < columns
-    x = tl.load(raw_ptr + row.to(tl.int64) * stride_row + cols, mask=ok, other=0.0)
+    offsets = row.to(tl.int64) * stride_row + cols
+    d = tl.load(shifted_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    tile_max = tl.load(tile_max_ptr + row.to(tl.int64) * num_col_tiles + cols // TILE_N, mask=ok, other=0.0)
     label_col = tl.load(label_col_ptr + row)
     inv_temp = tl.load(inv_temp_ptr + row)
     row_max = tl.load(max_ptr + row)
@@ -71,41 +42,29 @@ def _chunk_grad_logits_kernel(
     shifted_mean = tl.load(shifted_mean_ptr + row)
     g_lp = tl.load(grad_lp_ptr + row) * inv_temp
     g_ent = tl.load(grad_ent_ptr + row) * inv_temp
-    shifted = x * inv_temp - row_max
+    shifted = d * inv_temp + (tile_max * inv_temp - row_max)
     p = tl.exp2(shifted * LOG2E - log_sum2)
     dz = p * (g_ent * (shifted_mean - shifted) - g_lp)
     dz = tl.where(cols == label_col, dz + g_lp, dz)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, dz.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dz_ptr + offsets, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
-def _row_major(raw: torch.Tensor) -> torch.Tensor:
-    return raw if raw.stride(1) == 1 else raw.contiguous()
-
-
-def chunk_statistics(raw: torch.Tensor, label_col: torch.Tensor, inv_temp: torch.Tensor):
-    """fp32 [R] each: max_j z_j, sum_j e^(z_j - max), sum_j e^(z_j - max)(z_j - max), z at label_col (0 where
-    -1), with z = raw * inv_temp; raw is fp32 [R, C] (valid columns only)."""
-    raw = _row_major(raw)
-    rows, columns = raw.shape
-    out = torch.empty(4, rows, dtype=torch.float32, device=raw.device)
-    if rows:
-        _chunk_statistics_kernel[(rows,)](
-            raw, raw.stride(0), label_col.to(torch.int64).contiguous(), inv_temp.float().contiguous(),
-            out[0], out[1], out[2], out[3], columns, BLOCK=STATISTICS_BLOCK, num_warps=8,
-        )
-    return out[0], out[1], out[2], out[3]
-
-
-def chunk_grad_logits(raw, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, out_dtype):
-    """d_logits [R, C] in out_dtype of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw logits,
-    given the global (tensor-parallel merged) row statistics."""
-    raw = _row_major(raw)
-    rows, columns = raw.shape
-    out = torch.empty(rows, columns, dtype=out_dtype, device=raw.device)
+def stored_grad_logits(store: StoredLogits, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """d_logits [R, C] in out_dtype (2 bytes) of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw
+    logits, written over `store.shifted` and returned as a view of it (same strides); row_max, log_sum,
+    shifted_mean are the global (tensor-parallel merged) statistics, label_col -1 where another rank holds
+    the label."""
+    shifted = store.shifted
+    if torch.empty((), dtype=out_dtype).element_size() != shifted.element_size():
+        raise ValueError(f"out_dtype: must be a 2-byte float to overwrite the stored logits, got {out_dtype}")
+    rows, columns = shifted.shape
+    dz = shifted.view(out_dtype)
     if rows and columns:
         vectors = [t.float().contiguous() for t in (inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)]
-        _chunk_grad_logits_kernel[(rows, triton.cdiv(columns, GRAD_BLOCK))](
-            raw, raw.stride(0), out, out.stride(0), label_col.to(torch.int64).contiguous(), *vectors,
-            columns, BLOCK=GRAD_BLOCK, num_warps=8,
+        _stored_grad_logits_kernel[(rows, triton.cdiv(columns, GRAD_BLOCK))](
+            shifted, dz, shifted.stride(0), store.tile_max, store.tile_max.shape[1],
+            label_col.to(torch.int64).contiguous(), *vectors,
+            columns, TILE_N=FORWARD_CONFIG.block_n, BLOCK=GRAD_BLOCK, num_warps=8,
         )
-    return out
+    return dz

@@ -20,6 +20,7 @@ import triton.language as tl
 NEG = tl.constexpr(-1.0e30)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+FP16_LOWEST = tl.constexpr(-65504.0)
 
 
 @triton.jit
@@ -51,12 +52,17 @@ def forward_statistics_kernel(
     label_col_ptr,  # int32 [rows]: label's column in this shard, -1 if elsewhere
     inv_temp_ptr,  # fp32 [rows]: 1 / temperature
     max_ptr, sum_ptr, dot_ptr, label_ptr,  # fp32 [num_splits, rows] partial statistics
+    store_desc, tile_max_ptr,  # STORE only: fp16 [rows, valid_columns] logits - tile max; fp32 [rows, num_col_tiles]
     rows, H, valid_columns, num_col_tiles, tiles_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, ENTROPY: tl.constexpr,
+    GROUP_M: tl.constexpr, ENTROPY: tl.constexpr, STORE: tl.constexpr,
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
+    With STORE it also keeps the raw logits for a later gradient pass (the fused loss):
+    each tile relative to its own row max, in fp16 (a difference <= 0 whose fp16 rounding
+    is far below the bf16 rounding of d_logits), saturated at fp16's lowest value (where
+    the probability is 0 anyway), and the tile's row max in fp32.
 
     The running max is kept on the raw dot products a (z = a / T) and exponents in
     base 2, so each logit costs a max, a subtract, a multiply, an ex2 and two adds;
@@ -86,7 +92,11 @@ def forward_statistics_kernel(
         if off_n + BLOCK_N > valid_columns:  # only the last tile holds padding columns
             acc = tl.where(cols[None, :] < valid_columns, acc, NEG)
         label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
-        new_max = tl.maximum(run_max, tl.max(acc, axis=1))
+        tile_max = tl.max(acc, axis=1)
+        if STORE:
+            store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
+            tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
+        new_max = tl.maximum(run_max, tile_max)
         shift = (run_max - new_max) * scale
         rescale = tl.exp2(shift)
         shifted = (acc - new_max[:, None]) * scale[:, None]  # exact difference first: no cancellation
