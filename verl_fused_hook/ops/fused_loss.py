@@ -263,6 +263,13 @@ def _chunk_passes(p: LogProbProblem, chunk_rows: int | None):
     return _PortableChunks(p, chunk_rows)
 
 
+@functools.cache
+def _evaluation_stream(device: torch.device) -> torch.cuda.Stream:
+    """One high-priority stream per device for loss_fn's final evaluation (its blocks go ahead of the GEMMs').
+    Reused by every call: each use first waits for the main stream, so blocks it frees are safe to reuse."""
+    return torch.cuda.Stream(device, priority=-100)
+
+
 def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: int | None):
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
@@ -275,13 +282,14 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
     g_ent_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads and p.calculate_entropy else None
     d_hidden = torch.zeros_like(p.hidden) if want_grads else None
     weight_gradient = _WeightGradient(p, -(-n_active // step)) if want_grads else None
-    # CUDA: the last chunk's gradient pass and GEMMs go on a side stream, so the host synchronizations inside
-    # loss_fn (verl's ppo_loss has some) wait for the statistics only, and the loss's host work overlaps them.
-    side = None
+    # CUDA: loss_fn's final evaluation runs on a high-priority stream that waits only for the last chunk's
+    # statistics, so its host synchronizations (verl's ppo_loss has dozens) do not wait for the last chunk's
+    # gradient GEMMs, and its small kernels are scheduled ahead of those GEMMs' blocks.
+    evaluation = None
     if want_grads and isinstance(passes, _StoredChunks) and device.type == "cuda":
-        side = torch.cuda.Stream(device)
+        evaluation = _evaluation_stream(device)
+    main = torch.cuda.current_stream(device) if evaluation is not None else None
     last_start = (n_active - 1) // step * step
-    side_inputs = None
     for start in range(0, n_active, step):
         rows = p.active_rows[start : start + step]
         label_col, inv_temp = _label_columns(p, rows), _inverse_temperature(p, rows)
@@ -302,23 +310,23 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
             g_ent_used.index_copy_(0, rows, g_ent)
         if passes is None:
             continue
-        row_inputs = (label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
-        with contextlib.ExitStack() as on_side:
-            if side is not None and start == last_start:
-                side.wait_stream(torch.cuda.current_stream(device))
-                on_side.enter_context(torch.cuda.stream(side))
-                side_inputs = row_inputs  # allocated on the main stream: kept alive until it waits for the side
-            d_hidden.index_copy_(0, rows, passes.gradients(*row_inputs, weight_gradient))
-    try:
-        loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, with_grad=want_grads)
-        if want_grads:
-            _check_separable(call, g_lp_used, g_lp_exact, p.active_rows, "log-prob")
-            if g_ent_used is not None:
-                _check_separable(call, g_ent_used, g_ent_exact, p.active_rows, "entropy")
-    finally:
-        if side_inputs is not None:
-            torch.cuda.current_stream(device).wait_stream(side)
-            del side_inputs
+        if evaluation is not None and start == last_start:
+            evaluation.wait_stream(main)
+        d_hidden.index_copy_(
+            0, rows, passes.gradients(label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, weight_gradient)
+        )
+    with contextlib.ExitStack() as on_evaluation_stream:
+        if evaluation is not None:
+            on_evaluation_stream.enter_context(torch.cuda.stream(evaluation))
+        try:
+            loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, with_grad=want_grads)
+            if want_grads:
+                _check_separable(call, g_lp_used, g_lp_exact, p.active_rows, "log-prob")
+                if g_ent_used is not None:
+                    _check_separable(call, g_ent_used, g_ent_exact, p.active_rows, "entropy")
+        finally:
+            if evaluation is not None:  # what it computed is used on the main stream from here on
+                main.wait_stream(evaluation)
     d_weight = weight_gradient.result() if want_grads else None
     return loss, metrics, log_probs, entropy, d_hidden, d_weight
 
