@@ -1,0 +1,119 @@
+"""The fused loss's Triton path on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against fp64.
+
+Why: the GPU tests (tests/gpu/test_triton_chunk_kernels.py) need an H200; this runs the same kernels'
+arithmetic in CI: the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the
+chunking and the d_weight accumulation. Named fakes, for what the CPU cannot do:
+- fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
+- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `_num_sms`);
+- `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies.
+The interpreter is set at import time, so the checks run in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+VALUE_TOL = 1e-5  # fp32 statistics, as the Triton backend's
+GRAD_TOL = 1e-3  # fp16 d_logits (2^-11 rounding) and fp16 outputs: relative, Frobenius (3e-4 measured)
+
+
+def _interpreted_cases() -> list[dict]:
+    """Run in the subprocess: each case's errors against fp64 autograd of the same weighted-sum loss."""
+    import torch
+
+    from verl_fused_hook.ops import fused_loss, triton_backend
+    from verl_fused_hook.ops import triton_chunk_kernels as chunk_kernels
+
+    small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
+    triton_backend.FORWARD_CONFIG = chunk_kernels.FORWARD_CONFIG = small
+    triton_backend._num_sms = lambda device: 4
+    real_addmm = torch.addmm
+
+    def addmm_fp32_output(accumulator, a, b, *, out_dtype=None, out=None, beta=1, **kwargs):
+        if out_dtype is None:
+            return real_addmm(accumulator, a, b, out=out, beta=beta, **kwargs)
+        return real_addmm(accumulator, a.float(), b.float(), beta=beta, out=out)
+
+    torch.addmm = addmm_fp32_output
+    fused_loss._chunk_passes = lambda p, chunk_rows: fused_loss._StoredChunks(p, chunk_rows)
+
+    results = []
+    n, h, v = 70, 64, 301  # v divides nothing: a partial last tile, a row pitch padded to 8
+    for offset, chunk_rows in ((0.0, None), (0.0, 16), (0.0, 48), (-3000.0, 32)):
+        g = torch.Generator().manual_seed(len(results))
+        if offset:  # exact products and sums near the offset (multiples of 1/128): the kernels' own error only
+            hidden = torch.randint(-4, 5, (n, h), generator=g) / 4
+            weight = torch.randint(-3, 4, (v, h), generator=g) / 32
+            hidden[:, 0], weight[:, 0] = 1.0, offset
+        else:
+            hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.5
+        hidden, weight = hidden.half(), weight.half()
+        labels = torch.randint(0, v, (n,), generator=g)
+        labels[5] = -100
+        score_mask = torch.ones(n, dtype=torch.bool)
+        score_mask[10:20] = False
+        temperature = torch.rand(n, generator=g) + 0.5
+        g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+        def loss_fn(log_probs, entropy):
+            return (log_probs * g_lp).sum() + (entropy * g_ent).sum(), {}
+
+        hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fused_loss.log_probs_entropy_and_loss(
+            hid, w, labels, loss_fn=loss_fn, loss_name="weighted sum", temperature=temperature,
+            score_mask=score_mask, chunk_rows=chunk_rows,
+        )
+        out.loss.backward()
+        hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        log_softmax = torch.log_softmax(hd @ wd.t() / temperature.double().unsqueeze(1), dim=1)
+        active = score_mask & (labels != -100)
+        lp = torch.where(active, log_softmax.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        ent = torch.where(active, -(log_softmax.exp() * log_softmax).sum(1), 0.0)
+        ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+
+        def rel(a, b):
+            return ((a.double() - b).norm() / b.norm()).item()
+
+        results.append(
+            {
+                "offset": offset,
+                "chunk_rows": chunk_rows,
+                "log_prob": (out.log_probs.double() - lp).abs().max().item(),
+                "entropy": (out.entropy.double() - ent).abs().max().item(),
+                "d_hidden": rel(hid.grad, hd.grad),
+                "d_weight": rel(w.grad, wd.grad),
+                "inactive_zero": bool((out.log_probs[~active] == 0).all()),
+            }
+        )
+    return results
+
+
+def test_fused_loss_triton_path_in_the_interpreter():
+    tests = Path(__file__).resolve().parent
+    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; print(json.dumps(t._interpreted_cases()))"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(cases) == 4
+    for case in cases:
+        label = f"offset {case['offset']}, chunk_rows {case['chunk_rows']}"
+        assert case["inactive_zero"], label
+        if case["offset"]:
+            # fp32 statistics of logits near -3000: the forward kernel's (unchanged) precision there
+            assert case["log_prob"] <= 1e-3 and case["entropy"] <= 1e-3, (label, case)
+            # d_hidden along the offset's unit: 3000 x (sum of d_logits, exactly 0), so fp16 d_logits
+            # rounding is amplified there (the same for exact d_logits rounded to fp16); d_weight is not
+            assert case["d_weight"] <= GRAD_TOL, (label, case)
+        else:
+            assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
+            assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, (label, case)
