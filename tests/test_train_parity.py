@@ -172,6 +172,27 @@ def test_merge_refuses_other_configurations_and_conflicting_runs(tp1_run, tmp_pa
     assert "--merge reads finished reports; --modes apply to training runs only" in capsys.readouterr().err
 
 
+def test_gap_checks_and_sentences_follow_the_numbers(tp1_run):
+    """A mode whose numbers drift from legacy's: the gap per step, the bound, and the sentence explaining it."""
+    _, report, _ = tp1_run
+    runs = json.loads(json.dumps(report["runs"]))
+    mask = runs["hook-auto-mask/offload-off"]
+    mask[1]["loss"] += 5e-5  # step 2: within fp32's 1e-4 loss bound
+    mask[2]["grad_norm"] *= 1 + 2e-3  # step 3: beyond fp32's 1e-3 grad-norm bound
+    evaluation = train_parity_report.evaluate(runs, report["configuration"], report["run_info"])
+    gap = evaluation["gaps"]["hook-auto-mask vs legacy"]
+    assert [round(r["loss_abs"], 12) for r in gap["per_step"]] == [0, round(5e-5, 12), 0, 0]
+    assert gap["grad_norm_rel"] == pytest.approx(2e-3, rel=1e-6)
+    failed = {c["check"]: c.get("differing_steps") for c in evaluation["checks"] if not c["ok"]}
+    assert failed == {  # the changed run no longer matches its own offload and resumed runs either
+        "hook-auto-mask: offload on == off": [2, 3],
+        "hook-auto-mask: resumed == uninterrupted (steps 3-4)": [3],
+        "hook-auto-mask vs legacy: loss within 0.0001 (absolute), grad norm within 0.001 (relative)": None,
+    }
+    sentence = train_parity_report.explanation("hook-auto-mask vs legacy", gap, "cpu", "float32")
+    assert "its loss gap (0.0e+00)" in sentence and "reaches 5.0e-05 at step 2" in sentence and "2.0e-03" in sentence
+
+
 def test_a_killed_command_leaves_its_finished_runs_on_disk(tmp_path):
     """Stopped by a time limit after its first run: that run, evaluated as far as it goes, is in the report."""
     command = [*COMMAND, "--device", "cpu", "--steps", str(STEPS), "--out", str(tmp_path / "out"),
