@@ -179,10 +179,11 @@ KERNEL_ACCURACY = {
         "hidden gradient 5.5e-3: it accumulates in bf16)",
         "hook-auto-mask": "this package's Triton kernel on the rows ppo_loss reads only (log-probs 2.9e-5, entropy "
         "1.1e-5, gradients 2.3e-3 relative against fp64; verl's kernel: 5.5e-3 on the hidden gradient)",
-        "hook-auto-fused-loss": "ppo_loss inside the op: each chunk's logits once (fp32 cuBLAS) and both input "
-        "gradients formed in the forward (loss 7.4e-8, hidden gradient 2.46e-3, weight gradient 2.52e-3 relative "
-        "against fp64), where hook-auto recomputes the logits in its backward (2.3e-3) and legacy runs verl's kernel "
-        "(hidden gradient 5.5e-3)",
+        "hook-auto-fused-loss": "ppo_loss inside the op: hook-auto's Triton forward kernel (log-probs 2.9e-5, "
+        "entropy 1.1e-5 against fp64), which also keeps each chunk's logits (fp16 differences to their tile's max) so "
+        "that both input gradients are formed in the forward (hidden gradient 2.46e-3, weight gradient 2.52e-3 "
+        "relative against fp64), where hook-auto recomputes the logits in its backward (2.3e-3) and legacy runs "
+        "verl's kernel (hidden gradient 5.5e-3)",
     },
     "cpu": {
         "hook-auto": "the portable op, as legacy here (its Triton kernel is swapped for it on the CPU)",
