@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from verl_fused_hook.testing.grpo_batches import RolloutShape, packed, rollout
-from verl_fused_hook.tools import train_parity
+from verl_fused_hook.tools import train_parity, train_parity_report
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "train-parity"]
@@ -43,31 +44,176 @@ def assert_trains(rows):
     assert len({row["param_checksum"] for row in rows}) == STEPS
 
 
-@pytest.mark.parametrize(
-    "tp, modes, offload",
-    [
-        (1, "legacy,hook-auto,hook-auto-mask", "both"),
-        (2, "legacy,hook-auto,hook-auto-mask", "off"),  # TP=2 with sequence parallelism (mbridge's default)
-    ],
-)
-def test_modes_train_identically_and_resume_exactly(tmp_path, tp, modes, offload):
-    report, stdout = run_command(tmp_path, "--tp", str(tp), "--modes", modes, "--offload", offload)
+AFTER_CHECKPOINT = set(range(STEPS // 2 + 1, STEPS + 1))
+TP1_MODES = "legacy,hook-auto,hook-auto-mask,hook-auto-fused-loss"
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tmp_path_factory):
+    """Every CPU mode at TP=1 with offload on and off, once for the tests below: (folder, report, stdout)."""
+    out = tmp_path_factory.mktemp("train_parity_tp1")
+    report, stdout = run_command(out, "--tp", "1", "--modes", TP1_MODES, "--offload", "both")
+    return out, report, stdout
+
+
+def assert_identities(out: Path, report: dict, stdout: str, modes: list[str], offload: str):
+    """On the CPU every mode but the fused loss computes with the portable op: legacy's numbers bit for bit;
+    in every mode the resumed steps and the offload run repeat the uninterrupted run bit for bit."""
     runs = report["runs"]
     legacy = runs["legacy/offload-off"]
     assert_trains(legacy)
-    after_checkpoint = set(range(STEPS // 2 + 1, STEPS + 1))
-    for mode in modes.split(","):
+    for mode in modes:
         plain = runs[f"{mode}/offload-off"]
-        assert values(plain) == values(legacy), f"{mode} trains differently from legacy"
+        if not train_parity.MODES[mode].fused_loss:
+            assert values(plain) == values(legacy), f"{mode} trains differently from legacy"
         resumed = runs[f"{mode}/resumed"]
-        assert [row["step"] for row in resumed] == sorted(after_checkpoint)
-        assert values(resumed) == values(plain, after_checkpoint), f"{mode}: resume differs from the uninterrupted run"
+        assert [row["step"] for row in resumed] == sorted(AFTER_CHECKPOINT)
+        assert values(resumed) == values(plain, AFTER_CHECKPOINT), f"{mode}: resume differs from the uninterrupted run"
         if offload == "both":
             assert values(runs[f"{mode}/offload-on"]) == values(plain), f"{mode}: offload changes training"
-    assert report["evaluation"]["match"]
+    assert report["evaluation"]["match"] and not report["evaluation"]["pending"]
     assert stdout.rstrip().endswith("PASS")
-    assert (tmp_path / "train_parity.md").read_text().count("| PASS") == len(report["evaluation"]["checks"])
-    assert (tmp_path / "train_parity.png").stat().st_size > 0
+    assert (out / "train_parity.md").read_text().count("| PASS") == len(report["evaluation"]["checks"])
+    assert (out / "train_parity.png").stat().st_size > 0
+    for key in runs:  # each run's wall time printed as it finished
+        assert f"[{key}] steps " in stdout
+
+
+def test_modes_train_identically_and_resume_exactly_tp1(tp1_run):
+    assert_identities(*tp1_run, modes=TP1_MODES.split(","), offload="both")
+
+
+def test_modes_train_identically_and_resume_exactly_tp2(tmp_path):
+    """TP=2 with sequence parallelism (mbridge's default)."""
+    modes = "legacy,hook-auto,hook-auto-mask"
+    report, stdout = run_command(tmp_path, "--tp", "2", "--modes", modes, "--offload", "off")
+    assert_identities(tmp_path, report, stdout, modes=modes.split(","), offload="off")
+
+
+# The fused loss against hook-auto in fp32 (train_parity_report.GAP_BOUNDS): its gradient is formed from the
+# same chunk's logits in the forward instead of the backward, so at most fp32 rounding apart per step.
+FUSED_LOSS_ATOL, FUSED_GRAD_NORM_RTOL = 1e-6, 1e-5
+
+
+def test_fused_loss_mode_trains_like_hook_auto_and_resumes_exactly(tp1_run):
+    _, report, _ = tp1_run
+    runs = report["runs"]
+    fused, twin = runs["hook-auto-fused-loss/offload-off"], runs["hook-auto/offload-off"]
+    assert_trains(fused)
+    micro_batches = 2 * 5 // 5  # the CPU default: 2 prompts x 5 responses, micro-batches of 5
+    for key in ("offload-off", "offload-on", "resumed"):  # verl's ppo_loss ran inside the op, every micro-batch
+        assert [row["fused_loss_calls"] for row in runs[f"hook-auto-fused-loss/{key}"]] == [micro_batches] * len(
+            runs[f"hook-auto-fused-loss/{key}"]
+        )
+    assert all(row["fused_loss_calls"] == 0 for key in ("legacy", "hook-auto") for row in runs[f"{key}/offload-off"])
+    for a, b in zip(twin, fused, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= FUSED_LOSS_ATOL, (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= FUSED_GRAD_NORM_RTOL * a["grad_norm"], a["step"]
+    assert values(runs["hook-auto-fused-loss/resumed"]) == values(fused, AFTER_CHECKPOINT)
+    assert values(runs["hook-auto-fused-loss/offload-on"]) == values(fused)
+    checks = {c["check"]: c for c in report["evaluation"]["checks"]}
+    twin_check = next(c for name, c in checks.items() if name.startswith("hook-auto-fused-loss vs hook-auto:"))
+    assert twin_check["ok"] and twin_check["largest"]["loss_abs"] <= FUSED_LOSS_ATOL
+    assert "hook-auto-fused-loss vs hook-auto" in report["evaluation"]["gaps"]
+
+
+def _split(report: dict, keys) -> dict:
+    part = train_parity_report.new_report(report["configuration"])
+    part["runs"] = {k: report["runs"][k] for k in keys}
+    part["run_info"] = {k: report["run_info"][k] for k in keys}
+    return train_parity_report.merge([("part", part)])  # evaluated as that call alone would be
+
+
+def test_merge_of_split_calls_evaluates_what_one_call_does(tp1_run, tmp_path, capsys):
+    """Three calls' reports (modes split, offload on alone without resume) merge into the one-call evaluation."""
+    _, report, _ = tp1_run
+    keys = list(report["runs"])
+    calls = [
+        [k for k in keys if k.split("/")[0] in ("legacy", "hook-auto") and not k.endswith("offload-on")],
+        [k for k in keys if k.split("/")[0] not in ("legacy", "hook-auto") and not k.endswith("offload-on")],
+        [k for k in keys if k.endswith("offload-on")] + ["legacy/offload-off"],  # a run repeated in two calls
+    ]
+    folders = []
+    for index, call in enumerate(calls):
+        part = _split(report, call)
+        assert part["evaluation"]["match"]
+        assert bool(part["evaluation"]["pending"]) == (index > 0)  # the later calls need the first's runs
+        folders.append(tmp_path / f"call{index}")
+        train_parity_report.write(part, folders[-1])
+    merged_dir = tmp_path / "merged"
+    assert train_parity.main(["--merge", *map(str, folders), "--out", str(merged_dir)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    merged = json.loads((merged_dir / "train_parity.json").read_text())
+    assert merged["runs"] == report["runs"]
+    by_name = lambda evaluation: sorted(evaluation["checks"], key=lambda c: c["check"])  # noqa: E731
+    assert by_name(merged["evaluation"]) == by_name(report["evaluation"])
+    assert merged["evaluation"]["gaps"] == report["evaluation"]["gaps"] and not merged["evaluation"]["pending"]
+    assert (merged_dir / "train_parity.png").stat().st_size > 0
+
+
+def test_merge_refuses_other_configurations_and_conflicting_runs(tp1_run, tmp_path, capsys):
+    out, report, _ = tp1_run
+    other = json.loads(json.dumps(report))
+    other["configuration"]["seed"] += 1
+    train_parity_report.write(other, tmp_path / "other_seed")
+    with pytest.raises(SystemExit):
+        train_parity.main(["--merge", str(out), str(tmp_path / "other_seed"), "--out", str(tmp_path / "m1")])
+    assert "has seed=1235" in capsys.readouterr().err
+    changed = json.loads(json.dumps(report))
+    changed["runs"]["legacy/offload-off"][-1]["loss"] += 1e-9
+    train_parity_report.write(changed, tmp_path / "changed")
+    with pytest.raises(SystemExit):
+        train_parity.main(["--merge", str(out), str(tmp_path / "changed"), "--out", str(tmp_path / "m2")])
+    assert f"run legacy/offload-off of {tmp_path / 'changed'} differs from an earlier report's at steps [{STEPS}]" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        train_parity.main(["--merge", str(out), "--modes", "legacy", "--out", str(tmp_path / "m3")])
+    assert "--merge reads finished reports; --modes apply to training runs only" in capsys.readouterr().err
+
+
+def test_gap_checks_and_sentences_follow_the_numbers(tp1_run):
+    """A mode whose numbers drift from legacy's: the gap per step, the bound, and the sentence explaining it."""
+    _, report, _ = tp1_run
+    runs = json.loads(json.dumps(report["runs"]))
+    mask = runs["hook-auto-mask/offload-off"]
+    mask[1]["loss"] += 5e-5  # step 2: within fp32's 1e-4 loss bound
+    mask[2]["grad_norm"] *= 1 + 2e-3  # step 3: beyond fp32's 1e-3 grad-norm bound
+    evaluation = train_parity_report.evaluate(runs, report["configuration"], report["run_info"])
+    gap = evaluation["gaps"]["hook-auto-mask vs legacy"]
+    assert [round(r["loss_abs"], 12) for r in gap["per_step"]] == [0, round(5e-5, 12), 0, 0]
+    assert gap["grad_norm_rel"] == pytest.approx(2e-3, rel=1e-6)
+    failed = {c["check"]: c.get("differing_steps") for c in evaluation["checks"] if not c["ok"]}
+    assert failed == {  # the changed run no longer matches its own offload and resumed runs either
+        "hook-auto-mask: offload on == off": [2, 3],
+        "hook-auto-mask: resumed == uninterrupted (steps 3-4)": [3],
+        "hook-auto-mask vs legacy: loss within 0.0001 (absolute), grad norm within 0.001 (relative)": None,
+    }
+    sentence = train_parity_report.explanation("hook-auto-mask vs legacy", gap, "cpu", "float32")
+    assert "its loss gap (0.0e+00)" in sentence and "reaches 5.0e-05 at step 2" in sentence and "2.0e-03" in sentence
+
+
+def test_a_killed_command_leaves_its_finished_runs_on_disk(tmp_path):
+    """Stopped by a time limit after its first run: that run, evaluated as far as it goes, is in the report."""
+    command = [*COMMAND, "--device", "cpu", "--steps", str(STEPS), "--out", str(tmp_path / "out"),
+               "--modes", "legacy,hook-auto", "--offload", "off"]  # fmt: skip
+    checkpoints = tmp_path / "checkpoints"  # the killed command cannot remove its checkpoint: keep it in tmp_path
+    checkpoints.mkdir()
+    env = {**ENV, "TRAIN_PARITY_CHECKPOINT_DIR": str(checkpoints)}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, start_new_session=True)  # fmt: skip
+    try:
+        for line in process.stdout:
+            if line.startswith("[legacy/offload-off] "):
+                break
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the command and the worker processes it spawned
+        process.wait(timeout=60)
+    report = json.loads((tmp_path / "out" / "train_parity.json").read_text())
+    assert list(report["runs"]) == ["legacy/offload-off"]
+    assert_trains(report["runs"]["legacy/offload-off"])
+    assert report["evaluation"]["pending"] == ["legacy/resumed (for legacy: resumed == uninterrupted)"]
+    assert "legacy/resumed" in (tmp_path / "out" / "train_parity.md").read_text()
 
 
 def test_rollout_is_grpo_shaped_and_uses_verls_advantages():

@@ -2,7 +2,8 @@
 
 legacy and hook with backend verl (one kernel) identical at every step, the resumed steps identical to the
 uninterrupted ones and offload on identical to off in every mode; hook with backend auto (this package's
-kernel) within the tool's bounds of legacy. The full-size run (Qwen2.5-0.5B shapes, 20 steps) is the command
+kernel) within the tool's bounds of legacy, and with the fused loss (ppo_loss inside the op) within its
+bounds of hook-auto. The full-size run (Qwen2.5-0.5B shapes, 20 steps) is the command
 in docs/usage.md, not a test.
 """
 
@@ -43,8 +44,11 @@ def test_train_parity_on_cuda(tmp_path):
         return [tuple(row[f] for f in FIELDS) for row in runs[key] if row["step"] >= first]
 
     assert values("hook-verl/offload-off") == values("legacy/offload-off")
-    for mode in ("legacy", "hook-verl", "hook-auto", "hook-auto-mask"):
+    for mode in ("legacy", "hook-verl", "hook-auto", "hook-auto-mask", "hook-auto-fused-loss"):
         assert values(f"{mode}/resumed") == values(f"{mode}/offload-off", first=3)
         assert values(f"{mode}/offload-on") == values(f"{mode}/offload-off")
     assert all(row["peak_bytes"] > 0 for row in runs["legacy/offload-off"])
-    assert report["evaluation"]["match"]
+    # ppo_loss inside the op on both micro-batches of every step, within the report's bounds of hook-auto
+    assert all(row["fused_loss_calls"] == 2 for row in runs["hook-auto-fused-loss/offload-off"])
+    assert "hook-auto-fused-loss vs hook-auto" in report["evaluation"]["gaps"]
+    assert report["evaluation"]["match"] and not report["evaluation"]["pending"]

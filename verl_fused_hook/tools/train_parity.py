@@ -22,14 +22,17 @@ seeded weights) on the same synthetic GRPO batches through verl's real
   `load_checkpoint`s it and runs steps K/2+1..K;
 - the whole run again with verl's parameter, gradient and optimizer offload on.
 
-Modes: legacy (VERL_FUSED_USE_OP_HOOK=0, verl's monkey-patched forward),
-hook-verl (hook, backend verl: verl's Triton kernel; CUDA only), hook-auto
-(hook, backend auto: this package's kernel, score mask off) and hook-auto-mask
-(hook, backend auto, score mask on: only the rows `ppo_loss` reads are computed,
-the plugin's default for ppo_loss steps). Per step: the loss (sum over
-micro-batches, as verl's worker reports it), the gradient norm (from the
-optimizer step), a checksum of every parameter's bits on every rank (and the
-float64 sum), step time and peak memory.
+Modes (train_parity_modes.py): legacy (VERL_FUSED_USE_OP_HOOK=0, verl's
+monkey-patched forward), hook-verl (hook, backend verl: verl's Triton kernel;
+CUDA only), hook-auto (hook, backend auto: this package's kernel, score mask
+off), hook-auto-mask (hook, backend auto, score mask on: only the rows
+`ppo_loss` reads are computed, the plugin's default for ppo_loss steps) and
+hook-auto-fused-loss (hook-auto with `output_processor_fused_loss=True`: the
+actor update's `ppo_loss` runs inside the op, its gradient formed in the
+forward). Per step: the loss (sum over micro-batches, as verl's worker reports
+it), the gradient norm (from the optimizer step), a checksum of every
+parameter's bits on every rank (and the float64 sum), step time and peak
+memory; per run: its wall time, engine build and checkpoint save/load time.
 
 What verl runs and what is replaced: `MegatronEngine.__init__` and
 `initialize()` run as shipped (mbridge's config conversion, verl's `get_model`
@@ -57,20 +60,29 @@ hook-verl is skipped. On the CPU offload runs verl's functions, but the
 "device" they load to is the CPU itself. On CUDA (one GPU, TP=1) every step
 runs bitwise repeatable (`testing/determinism.py`).
 
-Identities checked (exit status 1 when one fails): legacy and the mode that
-computes with legacy's kernel (hook-verl on CUDA, hook-auto on the CPU)
-identical at every step (loss, gradient norm, checksum); in every mode the
-resumed steps identical to the uninterrupted ones and the offload run
-identical to the plain one. Modes with another kernel (hook-auto on CUDA,
-hook-auto-mask) are reported with their largest gap to legacy and held to
-the bounds below.
+Identities checked (exit status 1 when one fails; train_parity_report.py):
+legacy and the mode that computes with legacy's kernel (hook-verl on CUDA,
+hook-auto on the CPU) identical at every step (loss, gradient norm, checksum);
+in every mode the resumed steps identical to the uninterrupted ones and the
+offload run identical to the plain one. Modes with another kernel are reported
+with their gap to legacy per step and held to bounds; hook-auto-fused-loss
+also to hook-auto, whose forward kernel family it shares.
+
+Never losing finished work: the report (JSON, markdown, plot) is rewritten
+after every finished run, so a process killed by a time limit leaves every
+finished run on disk. `--merge DIR [DIR ...]` combines the reports of several
+invocations of one configuration (say one device call per group of modes, one
+for offload on with `--no-resume`) into --out and evaluates every identity
+across them; checks whose runs are missing are listed as pending.
 
 Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
-         [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--nondeterministic]
-         [--dtype bf16|fp32] [--seed S] [--out DIR]
-Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves). Checkpoints go to a
-temporary folder (under $TRAIN_PARITY_CHECKPOINT_DIR when set), removed at the end.
+         [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
+         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--out DIR]
+       verl-fused-hook train-parity --merge DIR [DIR ...] --out DIR
+Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves; skipped with a log
+line when matplotlib is missing). Checkpoints go to a temporary folder (under $TRAIN_PARITY_CHECKPOINT_DIR when
+set), removed at the end.
 """
 
 from __future__ import annotations
@@ -78,7 +90,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -91,40 +102,15 @@ from pathlib import Path
 import torch
 
 from ..testing.grpo_batches import RolloutShape
+from . import train_parity_report as report_file
+from .train_parity_modes import MODES, Mode, fused_kernel_options
 
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 TEMPERATURE = 1.0
 ENTROPY_COEF = 0.01
 KL_COEF = 0.001
 LR = 1e-4
-# Modes with another kernel than legacy's (hook-auto on CUDA; hook-auto-mask where the mask changes the rounding):
-# per step, the absolute loss gap (GRPO losses sit near 0, so a relative gap means nothing) and the gradient
-# norm's gap relative to legacy's. Bounds for a sanity check, not a claim: each kernel's log-probs are within
-# 3e-5 of fp64 (docs/benchmarks.md), and over K optimizer steps bf16 parameters round every update, so the
-# runs drift apart a little each step; the tool reports the gap per step next to the bound.
-TWO_KERNEL_LOSS_ATOL = {"float32": 1e-4, "bfloat16": 2e-2}
-TWO_KERNEL_GRAD_NORM_RTOL = {"float32": 1e-3, "bfloat16": 5e-2}
 QWEN2_5_0_5B = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_0_5b"
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    hook: bool
-    backend: str | None
-    score_mask: bool
-    cuda_only: bool = False
-
-
-MODES = {
-    m.name: m
-    for m in (
-        Mode("legacy", hook=False, backend=None, score_mask=False),
-        Mode("hook-verl", hook=True, backend="verl", score_mask=False, cuda_only=True),
-        Mode("hook-auto", hook=True, backend="auto", score_mask=False),
-        Mode("hook-auto-mask", hook=True, backend="auto", score_mask=True),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -144,6 +130,8 @@ class Plan:
     offload_modes: tuple[str, ...]  # the modes that also run with offload on, when offload includes True
     deterministic: bool  # CUDA: bitwise-repeatable steps (testing/determinism.py)
     checkpoint_root: str
+    out: str  # the report's folder: every finished run is added to it at once
+    resume: bool = True  # run the resumed half (fresh processes, the checkpoint of the first offload setting)
 
     @property
     def checkpoint_step(self) -> int:
@@ -151,6 +139,15 @@ class Plan:
 
     def checkpoint_dir(self, mode: str) -> str:
         return os.path.join(self.checkpoint_root, mode)
+
+    def configuration(self) -> dict:
+        """What must agree between two reports for their runs to be compared (train_parity_report)."""
+        return {
+            "device": self.device, "tp": self.tp, "dtype": self.dtype, "steps": self.steps,
+            "hf_config": config_identity(Path(self.hf_path)),
+            "shape": asdict(self.shape), "micro_batch": self.micro_batch, "seed": self.seed,
+            "checkpoint_step": self.checkpoint_step, "deterministic": self.deterministic,
+        }  # fmt: skip
 
 
 # ---------------------------------------------------------------- one mode's engines
@@ -175,7 +172,26 @@ def mode_context(mode: Mode, device: str):
             original = step_scoring.response_score_rows
             step_scoring.response_score_rows = lambda batch, loss_function: None
             stack.callback(setattr, step_scoring, "response_score_rows", original)
-        yield
+        yield stack.enter_context(_counted_fused_loss_op())
+
+
+@contextlib.contextmanager
+def _counted_fused_loss_op():
+    """The fused-loss op as the hook calls it, counting its calls: the report's proof that a fused-loss mode
+    ran verl's ppo_loss inside the op (and that no other mode did). Yields a one-element list, the count."""
+    from verl_fused_hook import hook
+
+    calls, original = [0], hook.log_probs_entropy_and_loss
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    hook.log_probs_entropy_and_loss = counted
+    try:
+        yield calls
+    finally:
+        hook.log_probs_entropy_and_loss = original
 
 
 def _engines(plan: Plan, mode: Mode, offload: bool):
@@ -183,7 +199,7 @@ def _engines(plan: Plan, mode: Mode, offload: bool):
     from verl_fused_hook.testing.train_engine import EngineSetup, build_engine
 
     os.environ[ENV_VAR] = "1" if mode.hook else "0"
-    options = {"output_processor_backend": mode.backend} if mode.hook else {}
+    options = fused_kernel_options(mode)
     setup = EngineSetup(
         hf_path=plan.hf_path,
         tp=plan.tp,
@@ -265,8 +281,10 @@ def parameter_checksum(engine) -> tuple[str, float]:
     return f"{chained:016x}", total
 
 
-def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
-    """One GRPO step (rollout, old and reference log-probs, actor update, LR step); this rank's numbers."""
+def train_step(actor, reference, loss_function, plan: Plan, step: int, fused_loss_calls: list[int]) -> dict:
+    """One GRPO step (rollout, old and reference log-probs, actor update, LR step); this rank's numbers.
+
+    fused_loss_calls: the running count of fused-loss op calls (`_counted_fused_loss_op`)."""
     from verl_fused_hook.testing.grpo_batches import packed, rollout
 
     device = plan.device
@@ -283,7 +301,9 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=plan.shape.sequences, **_engine_keys(plan)
     )
     with actor.train_mode():
+        calls_before = fused_loss_calls[0]
         output = actor.train_batch(data, loss_function=loss_function)
+        update_fused_loss_calls = fused_loss_calls[0] - calls_before
         checksum_started = time.perf_counter()
         checksum, total = parameter_checksum(actor)  # inside: with offload on, parameters leave on exit
         checksum_seconds = time.perf_counter() - checksum_started
@@ -300,6 +320,7 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         "param_checksum": checksum,
         "param_sum": total,
         "old_log_prob_sum": float(fields["old_log_probs"].double().sum()),
+        "fused_loss_calls": update_fused_loss_calls,  # micro-batches whose ppo_loss ran inside the op
         "seconds": seconds,
         "peak_bytes": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
         "allocated_bytes_at_start": allocated,  # weights, grads and optimizer state held between steps
@@ -321,14 +342,20 @@ def _prepare_process(plan: Plan, rank: int) -> None:
         init_model_parallel(plan.tp, seed=plan.seed)  # the engine then finds megatron's state set up
 
 
-def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, load: bool) -> list[dict]:
+def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, load: bool) -> tuple[list[dict], dict]:
+    """One run's step rows and where its wall time went (engine builds, checkpoint save or load)."""
     from verl_fused_hook.testing.determinism import deterministic_steps
     from verl_fused_hook.testing.train_engine import load_checkpoint_for_resume
 
-    with mode_context(mode, plan.device):
+    started = time.perf_counter()
+    info = {"build_s": None, "save_s": None, "load_s": None}
+    with mode_context(mode, plan.device) as fused_loss_calls:
         actor, reference = _engines(plan, mode, offload)
+        info["build_s"] = time.perf_counter() - started
         if load:
+            loading = time.perf_counter()
             load_checkpoint_for_resume(actor, plan.checkpoint_dir(mode.name))
+            info["load_s"] = time.perf_counter() - loading
         loss_function = _loss_function(plan)
         repeatable = (
             deterministic_steps(*actor.module, *reference.module)
@@ -338,11 +365,14 @@ def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, lo
         rows = []
         with repeatable:
             for step in range(first, plan.steps + 1):
-                rows.append(train_step(actor, reference, loss_function, plan, step))
+                rows.append(train_step(actor, reference, loss_function, plan, step, fused_loss_calls))
                 if save and step == plan.checkpoint_step:
+                    saving = time.perf_counter()
                     actor.save_checkpoint(plan.checkpoint_dir(mode.name), global_step=step)
+                    info["save_s"] = time.perf_counter() - saving
     _release(actor, reference)
-    return rows
+    info["wall_s"] = time.perf_counter() - started
+    return rows, info
 
 
 def _release(*engines) -> None:
@@ -357,46 +387,73 @@ def _release(*engines) -> None:
         torch.cuda.empty_cache()
 
 
-def uninterrupted_worker(rank: int, world_size: int, plan: Plan) -> dict:
+def run_line(key: str, rows: list[dict], info: dict) -> str:
+    """What a finished run prints: its wall time and where it went."""
+    parts = [f"build {info['build_s']:.1f}s"]
+    if info.get("load_s") is not None:
+        parts.append(f"checkpoint load {info['load_s']:.1f}s")
+    parts.append(f"first step {rows[0]['seconds']:.2f}s")
+    if len(rows) > 1:
+        later = [r["seconds"] for r in rows[1:]]
+        parts.append(f"steps {rows[1]['step']}-{rows[-1]['step']} mean {sum(later) / len(later):.3f}s")
+    if info.get("save_s") is not None:
+        parts.append(f"checkpoint save {info['save_s']:.1f}s")
+    return f"[{key}] steps {rows[0]['step']}-{rows[-1]['step']} in {info['wall_s']:.1f}s ({', '.join(parts)})"
+
+
+def _record(plan: Plan, rank: int, world_size: int, key: str, rows: list[dict], info: dict) -> None:
+    """Add a finished run (every rank's checksums combined) to the report on disk and say so."""
+    import torch.distributed as dist
+
+    per_rank = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(per_rank, rows)
+    else:
+        per_rank = [rows]
+    if rank == 0:
+        merged = report_file.merge_ranks([{key: r} for r in per_rank])
+        report_file.add_runs(Path(plan.out), merged, {key: info})
+        print(run_line(key, rows, info), flush=True)
+
+
+def uninterrupted_worker(rank: int, world_size: int, plan: Plan) -> None:
     """Every mode, K steps from the start, for each offload setting (saving the checkpoint at K/2 in the first)."""
     _prepare_process(plan, rank)
-    results = {}
     for name in plan.modes:
-        mode = MODES[name]
         for offload in plan.offload:
             if offload and name not in plan.offload_modes:
                 continue
             key = f"{name}/offload-{'on' if offload else 'off'}"
-            started = time.time()
             # the checkpoint comes from the first offload setting, the one the resumed run uses
-            results[key] = _run_steps(plan, mode, offload, first=1, save=offload == plan.offload[0], load=False)
-            if rank == 0:
-                print(f"[{key}] {plan.steps} steps in {time.time() - started:.1f}s", flush=True)
-    return results
+            save = plan.resume and offload == plan.offload[0]
+            rows, info = _run_steps(plan, MODES[name], offload, first=1, save=save, load=False)
+            _record(plan, rank, world_size, key, rows, info)
 
 
-def resumed_worker(rank: int, world_size: int, plan: Plan) -> dict:
+def resumed_worker(rank: int, world_size: int, plan: Plan) -> None:
     """Every mode in a fresh process group: load the step-K/2 checkpoint, run steps K/2+1..K."""
     _prepare_process(plan, rank)
-    results = {}
+    origin = f"offload-{'on' if plan.offload[0] else 'off'}"
     for name in plan.modes:
-        key = f"{name}/resumed"
-        results[key] = _run_steps(plan, MODES[name], plan.offload[0], first=plan.checkpoint_step + 1, save=False, load=True)
-        if rank == 0:
-            print(f"[{key}] steps {plan.checkpoint_step + 1}-{plan.steps} done", flush=True)
-    return results
+        rows, info = _run_steps(plan, MODES[name], plan.offload[0], first=plan.checkpoint_step + 1, save=False, load=True)
+        _record(plan, rank, world_size, f"{name}/resumed", rows, info | {"resumes": f"{name}/{origin}"})
 
 
-def run_group(worker, plan: Plan) -> list[dict]:
-    """`worker` in fresh processes: gloo on the CPU (one per TP rank), NCCL on one GPU."""
+def run_group(worker, plan: Plan) -> None:
+    """`worker` in fresh processes (gloo on the CPU, one per TP rank; NCCL on one GPU); it records its own runs."""
     if plan.device == "cpu":
         from verl_fused_hook.testing.distributed import run_on_gloo
 
-        return run_on_gloo(worker, plan.tp, plan)
-    return _run_on_one_gpu(worker, plan)
+        run_on_gloo(worker, plan.tp, plan)
+        return
+    import torch.multiprocessing as mp
+
+    from verl_fused_hook.testing.distributed import free_port
+
+    mp.start_processes(_nccl_worker, args=(free_port(), worker, plan), nprocs=1, start_method="spawn")
 
 
-def _nccl_worker(rank, port, folder, worker, plan):
+def _nccl_worker(rank, port, worker, plan):
     import torch.distributed as dist
 
     from verl_fused_hook.testing.determinism import prepare_cublas_workspace
@@ -406,157 +463,9 @@ def _nccl_worker(rank, port, folder, worker, plan):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        torch.save(worker(0, 1, plan), os.path.join(folder, "rank0.pt"))
+        worker(0, 1, plan)
     finally:
         dist.destroy_process_group()
-
-
-def _run_on_one_gpu(worker, plan: Plan) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    from verl_fused_hook.testing.distributed import free_port
-
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_nccl_worker, args=(free_port(), folder, worker, plan), nprocs=1, start_method="spawn")
-        return [torch.load(os.path.join(folder, "rank0.pt"), weights_only=False)]
-
-
-# ---------------------------------------------------------------- comparison
-
-
-def merge_ranks(per_rank: list[dict]) -> dict:
-    """One row per step and run: rank 0's loss and grad norm; the checksum over all ranks' checksums."""
-    merged = {}
-    for key, rows in per_rank[0].items():
-        merged[key] = []
-        for index, row in enumerate(rows):
-            ranks = [r[key][index] for r in per_rank]
-            combined = hashlib.sha256("".join(r["param_checksum"] for r in ranks).encode()).hexdigest()
-            merged[key].append(row | {"param_checksum": combined, "param_sum": sum(r["param_sum"] for r in ranks),
-                                      "peak_bytes": max((r["peak_bytes"] or 0) for r in ranks) or None})
-    return merged
-
-
-IDENTITY_FIELDS = ("loss", "grad_norm", "param_checksum")
-
-
-def identical(rows_a: list[dict], rows_b: list[dict]) -> tuple[bool, list[int]]:
-    """Bitwise equality of loss, grad norm and checksum on the steps both runs have; the steps that differ."""
-    by_step = {row["step"]: row for row in rows_a}
-    differ = [row["step"] for row in rows_b if any(by_step[row["step"]][f] != row[f] for f in IDENTITY_FIELDS)]
-    return not differ, differ
-
-
-def largest_gap(reference: list[dict], other: list[dict]) -> dict:
-    """Largest absolute loss gap and relative grad-norm gap to the reference over all steps, and both per step."""
-    per_step = []
-    for a, b in zip(reference, other):
-        norm_gap = abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-12)
-        per_step.append({"step": a["step"], "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": norm_gap})
-    return {
-        "loss_abs": max(r["loss_abs"] for r in per_step),
-        "grad_norm_rel": max(r["grad_norm_rel"] for r in per_step),
-        "per_step": per_step,
-    }
-
-
-def one_kernel_mode(device: str) -> str:
-    """The hook mode that computes with legacy's kernel: verl's Triton on CUDA, the portable op on the CPU."""
-    return "hook-verl" if device == "cuda" else "hook-auto"
-
-
-def evaluate(runs: dict, plan: Plan) -> dict:
-    """The checks of the module docstring, with the gaps of the two-kernel modes."""
-    checks, gaps = [], {}
-    base = "offload-off"
-    legacy = runs.get(f"legacy/{base}")
-    same_kernel = one_kernel_mode(plan.device)
-    for name in plan.modes:
-        plain = runs[f"{name}/{base}"]
-        if f"{name}/offload-on" in runs:
-            ok, steps = identical(plain, runs[f"{name}/offload-on"])
-            checks.append({"check": f"{name}: offload on == off", "ok": ok, "differing_steps": steps})
-        ok, steps = identical(plain, runs[f"{name}/resumed"])
-        checks.append({"check": f"{name}: resumed == uninterrupted (steps {plan.checkpoint_step + 1}-{plan.steps})",
-                       "ok": ok, "differing_steps": steps})
-        if legacy is None or name == "legacy":
-            continue
-        if name == same_kernel:
-            ok, steps = identical(legacy, plain)
-            checks.append({"check": f"{name} == legacy (one kernel)", "ok": ok, "differing_steps": steps})
-        else:
-            gap = largest_gap(legacy, plain)
-            gaps[name] = gap
-            bound = {"loss_abs": TWO_KERNEL_LOSS_ATOL[plan.dtype], "grad_norm_rel": TWO_KERNEL_GRAD_NORM_RTOL[plan.dtype]}
-            exact, _ = identical(legacy, plain)
-            ok = gap["loss_abs"] <= bound["loss_abs"] and gap["grad_norm_rel"] <= bound["grad_norm_rel"]
-            checks.append({"check": f"{name} vs legacy: loss within {bound['loss_abs']:g} (absolute), grad norm "
-                                    f"within {bound['grad_norm_rel']:g} (relative)", "ok": ok,
-                           "largest": {k: gap[k] for k in bound}, "bitwise_identical": exact})
-    return {"checks": checks, "gaps": gaps, "match": all(c["ok"] for c in checks)}
-
-
-# ---------------------------------------------------------------- report
-
-
-def summary_rows(runs: dict) -> list[dict]:
-    """Per run: mean step time (steps after the first), peak memory, last loss."""
-    rows = []
-    for key, steps in runs.items():
-        timed = [r["seconds"] for r in steps[1:]] or [steps[0]["seconds"]]
-        peaks = [r["peak_bytes"] for r in steps if r["peak_bytes"]]
-        rows.append({"run": key, "steps": len(steps), "mean_step_s": sum(timed) / len(timed),
-                     "peak_gib": max(peaks) / 2**30 if peaks else None, "last_loss": steps[-1]["loss"]})
-    return rows
-
-
-def markdown(report: dict) -> str:
-    lines = [f"# train-parity: {report['hf_config']} on {report['device']}, TP={report['tp']}, {report['dtype']}, "
-             f"{report['steps']} steps", ""]
-    lines += ["| run | steps | mean step (s) | peak memory (GiB) | last loss |", "|---|---|---|---|---|"]
-    for row in report["summary"]:
-        peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
-        lines.append(f"| {row['run']} | {row['steps']} | {row['mean_step_s']:.3f} | {peak} | {row['last_loss']:.6g} |")
-    lines += ["", "| check | result |", "|---|---|"]
-    for check in report["evaluation"]["checks"]:
-        detail = "identical" if check["ok"] and "largest" not in check else ""
-        if "largest" in check:
-            detail = ", ".join(f"{k} {v:.2e}" for k, v in check["largest"].items())
-        elif not check["ok"]:
-            detail = f"differs at steps {check['differing_steps']}"
-        lines.append(f"| {check['check']} | {'PASS' if check['ok'] else 'FAIL'}: {detail} |")
-    gaps = report["evaluation"]["gaps"]
-    if gaps:
-        names = list(gaps)
-        lines += ["", "| step | " + " | ".join(f"{n} loss gap (abs) | {n} grad-norm gap (rel)" for n in names) + " |",
-                  "|---|" + "---|---|" * len(names)]
-        for index, row in enumerate(gaps[names[0]]["per_step"]):
-            cells = [f"{gaps[n]['per_step'][index]['loss_abs']:.2e} | {gaps[n]['per_step'][index]['grad_norm_rel']:.2e}"
-                     for n in names]
-            lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(runs: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, steps in runs.items():
-        if "offload-on" in key:
-            continue
-        style = "--" if key.endswith("resumed") else "-"
-        x = [r["step"] for r in steps]
-        axes[0].plot(x, [r["loss"] for r in steps], style, marker=".", label=key)
-        axes[1].plot(x, [r["grad_norm"] for r in steps], style, marker=".", label=key)
-    axes[0].set(xlabel="step", ylabel="loss (ppo_loss, summed over micro-batches)")
-    axes[1].set(xlabel="step", ylabel="gradient norm")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 # ---------------------------------------------------------------- command line
@@ -570,9 +479,7 @@ def _pair(text: str, field: str) -> tuple[int, int]:
     return low, high
 
 
-def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
-    from verl_fused_hook.testing.hf_model import TINY_QWEN2
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: gloo processes; CUDA: 1)")
@@ -588,12 +495,37 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
     parser.add_argument("--offload", choices=("both", "off", "on"), default="both", help="verl's param/grad/optimizer offload")
     parser.add_argument("--offload-modes", default=None, help="with --offload both: the modes that also run with "
                         "offload on (default: every mode)")
+    parser.add_argument("--no-resume", action="store_true", help="skip the checkpoint and the resumed runs (e.g. a "
+                        "call that only adds offload-on runs to be merged with one that resumed)")
     parser.add_argument("--nondeterministic", action="store_true", help="CUDA: PyTorch's default (faster, not "
                         "bitwise repeatable) algorithms; identities are then not expected to hold")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="train_parity", help="folder for train_parity.{json,md,png}")
+    parser.add_argument("--out", default="train_parity", help="folder for train_parity.{json,md,png}, rewritten "
+                        "after every finished run")
+    parser.add_argument("--merge", nargs="+", metavar="DIR", default=None, help="no training: combine the reports "
+                        "in these folders (one configuration, e.g. several device calls) into --out and evaluate "
+                        "every identity across them")
+    return parser
+
+
+def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        parser.error("--merge: use main(); parse_plan builds a training run")
+    return plan_from_args(parser, args, checkpoint_root), Path(args.out)
+
+
+def config_identity(hf_path: Path) -> str:
+    """The model config's name and a hash of its contents: the same model wherever the repository sits."""
+    file = hf_path / "config.json" if hf_path.is_dir() else hf_path
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:12]
+    return f"{file.parent.name} (config.json sha256 {digest})"
+
+
+def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint_root: str) -> Plan:
+    from verl_fused_hook.testing.hf_model import TINY_QWEN2
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
@@ -649,35 +581,63 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
         offload_modes=offload_modes,
         deterministic=not args.nondeterministic,
         checkpoint_root=checkpoint_root,
+        out=args.out,
+        resume=not args.no_resume,
     )
-    return plan, Path(args.out)
+    return plan
+
+
+def _finish(report: dict, out: Path) -> int:
+    """Print the report's tables and verdict; exit status 1 when a check failed."""
+    print(report_file.markdown(report))
+    evaluation = report["evaluation"]
+    if not evaluation["match"]:
+        print(f"FAIL: see the checks above (report in {out})", flush=True)
+        return 1
+    if evaluation["pending"]:
+        print(f"PASS for the {len(evaluation['checks'])} checks these runs allow; {len(evaluation['pending'])} need "
+              f"runs of another call (listed above), then `--merge` the reports", flush=True)
+        return 0
+    print("PASS", flush=True)
+    return 0
+
+
+def merge_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    given = sorted(k for k, v in vars(args).items() if k not in ("merge", "out") and v != parser.get_default(k))
+    if given:
+        parser.error(f"--merge reads finished reports; {', '.join('--' + k.replace('_', '-') for k in given)} "
+                     "apply to training runs only")
+    try:
+        merged = report_file.merge([(folder, report_file.read(Path(folder))) for folder in args.merge])
+    except ValueError as error:
+        parser.error(str(error))
+    out = Path(args.out)
+    report_file.write(merged, out)
+    print(f"train-parity: merged {len(merged['runs'])} runs from {', '.join(args.merge)} into {out}", flush=True)
+    return _finish(merged, out)
 
 
 def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.merge is not None:
+        return merge_main(parser, args)
     checkpoint_root = tempfile.mkdtemp(prefix="train_parity_ckpt_", dir=os.environ.get("TRAIN_PARITY_CHECKPOINT_DIR"))
     try:
-        plan, out = parse_plan(argv, checkpoint_root)
+        plan = plan_from_args(parser, args, checkpoint_root)
+        out = Path(plan.out)
+        if (out / report_file.REPORT_NAME).exists():
+            print(f"train-parity: replacing the report in {out} (give another --out to keep it)", flush=True)
+        report_file.write(report_file.new_report(plan.configuration()), out)
         print(f"train-parity on {plan.device}, TP={plan.tp}, {plan.dtype}, {plan.steps} steps, modes "
               f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
-              f"micro-batches of {plan.micro_batch}; model {plan.hf_path}", flush=True)
-        runs = merge_ranks(run_group(uninterrupted_worker, plan))
-        runs |= merge_ranks(run_group(resumed_worker, plan))
+              f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)", flush=True)
+        run_group(uninterrupted_worker, plan)
+        if plan.resume:
+            run_group(resumed_worker, plan)
     finally:
         shutil.rmtree(checkpoint_root, ignore_errors=True)
-    report = {
-        "device": plan.device, "tp": plan.tp, "dtype": plan.dtype, "steps": plan.steps, "hf_config": plan.hf_path,
-        "shape": asdict(plan.shape), "micro_batch": plan.micro_batch, "seed": plan.seed,
-        "checkpoint_step": plan.checkpoint_step, "runs": runs, "summary": summary_rows(runs),
-        "evaluation": evaluate(runs, plan),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_parity.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "train_parity.md").write_text(table)
-    plot(runs, out / "train_parity.png")
-    print(table)
-    print("PASS" if report["evaluation"]["match"] else "FAIL: see the checks above", flush=True)
-    return 0 if report["evaluation"]["match"] else 1
+    return _finish(report_file.read(out), out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""The fused-forward modes train-parity runs, and which run each mode is compared with.
+
+Why a module of its own: the runner (which engines a mode builds) and the
+report (which identities and gaps a mode is judged by) must agree on one table,
+and a merged report, read back from JSON, has only the mode names to go by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LEGACY = "legacy"
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    hook: bool
+    backend: str | None
+    score_mask: bool
+    cuda_only: bool = False
+    fused_loss: bool = False  # fused_kernel_options.output_processor_fused_loss: ppo_loss inside the op
+    # The mode whose kernel arithmetic this one shares but for the loss's gradient: its per-step gap to that
+    # mode is reported and bounded next to the gap to legacy.
+    twin: str | None = None
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode(LEGACY, hook=False, backend=None, score_mask=False),
+        Mode("hook-verl", hook=True, backend="verl", score_mask=False, cuda_only=True),
+        Mode("hook-auto", hook=True, backend="auto", score_mask=False),
+        Mode("hook-auto-mask", hook=True, backend="auto", score_mask=True),
+        Mode("hook-auto-fused-loss", hook=True, backend="auto", score_mask=False, fused_loss=True, twin="hook-auto"),
+    )
+}
+
+
+def one_kernel_mode(device: str) -> str:
+    """The hook mode that computes with legacy's kernel: verl's Triton on CUDA, the portable op on the CPU."""
+    return "hook-verl" if device == "cuda" else "hook-auto"
+
+
+def fused_kernel_options(mode: Mode) -> dict:
+    """The engine's `fused_kernel_options` for a mode (the environment switch picks hook or legacy)."""
+    if not mode.hook:
+        return {}
+    options = {"output_processor_backend": mode.backend}
+    if mode.fused_loss:
+        options["output_processor_fused_loss"] = True
+    return options
+
+
+def ordered_modes(names) -> list[str]:
+    """The given mode names in the table's order (a report lists its runs the same way however they were made)."""
+    unknown = sorted(set(names) - set(MODES))
+    if unknown:
+        raise ValueError(f"train-parity report: unknown modes {unknown}; allowed: {', '.join(MODES)}")
+    return [name for name in MODES if name in set(names)]
