@@ -28,14 +28,29 @@ CONFIGURATION_FIELDS = (
 IDENTITY_FIELDS = ("loss", "grad_norm", "param_checksum")
 
 # Per step, the absolute loss gap (GRPO losses sit near 0, so a relative gap means nothing) and the gradient
-# norm's gap relative to the reference. Bounds for a sanity check, not a claim: each kernel's log-probs are
-# within 3e-5 of fp64 (docs/benchmarks.md), and over K optimizer steps bf16 parameters round every update, so
-# two runs with different kernels drift apart a little each step; the report shows the gap per step.
+# norm's gap relative to the reference.
 # - another kernel than legacy's (hook-auto on CUDA, hook-auto-mask, hook-auto-fused-loss) vs legacy;
 # - the fused loss vs its twin (hook-auto: the same forward kernel family, the gradient formed in the forward).
+# fp32 (CPU): every kernel is exact to fp32 rounding, so the gaps stay at that level at every step.
+# bf16 (CUDA): at step 1 the weights are the same and the gap is the kernels' own: log-probs within 3e-5 of
+# fp64, gradients 2.3e-3 (ours) and 5.5e-3 (verl's hidden gradient) relative, so the gradient norms agree
+# within 5e-3. From step 2 on the weights differ by that rounding, and the gradient norm of this randomly
+# initialised model amplifies any difference: a legacy run whose only change is PyTorch's non-deterministic
+# (atomic-add) reductions drifts as far (docs/benchmarks.md), so only the loss is bounded there.
 GAP_BOUNDS = {
-    "vs legacy": {"float32": {"loss_abs": 1e-4, "grad_norm_rel": 1e-3}, "bfloat16": {"loss_abs": 2e-2, "grad_norm_rel": 5e-2}},
-    "vs twin": {"float32": {"loss_abs": 1e-6, "grad_norm_rel": 1e-5}, "bfloat16": {"loss_abs": 2e-2, "grad_norm_rel": 5e-2}},
+    "vs legacy": {
+        "float32": {"loss_abs": 1e-4, "grad_norm_rel": 1e-3},
+        "bfloat16": {"loss_abs": 1e-3, "first_grad_norm_rel": 5e-3},
+    },
+    "vs twin": {
+        "float32": {"loss_abs": 1e-6, "grad_norm_rel": 1e-5},
+        "bfloat16": {"loss_abs": 1e-3, "first_grad_norm_rel": 5e-3},
+    },
+}
+_BOUND_TEXT = {
+    "loss_abs": "loss within {:g} (absolute)",
+    "grad_norm_rel": "grad norm within {:g} (relative)",
+    "first_grad_norm_rel": "step-1 grad norm within {:g} (relative)",
 }
 
 
@@ -71,6 +86,7 @@ def largest_gap(reference: list[dict], other: list[dict]) -> dict:
     return {
         "loss_abs": max(r["loss_abs"] for r in per_step),
         "grad_norm_rel": max(r["grad_norm_rel"] for r in per_step),
+        "first_grad_norm_rel": per_step[0]["grad_norm_rel"] if per_step else 0.0,
         "per_step": per_step,
     }
 
@@ -87,7 +103,7 @@ def _gap_check(label: str, reference: list[dict], other: list[dict], bound: dict
     gap = largest_gap(reference, other)
     ok = all(gap[k] <= bound[k] for k in bound)
     exact, _ = identical(reference, other)
-    text = f"{label}: loss within {bound['loss_abs']:g} (absolute), grad norm within {bound['grad_norm_rel']:g} (relative)"
+    text = f"{label}: " + ", ".join(_BOUND_TEXT[k].format(v) for k, v in bound.items())
     return {"check": text, "ok": ok, "largest": {k: gap[k] for k in bound}, "bitwise_identical": exact}, gap
 
 
