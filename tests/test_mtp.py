@@ -415,5 +415,7 @@ def test_e2e_bench_mtp_option_on_cpu(tmp_path):
         assert set(head["scored_rows"]) == {"main", "mtp1"} and 0 < head["scored_rows"]["mtp1"] <= head["scored_rows"]["main"] < 256
         assert head["accumulator_bytes"] == 4 * hidden * head["scored_rows"]["main"]
         assert head["target_bytes"] == int(1.5 * 2**30) + head["accumulator_bytes"]
-        assert head["extra_bytes"] is None and head["within_target"] is None  # CUDA memory statistics only
-    assert "| 256 | hook | n/a |" in table
+        assert head["split_backward_bytes"] == head["hidden_grad_bytes"]
+        for key in ("extra_bytes", "within_target", "extra_without_split_bytes", "within_target_without_split"):
+            assert head[key] is None, key  # CUDA memory statistics only
+    assert "| 256 | hook | n/a | n/a |" in table

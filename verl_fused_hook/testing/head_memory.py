@@ -11,9 +11,12 @@ step, and on CUDA measures from that call (peak statistics reset, memory
 allocated = base) to the moment autograd has the hidden states' gradient (a
 tensor hook): extra = peak - base - what the heads must hand back (that
 gradient and the output weight's gradient, measured from the tensors). The
-interval also holds megatron's split of the concatenated hidden states, whose
-backward concatenates the per-head gradients. On the CPU the memory figures
-are None; the call, the gradients and their sizes are still recorded.
+interval also holds megatron's `torch.chunk` of the concatenated main and MTP
+hidden states: its backward holds every head's hidden gradient while it
+concatenates them into the returned one, one more buffer of that size, which
+is reported beside `extra` (`split_backward_bytes`) so the output layer's own
+part can be read without it. On the CPU the memory figures are None; the
+call, the gradients and their sizes are still recorded.
 """
 
 from __future__ import annotations
@@ -103,10 +106,15 @@ class HeadMemoryProbe(contextlib.AbstractContextManager):
             "target_bytes": int(1.5 * 2**30) + accumulator,
             "base_bytes": self.base_bytes,
             "peak_bytes": self.peak_bytes,
+            "split_backward_bytes": self.hidden_grad_bytes,
             "extra_bytes": None,
             "within_target": None,
+            "extra_without_split_bytes": None,
+            "within_target_without_split": None,
         }
         if None not in (self.peak_bytes, self.base_bytes, self.hidden_grad_bytes, weight_grad_bytes):
             out["extra_bytes"] = self.peak_bytes - self.base_bytes - self.hidden_grad_bytes - weight_grad_bytes
             out["within_target"] = out["extra_bytes"] <= out["target_bytes"]
+            out["extra_without_split_bytes"] = out["extra_bytes"] - self.hidden_grad_bytes
+            out["within_target_without_split"] = out["extra_without_split_bytes"] <= out["target_bytes"]
         return out

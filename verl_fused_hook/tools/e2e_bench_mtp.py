@@ -164,18 +164,20 @@ def _bytes(n: int | None) -> str:
 def output_layer_table(report: dict) -> str:
     """The output layer's own extra memory per side and size (measured inside the step, see HeadMemoryProbe)."""
     lines = [
-        "| tokens | side | output layer extra | hidden grad | weight grad | accumulator (4·H·rows) "
-        "| target (1.5 GiB + accumulator) | within target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens | side | output layer extra | extra less megatron's split buffer | hidden grad | weight grad "
+        "| accumulator (4·H·rows) | target (1.5 GiB + accumulator) | within target (extra, less split) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in report["sizes"]:
         for row in entry["sides"]:
             head = row.get("output_layer")
             if head is None or "oom" in head:
-                cells = ["OOM"] + ["-"] * 5
+                cells = ["OOM"] + ["-"] * 6
             else:
-                within = "n/a" if head["within_target"] is None else ("yes" if head["within_target"] else "NO")
-                cells = [_bytes(head["extra_bytes"]), _bytes(head["hidden_grad_bytes"]), _bytes(head["weight_grad_bytes"]),
+                within = ", ".join("n/a" if ok is None else ("yes" if ok else "NO")
+                                   for ok in (head["within_target"], head["within_target_without_split"]))
+                cells = [_bytes(head["extra_bytes"]), _bytes(head["extra_without_split_bytes"]),
+                         _bytes(head["hidden_grad_bytes"]), _bytes(head["weight_grad_bytes"]),
                          _gib(head["accumulator_bytes"]), _gib(head["target_bytes"]), within]
             lines.append(f"| {entry['tokens']:,} | {row['side']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
