@@ -367,12 +367,21 @@ def test_ab_parity_refuses_negative_mtp_layers(capsys):
 
 
 def _e2e_mtp_worker(rank, world_size, out):
+    from megatron.core.models.gpt import gpt_model
+    from verl.models.mcore import mtp_patch
+
     from verl_fused_hook.tools import e2e_bench
 
-    return e2e_bench.main([
+    def call_sites():
+        return gpt_model.process_mtp_loss, mtp_patch._process_mtp_loss
+
+    before = call_sites()
+    code = e2e_bench.main([
         "--mtp", "1", "--device", "cpu", "--hf-config", "verl_fused_hook/configs/tiny_qwen2", "--vocab-size", "1000",
         "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(out),
     ])
+    # the probe put back what it wrapped (the plugin's replacement, installed by the bench, stays)
+    return code, [a is b or getattr(a, "__wrapped__", None) is b for a, b in zip(call_sites(), before)]
 
 
 def test_e2e_bench_mtp_option_on_cpu(tmp_path):
@@ -380,7 +389,8 @@ def test_e2e_bench_mtp_option_on_cpu(tmp_path):
 
     from verl_fused_hook.tools.e2e_bench_mtp import SIDES
 
-    assert run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0] == 0
+    code, restored = run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0]
+    assert code == 0 and all(restored)
     report = json.loads((tmp_path / "e2e_mtp.json").read_text())
     assert report["vocab_size"] == 1000 and report["mtp_layers"] == 1
     (entry,) = report["sizes"]
@@ -390,4 +400,22 @@ def test_e2e_bench_mtp_option_on_cpu(tmp_path):
     parity = entry["hook_vs_verl"]
     assert parity["same_parameters"] and parity["grads_rel"] <= RTOL and parity["log_probs"] <= RTOL
     assert parity["mtp_loss"] <= RTOL and parity["acceptance_correct"] == 0
-    assert "| 256 | hook | True |" in (tmp_path / "e2e_mtp.md").read_text()
+    table = (tmp_path / "e2e_mtp.md").read_text()
+    assert "| 256 | hook | True |" in table
+
+    # the output layer's own memory, measured inside the real step (figures n/a on the CPU)
+    hidden, vocab = 128, 1024  # tiny_qwen2's hidden size; the vocabulary 1000 padded to a multiple of 128
+    sites = {"hook": "verl_fused_hook.verl_integration.mtp.make_process_mtp_loss.<locals>.process_mtp_loss",
+             "verl": "megatron.core.transformer.multi_token_prediction.process_mtp_loss"}
+    for row in entry["sides"]:
+        head = row["output_layer"]
+        assert head["calls"] == [sites[row["side"]]], head["calls"]
+        assert head["hidden_rows"] == 2 * 256  # main + one MTP layer's hidden states, concatenated
+        assert head["hidden_grad_bytes"] == 2 * 256 * hidden * 4 and head["weight_grad_bytes"] == vocab * hidden * 4
+        assert set(head["scored_rows"]) == {"main", "mtp1"} and 0 < head["scored_rows"]["mtp1"] <= head["scored_rows"]["main"] < 256
+        assert head["accumulator_bytes"] == 4 * hidden * head["scored_rows"]["main"]
+        assert head["target_bytes"] == int(1.5 * 2**30) + head["accumulator_bytes"]
+        assert head["split_backward_bytes"] == head["hidden_grad_bytes"]
+        for key in ("extra_bytes", "within_target", "extra_without_split_bytes", "within_target_without_split"):
+            assert head[key] is None, key  # CUDA memory statistics only
+    assert "| 256 | hook | n/a | n/a |" in table

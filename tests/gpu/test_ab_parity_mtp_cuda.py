@@ -1,10 +1,17 @@
 """`verl-fused-hook ab-parity --mtp-layers 1` on CUDA (skipped without CUDA): hook mode's fused MTP loss (this
-package's Triton kernel, bf16) against verl's own MTP path (fused kernels off), TP=1 on the shipped tiny Qwen2."""
+package's Triton kernel, bf16) against verl's own MTP path (fused kernels off), TP=1 on the shipped tiny Qwen2.
+
+At one rank the command runs both sides in one worker process (tools/ab_parity_mtp.py), so the run pays
+Python's imports and CUDA/NCCL start-up twice (this command, its worker), not three times; on the CPU the
+same command takes ~20 s, nearly all of it start-up. The command prints per-phase timings; a run past
+TIME_LIMIT_S fails with them instead of eating the device call.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +25,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+TIME_LIMIT_S = 150
 
 
 def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
@@ -25,9 +33,21 @@ def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
     command = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity", "--device", "cuda", "--tp", "1",
                "--backend", "triton", "--dtype", "bf16", "--mtp-layers", "1", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # its own process group: on a timeout the command and its worker are killed together (a worker left
+    # holding the output pipe would keep the test waiting)
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:
+        try:
+            printed, _ = process.communicate(timeout=TIME_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            printed, _ = process.communicate()
+            pytest.fail(f"ab-parity --mtp-layers 1 ran past {TIME_LIMIT_S}s; what it printed:\n{printed[-4000:]}")
+    print(printed[-3000:])  # the per-phase timings, for the log
+    assert process.returncode == 0, printed[-6000:]
     report = json.loads(out.read_text())
     assert report["match"] and [e["scenario"] for e in report["scenarios"]] == ["tp1/nosp/untied", "tp1/nosp/tied"]
     for entry in report["scenarios"]:
         assert entry["fused"] == {"verl": False, "hook": True}
+        assert entry["mtp"]["mtp_loss"] <= report["rtol"]
+        assert all(entry["vs_verl_rel"][k] <= report["rtol"] for k in ("log_probs", "entropy", "policy_loss", "grads"))

@@ -8,8 +8,9 @@ tokens only; padding query rows get zeros (nobody reads them). A sample whose
 real tokens form one run (right or left padding) is sliced and run with
 `is_causal`, so nothing of size [s, s] is built; any other mask shape (e.g.
 context-parallel zigzag halves) gets an explicit per-sample mask. With context
-parallelism the keys come from every CP rank (cp_attention.py). Other inputs
-(THD, 4-D masks, no mask) go to the THD-capable parent.
+parallelism the keys come from every CP rank (cp_attention.py), for padded and
+packed (THD) batches alike. Other inputs (THD without CP, 4-D masks, no mask)
+go to the THD-capable parent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from .cp_attention import context_parallel_attention
+from .cp_attention import context_parallel_attention, context_parallel_packed_attention
 from .thd_attention import PackedDotProductAttention
 
 
@@ -53,9 +54,19 @@ class PaddedDotProductAttention(PackedDotProductAttention):
         self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None and self.cp_group is not None:
+            if attention_bias is not None:
+                raise ValueError("attention_bias: not supported with packed sequences by PaddedDotProductAttention")
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            return context_parallel_packed_attention(
+                query, key, value, cu_seqlens if cu_seqlens is not None else packed_seq_params.cu_seqlens_q,
+                self.cp_group, self.softmax_scale, self.attention_dropout.p if self.training else 0.0,
+            )
         if packed_seq_params is not None or not is_padding_mask(attention_mask, query):
             if self.cp_group is not None:
-                raise ValueError("context parallelism: PaddedDotProductAttention takes it only with a [b, s] padding mask")
+                raise ValueError(
+                    "context parallelism: PaddedDotProductAttention takes it only with a [b, s] padding mask or THD"
+                )
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported with a padding mask by PaddedDotProductAttention")

@@ -1,12 +1,15 @@
-"""Context parallelism for the CPU stand-in attention on verl's padded (BSHD) layout (tests only).
+"""Context parallelism for the CPU stand-in attentions on verl's padded (BSHD) and packed (THD) layouts (tests only).
 
 Why: megatron-core's local DotProductAttention refuses context parallelism
 (only Transformer Engine's attention takes it), so on the CPU a CP run of
-verl's BSHD path needs a core attention that sees the whole sequence. Each CP
-rank holds two zigzag halves of every sample (verl's `preprocess_bshd_engine`:
-chunks r and 2*cp-1-r of 2*cp). This gathers keys, values and the padding mask
-from every CP rank (the gradient of the gathered keys/values is summed back
-to their owners) and attends causally by global position over real keys.
+verl's paths needs a core attention that sees the whole sequence. Each CP
+rank holds two zigzag halves of every sample (BSHD, verl's
+`preprocess_bshd_engine`) or of every packed sequence (THD,
+`preprocess_thd_engine`: chunks r and 2*cp-1-r of 2*cp, at local offset
+cu_seqlens_padded / cp). This gathers keys and values (and the BSHD padding
+mask) from every CP rank (the gradient of the gathered keys/values is summed
+back to their owners) and attends causally by global position, within a
+sample or packed sequence.
 """
 
 from __future__ import annotations
@@ -66,3 +69,34 @@ def context_parallel_attention(query, key, value, real, group, softmax_scale, dr
         )[0]
         outputs.append((out * real[i][None, :, None]).permute(1, 0, 2))  # [s_local, heads, d]; padding rows 0
     return torch.stack(outputs, dim=1).reshape(local_len, batch, -1)
+
+
+def packed_zigzag_layout(cu_seqlens_padded: list[int], cp_rank: int, cp_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, position in its sequence) of a CP rank's local THD rows."""
+    sequence, position = [], []
+    for index, (start, end) in enumerate(zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:])):
+        half = (end - start) // (2 * cp_size)
+        for chunk in (cp_rank, 2 * cp_size - cp_rank - 1):
+            position.append(torch.arange(chunk * half, (chunk + 1) * half, device=device))
+            sequence.append(torch.full((half,), index, device=device))
+    return torch.cat(sequence), torch.cat(position)
+
+
+def context_parallel_packed_attention(query, key, value, cu_seqlens_padded, group, softmax_scale, dropout: float):
+    """query [t_local, heads, d], key/value [t_local, groups, d] (THD, zigzag over CP) -> [t_local, heads*d]."""
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    bounds = [int(b) for b in cu_seqlens_padded.tolist()]
+    if any((end - start) % (2 * cp_size) for start, end in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens_q_padded: every length must be a multiple of 2 * cp ({2 * cp_size}), got {bounds}")
+    keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
+    layouts = [packed_zigzag_layout(bounds, r, cp_size, query.device) for r in range(cp_size)]
+    key_sequence = torch.cat([sequence for sequence, _ in layouts])
+    key_position = torch.cat([position for _, position in layouts])
+    query_sequence, query_position = layouts[cp_rank]
+    allowed = (key_sequence[None, :] == query_sequence[:, None]) & (key_position[None, :] <= query_position[:, None])
+    repeat = query.shape[1] // key.shape[1]
+    q, k, v = query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, t, d]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, dropout_p=dropout, scale=softmax_scale)[0]
+    return out.transpose(0, 1).reshape(query.shape[0], -1)

@@ -4,8 +4,10 @@ With `actor_rollout_ref.model.mtp.enable=True, enable_train=True`, verl as it
 ships turns fused kernels off: its unfused forward builds the main head's
 logits and megatron's `process_mtp_loss` builds every MTP head's logits. Hook
 mode keeps fused kernels on and computes both through the op. Each side runs
-in its own processes on identical weights and batch, through verl's build
-step, `patch_engine_mtp` and `forward_step` (testing/mtp_engine.py), then the
+on identical weights and batch, through verl's build step, `patch_engine_mtp`
+and `forward_step` (testing/mtp_engine.py; the build step sees the switch as
+each side sets it, so at one rank both sides share one process and pay the
+start-up, imports and CUDA/NCCL initialization once), then the
 same GRPO-style loss and its backward. Compared, relative to verl's side:
 log-probs and entropy on the response rows, the loss, every parameter gradient
 (MTP layers included, through the injected MTP loss) and the logged MTP loss;
@@ -73,14 +75,22 @@ def run_side(scenario, side: str, setup, mtp_layers: int) -> dict:
     }
 
 
+def both_sides_worker(rank: int, world_size: int, _mode: str, scenarios, setup, mtp_layers: int):
+    """verl's side, then hook mode's, in this one process: {side: side_worker's results}."""
+    return {side: side_worker(rank, world_size, side, scenarios, setup, mtp_layers) for side in SIDES}
+
+
 def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_layers: int):
     from verl_fused_hook.verl_integration import install
 
+    started = time.time()
     install()
     if rank != 0:
         logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
 
+    if rank == 0:
+        print(f"[{side}] verl's engine imported in {time.time() - started:.1f}s", flush=True)
     if setup.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     results = {}
@@ -108,18 +118,25 @@ def _metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, bo
     return {"mtp_loss": loss_error, "acceptance_gap": count_gap}, ok
 
 
+def _in_processes(mode: str, worker, scenarios, setup, mtp_layers: int, world_size: int):
+    """worker(rank, world_size, mode, scenarios, setup, mtp_layers) in world_size new processes (NCCL or gloo)."""
+    if setup.device == "cuda":
+        return _run_on_nccl(mode, scenarios, setup, {}, free_port(), world_size, worker=worker, extra=(mtp_layers,))
+    return run_on_gloo(worker, world_size, mode, scenarios, setup, mtp_layers)
+
+
 def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: str | None) -> int:
     world_size = world_size_for(setup.device, scenarios)
     print(f"A/B parity with {mtp_layers} MTP layer(s) on {setup.device} ({world_size} processes per side): "
           f"verl as it ships (fused off with MTP) vs hook mode (backend={setup.backend}, MTP loss through the op)",
           flush=True)
-    runs = {}
-    for side in SIDES:
-        if setup.device == "cuda":
-            runs[side] = _run_on_nccl(side, scenarios, setup, {}, free_port(), world_size,
-                                      worker=side_worker, extra=(mtp_layers,))
-        else:
-            runs[side] = run_on_gloo(side_worker, world_size, side, scenarios, setup, mtp_layers)
+    started = time.time()
+    if world_size == 1:
+        ranks = _in_processes("both", both_sides_worker, scenarios, setup, mtp_layers, 1)
+        runs = {side: [rank[side] for rank in ranks] for side in SIDES}
+    else:
+        runs = {side: _in_processes(side, side_worker, scenarios, setup, mtp_layers, world_size) for side in SIDES}
+    print(f"both sides ran in {time.time() - started:.1f}s (process start-ups included)", flush=True)
     report = {"device": setup.device, "backend": setup.backend, "dtype": setup.dtype, "mtp_layers": mtp_layers,
               "rtol": rtol, "scenarios": []}
     print(f"\n{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad")

@@ -15,7 +15,11 @@ GRPO-style loss over the response rows and its backward:
 Per row: median fwd+bwd time and peak memory above the weights and batch, or
 OOM when the step ran out of device memory (recorded, not raised). Parity (hook
 vs verl, where verl ran) on the first step: log-probs, entropy, loss, the logged
-MTP loss, acceptance counts and every parameter gradient.
+MTP loss, acceptance counts and every parameter gradient. Then one more step
+with `HeadMemoryProbe` (testing/head_memory.py): the output layer's own extra
+memory inside that real step (main head plus MTP heads, from the MTP loss call
+to the hidden states' gradient), beside the op's fp32 hidden-gradient
+accumulator and the issue's target (1.5 GiB plus that accumulator).
 """
 
 from __future__ import annotations
@@ -63,6 +67,25 @@ def _sample(model, batch, output, loss) -> dict:
         "mtp": take_mtp_metrics(),
         "grads": {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None},
     }
+
+
+def output_layer_memory(step, model, batch) -> dict:
+    """One more step under `HeadMemoryProbe`; scored rows: the main head's (the response rows, what hook mode
+    scores) and each MTP layer's (its rolled loss mask, megatron's logged total)."""
+    from verl_fused_hook.testing.head_memory import HeadMemoryProbe
+    from verl_fused_hook.testing.mtp_engine import take_mtp_metrics
+    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+
+    free_step_memory(model)
+    take_mtp_metrics()
+    with HeadMemoryProbe(model.shared_embedding_or_output_weight()) as probe:
+        step()
+    totals = take_mtp_metrics()["total_values"]
+    scored = {"main": int(response_score_rows(batch, None).values().sum())}
+    scored.update({f"mtp{k + 1}": int(totals[k]) for k in range(model.config.mtp_num_layers)})
+    result = probe.result(scored)
+    free_step_memory(model)
+    return result
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -117,6 +140,13 @@ def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
         except torch.OutOfMemoryError as error:
             row["oom"] = str(error).split("\n")[0]
             print(f"[{side}] {tokens} tokens: OOM ({row['oom']})", flush=True)
+        if "oom" not in row:
+            try:
+                row["output_layer"] = output_layer_memory(step, model, batch)
+                print(f"[{side}] {tokens} tokens: output layer extra {_bytes(row['output_layer']['extra_bytes'])} "
+                      f"(target {_gib(row['output_layer']['target_bytes'])})", flush=True)
+            except torch.OutOfMemoryError as error:
+                row["output_layer"] = {"oom": str(error).split("\n")[0]}
         free_step_memory(model)
         take_mtp_metrics()
         entry["sides"].append(row)
@@ -127,7 +157,38 @@ def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def _bytes(n: int | None) -> str:
+    return "n/a" if n is None else _gib(n)
+
+
+def output_layer_table(report: dict) -> str:
+    """The output layer's own extra memory per side and size (measured inside the step, see HeadMemoryProbe)."""
+    lines = [
+        "| tokens | side | output layer extra | extra less megatron's split buffer | hidden grad | weight grad "
+        "| accumulator (4·H·rows) | target (1.5 GiB + accumulator) | within target (extra, less split) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in report["sizes"]:
+        for row in entry["sides"]:
+            head = row.get("output_layer")
+            if head is None or "oom" in head:
+                cells = ["OOM"] + ["-"] * 6
+            else:
+                within = ", ".join("n/a" if ok is None else ("yes" if ok else "NO")
+                                   for ok in (head["within_target"], head["within_target_without_split"]))
+                cells = [_bytes(head["extra_bytes"]), _bytes(head["extra_without_split_bytes"]),
+                         _bytes(head["hidden_grad_bytes"]), _bytes(head["weight_grad_bytes"]),
+                         _gib(head["accumulator_bytes"]), _gib(head["target_bytes"]), within]
+            lines.append(f"| {entry['tokens']:,} | {row['side']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(report: dict) -> str:
+    """The step table (time, peak, parity) and the output layer's table."""
+    return step_table(report) + "\n\n" + output_layer_table(report)
+
+
+def step_table(report: dict) -> str:
     lines = [
         "| tokens | side | fused kernels | fwd+bwd time | fwd+bwd peak | log-prob rel | entropy rel | MTP loss rel "
         "| acceptance diff | grad rel (worst) |",
