@@ -69,3 +69,6 @@ def test_fused_loss_bench_refuses_other_layouts(capsys):
     with pytest.raises(SystemExit):
         e2e_bench.main(["--fused-loss", "--device", "cpu", "--modes", "hook+ours+fused-loss"])
     assert "hook+ours+mask is the reference" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e_bench.main(["--fused-loss", "--device", "cpu", "--modes", "hook+ours+mask,hook+verl"])
+    assert "allowed with --fused-loss: hook+ours+mask, hook+ours+fused-loss, legacy" in capsys.readouterr().err

@@ -532,7 +532,8 @@ def main(argv=None) -> int:
     args.modes = set(args.modes.split(",")) if args.modes else {m.name for m in layout_modes}
     unknown = args.modes - {m.name for m in layout_modes}
     if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with --layout {args.layout}: "
+        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with "
+                     f"{'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}: "
                      f"{', '.join(m.name for m in layout_modes)}")
     reference = TWO_PASS if args.fused_loss else REFERENCE[args.layout]
     if reference not in args.modes:
