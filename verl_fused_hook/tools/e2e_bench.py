@@ -39,7 +39,10 @@ mode goes through verl's `forward_step`. A mode that runs out of device memory i
 
 Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
-(--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, tools/e2e_bench_mtp.py)
+       verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
+(--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, tools/e2e_bench_mtp.py;
+ --fused-loss: the actor update through verl's forward_step with ppo_loss, output_processor_fused_loss off vs on,
+ tools/e2e_fused_loss.py)
 """
 
 from __future__ import annotations
@@ -500,6 +503,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
+                        "off vs on (e2e_fused_loss.json/.md)")
     args = parser.parse_args(argv)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -513,7 +519,11 @@ def main(argv=None) -> int:
         parser.error(f"--hf-config: {path} does not exist; pass a config.json or a folder holding one")
     args.hf_config = str(path.parent if path.is_file() else path)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
-    if args.layout == "bshd":
+    if args.fused_loss and (args.mtp or args.layout == "bshd"):
+        parser.error("--fused-loss runs on the packed layout without MTP; drop --mtp / --layout bshd")
+    if args.fused_loss:
+        from .e2e_fused_loss import LOSS_MODES as layout_modes, TWO_PASS
+    elif args.layout == "bshd":
         from .e2e_bshd import BSHD_MODES
 
         layout_modes = BSHD_MODES
@@ -522,9 +532,10 @@ def main(argv=None) -> int:
     args.modes = set(args.modes.split(",")) if args.modes else {m.name for m in layout_modes}
     unknown = args.modes - {m.name for m in layout_modes}
     if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with --layout {args.layout}: "
+        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with "
+                     f"{'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}: "
                      f"{', '.join(m.name for m in layout_modes)}")
-    reference = REFERENCE[args.layout]
+    reference = TWO_PASS if args.fused_loss else REFERENCE[args.layout]
     if reference not in args.modes:
         parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")
     if args.mtp < 0 or args.vocab_size < 1:
@@ -540,6 +551,11 @@ def main(argv=None) -> int:
         print(mtp_table(run_mtp(args)))
         return 0
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
+    if args.fused_loss:
+        from .e2e_fused_loss import markdown_table as loss_table, run_fused_loss
+
+        print(loss_table(run_fused_loss(args)))
+        return 0
 
     report = run(args)
     print()
