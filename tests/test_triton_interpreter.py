@@ -44,7 +44,7 @@ def _interpreted_cases() -> list[dict]:
         return real_addmm(accumulator, a.float(), b.float(), beta=beta, out=out)
 
     torch.addmm = addmm_fp32_output
-    fused_loss._chunk_passes = lambda p, chunk_rows: fused_loss._StoredChunks(p, chunk_rows)
+    fused_loss._chunk_passes = lambda p, chunk_rows, keep: fused_loss._StoredChunks(p, chunk_rows, keep)
 
     results = []
     n, h, v = 70, 64, 301  # v divides nothing: a partial last tile, a row pitch padded to 8
@@ -94,6 +94,14 @@ def _interpreted_cases() -> list[dict]:
                 "inactive_zero": bool((out.log_probs[~active] == 0).all()),
             }
         )
+        if not offset and chunk_rows == 16:  # without gradients nothing is kept: one kernel pass, same values
+            with torch.no_grad():
+                plain = fused_loss.log_probs_entropy_and_loss(
+                    hidden, weight, labels, loss_fn=loss_fn, loss_name="weighted sum", temperature=temperature,
+                    score_mask=score_mask, chunk_rows=chunk_rows,
+                )
+            results[-1]["no_grad_log_prob"] = (plain.log_probs.double() - lp.detach()).abs().max().item()
+            results[-1]["no_grad_entropy"] = (plain.entropy.double() - ent.detach()).abs().max().item()
     return results
 
 
@@ -117,3 +125,18 @@ def test_fused_loss_triton_path_in_the_interpreter():
         else:
             assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
             assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, (label, case)
+    no_grad = [case for case in cases if "no_grad_log_prob" in case]
+    assert len(no_grad) == 1
+    assert no_grad[0]["no_grad_log_prob"] <= VALUE_TOL and no_grad[0]["no_grad_entropy"] <= VALUE_TOL, no_grad
+
+
+def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_logits():
+    import torch
+
+    from verl_fused_hook.ops.triton_backend import StoredLogits
+    from verl_fused_hook.ops.triton_chunk_kernels import stored_grad_logits
+
+    store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1))
+    rows = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"out_dtype: must be a 2-byte float .*torch\.float32"):
+        stored_grad_logits(store, torch.zeros(2, dtype=torch.long), *[rows] * 6, torch.float32)

@@ -185,7 +185,7 @@ class _PortableChunks:
         self.p, self.gemms = p, _Gemms(p.weight, p.valid_columns)
         self.rows = chunk_rows or max(1, CHUNK_BUDGET_BYTES // (4 * max(1, p.valid_columns)))
 
-    def statistics(self, rows, label_col, inv_temp, keep: bool):
+    def statistics(self, rows, label_col, inv_temp):
         self.h = self.gemms.rows(self.p.hidden, rows)
         self.raw = self.gemms.raw_logits(self.h)
         return chunk_elementwise.chunk_statistics(self.raw, label_col, inv_temp)
@@ -203,9 +203,10 @@ class _PortableChunks:
 class _StoredChunks:
     """CUDA, Triton: the forward kernel reduces each chunk's logits to statistics and keeps them in fp16
     (`triton_backend.StoredLogits`); the gradient pass overwrites them with d_logits in place
-    (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every chunk."""
+    (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every chunk. Without gradients
+    (`keep=False`) nothing is kept, and every scored row goes through the kernel at once."""
 
-    def __init__(self, p: LogProbProblem, chunk_rows: int | None):
+    def __init__(self, p: LogProbProblem, chunk_rows: int | None, keep: bool):
         from .triton_backend import FORWARD_CONFIG, tma_ready
 
         self.p, self.weight = p, tma_ready(p.weight)
@@ -213,6 +214,10 @@ class _StoredChunks:
         pitch = -(-self.columns // 8) * 8  # TMA: 16-byte aligned rows
         tiles = -(-self.columns // FORWARD_CONFIG.block_n)
         active = max(1, p.active_rows.numel())
+        self.store = self.buffer = self.tile_max = None
+        if not keep:
+            self.rows = active
+            return
         if chunk_rows is None:
             row_bytes, block = 2 * pitch + 4 * tiles, FORWARD_CONFIG.block_m
             # One chunk when it fits in what several would take with their fp32 d_weight accumulator.
@@ -225,12 +230,13 @@ class _StoredChunks:
         self.buffer = torch.empty(chunk_rows, pitch, dtype=torch.float16, device=p.weight.device)
         self.tile_max = torch.empty(chunk_rows, tiles, dtype=torch.float32, device=p.weight.device)
 
-    def statistics(self, rows, label_col, inv_temp, keep: bool):
+    def statistics(self, rows, label_col, inv_temp):
         from .triton_backend import StoredLogits, local_statistics, tma_ready
 
         count = rows.numel()
         self.h = tma_ready(self.p.hidden.index_select(0, rows))
-        self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count]) if keep else None
+        if self.buffer is not None:
+            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count])
         return local_statistics(self.p, self.h, self.weight, label_col, inv_temp, self.store)
 
     def gradients(self, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, weight_gradient):
@@ -248,8 +254,9 @@ def _log_portable_on_cuda(reason: str) -> None:
     logger.warning("log_probs_entropy_and_loss: %s; portable fp32 chunk passes on CUDA (slower, more memory)", reason)
 
 
-def _chunk_passes(p: LogProbProblem, chunk_rows: int | None):
-    """The Triton passes where the Triton backend can run `p`, else the portable ones (said once on CUDA)."""
+def _chunk_passes(p: LogProbProblem, chunk_rows: int | None, keep: bool):
+    """The Triton passes where the Triton backend can run `p`, else the portable ones (said once on CUDA);
+    keep: the logits are needed again for the gradients."""
     if p.hidden.device.type == "cuda":
         try:
             from . import triton_backend, triton_chunk_kernels  # noqa: F401  (Triton importable)
@@ -258,7 +265,7 @@ def _chunk_passes(p: LogProbProblem, chunk_rows: int | None):
         else:
             reason = triton_backend.unavailable_reason(p)
             if reason is None:
-                return _StoredChunks(p, chunk_rows)
+                return _StoredChunks(p, chunk_rows, keep)
             _log_portable_on_cuda(reason)
     return _PortableChunks(p, chunk_rows)
 
@@ -274,7 +281,7 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
     device, n, n_active = p.hidden.device, p.num_rows, p.active_rows.numel()
-    passes = _chunk_passes(p, chunk_rows) if p.valid_columns > 0 else None
+    passes = _chunk_passes(p, chunk_rows, keep=want_grads) if p.valid_columns > 0 else None
     step = passes.rows if passes is not None else max(1, n_active)
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
     entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
@@ -294,7 +301,7 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
         rows = p.active_rows[start : start + step]
         label_col, inv_temp = _label_columns(p, rows), _inverse_temperature(p, rows)
         if passes is not None:
-            partials = passes.statistics(rows, label_col, inv_temp, keep=want_grads)
+            partials = passes.statistics(rows, label_col, inv_temp)
         else:  # a shard of padding only: no mass, still part of the TP merge
             zeros = torch.zeros(rows.numel(), dtype=torch.float32, device=device)
             partials = (torch.full_like(zeros, float("-inf")), zeros, zeros, zeros)
