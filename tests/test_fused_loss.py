@@ -25,6 +25,7 @@ from verl_fused_hook.verl_integration.fused_loss import (
     SUPPORTED_KL_LOSS_TYPES,
     ppo_loss_name,
     ppo_loss_of_rows,
+    ppo_loss_on_host,
     ppo_row_gradients,
     unsupported_reason,
 )
@@ -116,6 +117,14 @@ def row_gradients_of(config, data):
     return ppo_row_gradients(config, data, to_nested, torch.Size([int(offsets()[-1])]), "cpu")
 
 
+def host_loss_of(config, data):
+    """ppo_loss_on_host as hook mode builds it; on the CPU the "host" data is the batch itself, so this checks
+    the row mapping and the op's host evaluation (the CUDA copies are tests/gpu/test_fused_loss_cuda.py's)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    return ppo_loss_on_host(partial(ppo_loss, config=config), data, to_nested, torch.Size([int(offsets()[-1])]), "cpu")
+
+
 def metric_values(metrics):
     from verl.utils.metric import Metric
 
@@ -139,11 +148,11 @@ def run_both(config, data, *, score_mask=None, tp_group=None, weight_shard=None,
     want_loss, want_metrics = loss_fn(lp, ent)
     want_loss.backward()
 
-    def fused(row_gradients):
+    def fused(row_gradients, host_loss_fn=None):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         result = log_probs_entropy_and_loss(
             h, w, labels, loss_fn=loss_fn, loss_name=ppo_loss_name(config), chunk_rows=CHUNK_ROWS,
-            row_gradients=row_gradients, **common
+            row_gradients=row_gradients, host_loss_fn=host_loss_fn, **common
         )
         result.loss.backward()
         return result.loss.detach(), metric_values(result.metrics), result.log_probs.detach(), result.entropy.detach(), h.grad, w.grad
@@ -152,6 +161,7 @@ def run_both(config, data, *, score_mask=None, tp_group=None, weight_shard=None,
         want=(want_loss.detach(), metric_values(want_metrics), lp.detach(), ent.detach(), h_ref.grad, w_ref.grad),
         got=fused(None),  # loss_fn differentiated per chunk
         got_row_gradients=fused(row_gradients_of(config, data)),  # the elementwise per-row gradients
+        got_host=fused(row_gradients_of(config, data), host_loss_of(config, data)),  # hook mode: final evaluation on the host
     )
 
 
@@ -202,14 +212,14 @@ def test_fused_loss_equals_ppo_loss_on_the_op(name, masked):
     config = actor_config(**overrides)
     assert unsupported_reason(config) is None
     outcome = run_both(config, rl_data(global_info), score_mask=response_rows() if masked else None)
-    assert_same(outcome["want"], outcome["got"])
-    assert_same(outcome["want"], outcome["got_row_gradients"])
+    for variant in ("got", "got_row_gradients", "got_host"):
+        assert_same(outcome["want"], outcome[variant])
 
 
 def test_fused_loss_without_rollout_weights():
     outcome = run_both(actor_config(entropy_coeff=0.01), rl_data(True, rollout_weights=False))
-    assert_same(outcome["want"], outcome["got"])
-    assert_same(outcome["want"], outcome["got_row_gradients"])
+    for variant in ("got", "got_row_gradients", "got_host"):
+        assert_same(outcome["want"], outcome[variant])
 
 
 def test_sequence_level_loss_is_refused_by_the_separability_guard():
@@ -245,6 +255,19 @@ def test_row_gradients_that_disagree_with_the_loss_are_refused():
         )
 
 
+def test_host_loss_that_is_not_the_loss_is_refused():
+    config = actor_config(entropy_coeff=0.01)
+    data = rl_data(False)
+    host = host_loss_of(actor_config(entropy_coeff=0.02), data)  # another entropy coefficient
+    hidden, weight, labels, temperature = op_inputs()
+    with pytest.raises(NonSeparableLossError, match="host_loss_fn"):
+        log_probs_entropy_and_loss(
+            hidden.requires_grad_(True), weight, labels, loss_fn=loss_of_rows(config, data), loss_name="ppo",
+            temperature=temperature, chunk_rows=CHUNK_ROWS, row_gradients=row_gradients_of(config, data),
+            host_loss_fn=host,
+        )
+
+
 def test_gradient_reaching_the_returned_log_probs_is_refused():
     config = actor_config()
     hidden, weight, labels, temperature = op_inputs()
@@ -277,6 +300,8 @@ def test_bad_arguments_name_the_field():
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=None, loss_name="x")
     with pytest.raises(ValueError, match="loss_name"):
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="")
+    with pytest.raises(ValueError, match="host_loss_fn: expected None or a callable"):
+        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", host_loss_fn=1)
     with pytest.raises(ValueError, match="temperature"):  # the shared checks of log_probs_and_entropy
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", temperature=0.0)
 
@@ -292,8 +317,8 @@ def tp_worker(rank, world_size):
 def test_tp2_gloo_matches_the_unfused_op_on_every_rank():
     results = run_on_gloo(tp_worker, 2)
     for outcome in results:
-        assert_same(outcome["want"], outcome["got"])
-        assert_same(outcome["want"], outcome["got_row_gradients"])
+        for variant in ("got", "got_row_gradients", "got_host"):
+            assert_same(outcome["want"], outcome[variant])
     # every rank reports the same loss
     torch.testing.assert_close(results[0]["got"][0], results[1]["got"][0], rtol=0, atol=0)
 
@@ -357,7 +382,7 @@ def verl_hook_mode(monkeypatch):
     real = hook.log_probs_entropy_and_loss
 
     def counting(*args, **kwargs):  # the real op, counted: proves the fused path ran
-        spy.append(kwargs["loss_name"])
+        spy.append(kwargs)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(hook, "log_probs_entropy_and_loss", counting)
@@ -385,6 +410,7 @@ def test_verl_forward_step_with_fused_loss_reports_what_ppo_loss_reports(verl_ho
     assert fused_calls == 0
     fused, fused_grads, fused_calls = engine_step(True, config, verl_hook_mode)
     assert fused_calls == 1
+    assert callable(verl_hook_mode[-1]["host_loss_fn"])  # hook mode evaluates the loss on the host
     assert fused["loss"] == pytest.approx(two_pass["loss"], rel=RTOL)
     assert metric_values(fused["metrics"]).keys() == metric_values(two_pass["metrics"]).keys()
     for key, value in metric_values(two_pass["metrics"]).items():
@@ -475,3 +501,6 @@ def test_processor_context_refuses_a_loss_without_the_op():
         FusedOutputProcessorContext(loss_fn=loss_fn, backend="verl")
     with pytest.raises(ValueError, match="loss_fn"):
         FusedOutputProcessorContext(loss_fn=loss_fn, as_tuple=True)
+    for name in ("row_gradients", "host_loss_fn"):
+        with pytest.raises(ValueError, match=f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn"):
+            FusedOutputProcessorContext(**{name: loss_fn})

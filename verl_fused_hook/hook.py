@@ -56,6 +56,8 @@ class FusedOutputProcessorContext:
         back-propagates into the model and `loss_metrics` holds the metrics.
     loss_name: names loss_fn in errors.
     row_gradients: optional per-row gradients of loss_fn (see `log_probs_entropy_and_loss`).
+    host_loss_fn: optional, loss_fn over host tensors, for the final evaluation (see
+        `log_probs_entropy_and_loss`).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -68,8 +70,12 @@ class FusedOutputProcessorContext:
     loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
     loss_name: str = "loss"
     row_gradients: Callable | None = field(default=None, repr=False)
+    host_loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        for name in ("row_gradients", "host_loss_fn"):
+            if getattr(self, name) is not None and self.loss_fn is None:
+                raise ValueError(f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn too")
         if self.loss_fn is not None and (self.backend == "verl" or self.as_tuple):
             raise ValueError(
                 "FusedOutputProcessorContext.loss_fn: needs the op (backend in "
@@ -290,6 +296,7 @@ def fused_output_processor(
             loss_name=context.loss_name,
             chunk_rows=context.tile_rows,
             row_gradients=context.row_gradients,
+            host_loss_fn=context.host_loss_fn,
         )
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook.ops import log_probs_and_entropy
+from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss
 from verl_fused_hook.tools import bench_loss
 
 pytestmark = [
@@ -39,3 +39,30 @@ def test_fused_loss_bf16_matches_fp64_and_the_unfused_op():
     print("unfused torch op + ppo_loss vs fp64:", baseline)
     for key in ("d_hidden_rel_err", "d_weight_rel_err"):
         assert accuracy[key] <= 1.5 * baseline[key] + 1e-4, key  # no worse than the unfused op
+
+
+def test_host_evaluation_gives_the_device_evaluation_on_cuda():
+    """host_loss_fn (hook mode's final evaluation, from pinned copies taken ahead of the last chunk's GEMMs)
+    against loss_fn evaluated on the GPU: the same gradients bit for bit (the evaluation never feeds them),
+    the loss on the GPU, loss and metrics equal within fp32 rounding of CPU against GPU arithmetic."""
+    n, h, v = 4 * bench_loss.SEQUENCE_TOKENS, 512, 32000
+    hidden, weight, labels = _inputs(n, h, v)
+    loss_fn, row_gradients, host_loss_fn, name = bench_loss.row_loss(n, "cuda")
+    results = []
+    for host in (None, host_loss_fn):
+        x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        result = log_probs_entropy_and_loss(
+            x, w, labels, loss_fn=loss_fn, loss_name=name, temperature=0.7, row_gradients=row_gradients,
+            host_loss_fn=host, chunk_rows=3000,  # three chunks: the copy is taken at the last
+        )
+        results.append((result, torch.autograd.grad(result.loss, (x, w))))
+    (device, device_grads), (host, host_grads) = results
+    assert host.loss.device == device.loss.device and host.loss.dtype == device.loss.dtype
+    torch.testing.assert_close(host.loss, device.loss, rtol=1e-6, atol=0)
+    for got, want in zip(host_grads, device_grads):
+        assert torch.equal(got, want)
+    assert host.metrics.keys() == device.metrics.keys()
+    for key, metric in device.metrics.items():
+        want = metric.aggregate() if hasattr(metric, "aggregate") else metric
+        got = host.metrics[key].aggregate() if hasattr(host.metrics[key], "aggregate") else host.metrics[key]
+        assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-8), key

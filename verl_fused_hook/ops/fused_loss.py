@@ -48,11 +48,16 @@ RowGradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple
 SEPARABILITY_RTOL = 1e-6
 
 
-# Memory for one chunk of logits. CUDA (Triton): 2 bytes per logit, the forward kernel keeps them in fp16 and
-# d_logits overwrites them; elsewhere (portable): 4 bytes of fp32 logits plus d_logits. More rows per chunk add
-# fewer times into the fp32 d_weight accumulator (V_local x H x 4 bytes, read and written once per chunk; there
-# is none when one chunk holds every scored row).
-CHUNK_BUDGET_BYTES = 2 * 1024**3
+# Memory for one chunk of logits on CUDA (Triton): 2 bytes per logit, the forward kernel keeps them in fp16 and
+# d_logits overwrites them. More rows per chunk add fewer times into the fp32 d_weight accumulator (V_local x H
+# x 4 bytes, read and written once per chunk; there is none when one chunk holds every scored row), and leave
+# more GPU work queued behind loss_fn's final evaluation, whose host time (~21 ms for verl's ppo_loss at 65k
+# tokens) the last chunk's GEMMs must cover. On the H200 at 65536 x 2048 x 151936: 4 GiB (5 chunks) 0.84x
+# the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
+CHUNK_BUDGET_BYTES = 4 * 1024**3
+# The portable passes (CPU, or CUDA without Triton): 4 bytes of fp32 logits per logit plus d_logits and the
+# passes' temporaries, about three chunks at once; speed there is the GEMMs', so memory decides.
+PORTABLE_CHUNK_BUDGET_BYTES = 2 * 1024**3
 
 class NonSeparableLossError(RuntimeError):
     """The loss's gradient for a row depends on other rows: the one-pass gradient would be wrong."""
@@ -79,18 +84,22 @@ class _LossCall:
     loss_name: str
     shape: torch.Size
     row_gradients: RowGradients | None = None
+    host_loss_fn: LossFunction | None = None
     metrics: Any = field(default=None)
 
 
-def _evaluate(call: _LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool):
-    """loss_fn on full-length values; with_grad: also its gradients in log_probs and entropy (zeros if unused)."""
+def _evaluate(call: _LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool,
+              loss_fn: LossFunction | None = None):
+    """loss_fn (default call.loss_fn) on full-length values; with_grad: also its gradients in log_probs and
+    entropy (zeros if unused)."""
+    loss_fn = loss_fn or call.loss_fn
     if not with_grad:
-        loss, metrics = call.loss_fn(log_probs.view(call.shape), None if entropy is None else entropy.view(call.shape))
+        loss, metrics = loss_fn(log_probs.view(call.shape), None if entropy is None else entropy.view(call.shape))
         return loss, metrics, None, None
     with torch.enable_grad():
         lp = log_probs.detach().requires_grad_(True)
         ent = None if entropy is None else entropy.detach().requires_grad_(True)
-        loss, metrics = call.loss_fn(lp.view(call.shape), None if ent is None else ent.view(call.shape))
+        loss, metrics = loss_fn(lp.view(call.shape), None if ent is None else ent.view(call.shape))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn ({call.loss_name}): must return (scalar tensor, metrics), got {type(loss).__name__}")
         inputs = [lp] if ent is None else [lp, ent]
@@ -107,6 +116,12 @@ def _check_separable(call: _LossCall, used: torch.Tensor, exact: torch.Tensor, r
     scale = exact.abs().max() if exact.numel() else exact.new_zeros(())
     if not bool(((used - exact).abs() <= SEPARABILITY_RTOL * scale).all()):
         worst = float((used - exact).abs().max())
+        if call.host_loss_fn is not None:
+            raise NonSeparableLossError(
+                f"loss {call.loss_name}: autograd of its host_loss_fn (the final evaluation, on the host) disagrees "
+                f"with the gradients used in the {what} (by up to {worst:.3e}): host_loss_fn must be loss_fn over "
+                "host copies of its inputs, and the loss token-separable"
+            )
         if call.row_gradients is not None:
             raise NonSeparableLossError(
                 f"loss {call.loss_name}: its row_gradients disagree with autograd of the loss in the {what} "
@@ -183,7 +198,7 @@ class _PortableChunks:
 
     def __init__(self, p: LogProbProblem, chunk_rows: int | None):
         self.p, self.gemms = p, _Gemms(p.weight, p.valid_columns)
-        self.rows = chunk_rows or max(1, CHUNK_BUDGET_BYTES // (4 * max(1, p.valid_columns)))
+        self.rows = chunk_rows or max(1, PORTABLE_CHUNK_BUDGET_BYTES // (4 * max(1, p.valid_columns)))
 
     def statistics(self, rows, label_col, inv_temp):
         self.h = self.gemms.rows(self.p.hidden, rows)
@@ -270,9 +285,46 @@ def _chunk_passes(p: LogProbProblem, chunk_rows: int | None, keep: bool):
     return _PortableChunks(p, chunk_rows)
 
 
+class _HostCopy:
+    """Host copies of the final values, enqueued in stream order right after the last chunk's statistics and
+    row gradients, ahead of its gradient GEMMs: pinned buffers the copy engine fills while the GEMMs run;
+    `values()` waits for that copy only. Off CUDA the tensors are already on the host."""
+
+    def __init__(self, *tensors: torch.Tensor | None):
+        self.event = None
+        if tensors[0].device.type != "cuda":
+            self.copies = tensors
+            return
+        self.copies = tuple(
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors
+        )
+        self.sources = tensors  # kept alive (and unreused by the allocator) until the copy is done
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(tensors[0].device))  # the stream the copies were queued on
+
+    def values(self) -> tuple[torch.Tensor | None, ...]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.sources = None
+        return self.copies
+
+
+def _evaluate_on_host(call: _LossCall, copy: _HostCopy, device: torch.device):
+    """host_loss_fn's final evaluation and the separability check, on the host copies; the loss back on `device`."""
+    log_probs, entropy, g_lp_used, g_ent_used, active_rows = copy.values()
+    loss, metrics, g_lp_exact, g_ent_exact = _evaluate(call, log_probs, entropy, True, loss_fn=call.host_loss_fn)
+    _check_separable(call, g_lp_used, g_lp_exact, active_rows, "log-prob")
+    if g_ent_used is not None:
+        _check_separable(call, g_ent_used, g_ent_exact, active_rows, "entropy")
+    if device.type == "cuda":
+        return loss.pin_memory().to(device, non_blocking=True), metrics
+    return loss, metrics
+
+
 @functools.cache
 def _evaluation_stream(device: torch.device) -> torch.cuda.Stream:
-    """One high-priority stream per device for loss_fn's final evaluation (its blocks go ahead of the GEMMs').
+    """One high-priority stream per device for loss_fn's final evaluation (its kernels go first when SMs free up).
     Reused by every call: each use first waits for the main stream, so blocks it frees are safe to reuse."""
     return torch.cuda.Stream(device, priority=-100)
 
@@ -289,11 +341,15 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
     g_ent_used = torch.zeros(n, dtype=torch.float32, device=device) if want_grads and p.calculate_entropy else None
     d_hidden = torch.zeros_like(p.hidden) if want_grads else None
     weight_gradient = _WeightGradient(p, -(-n_active // step)) if want_grads else None
-    # CUDA: loss_fn's final evaluation runs on a high-priority stream that waits only for the last chunk's
-    # statistics, so its host synchronizations (verl's ppo_loss has dozens) do not wait for the last chunk's
-    # gradient GEMMs, and its small kernels are scheduled ahead of those GEMMs' blocks.
+    # The final evaluation should overlap the last chunk's gradient GEMMs. With host_loss_fn it runs on host
+    # copies of the final values (taken ahead of those GEMMs): nothing it does waits for the GPU. Otherwise
+    # (CUDA) loss_fn runs on a high-priority stream that waits only for the last chunk's statistics; cuBLAS's
+    # persistent GEMMs still hold its small kernels, and with them each of its host synchronizations, until
+    # they finish.
+    host = call.host_loss_fn is not None and want_grads
+    host_copy = None
     evaluation = None
-    if want_grads and isinstance(passes, _StoredChunks) and device.type == "cuda":
+    if want_grads and not host and isinstance(passes, _StoredChunks) and device.type == "cuda":
         evaluation = _evaluation_stream(device)
     main = torch.cuda.current_stream(device) if evaluation is not None else None
     last_start = (n_active - 1) // step * step
@@ -315,6 +371,8 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
         g_lp_used.index_copy_(0, rows, g_lp)
         if g_ent_used is not None:
             g_ent_used.index_copy_(0, rows, g_ent)
+        if host and start == last_start:
+            host_copy = _HostCopy(log_probs, entropy, g_lp_used, g_ent_used, p.active_rows)
         if passes is None:
             continue
         if evaluation is not None and start == last_start:
@@ -322,6 +380,9 @@ def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: 
         d_hidden.index_copy_(
             0, rows, passes.gradients(label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent, weight_gradient)
         )
+    if host_copy is not None:
+        loss, metrics = _evaluate_on_host(call, host_copy, device)
+        return loss, metrics, log_probs, entropy, d_hidden, weight_gradient.result()
     with contextlib.ExitStack() as on_evaluation_stream:
         if evaluation is not None:
             on_evaluation_stream.enter_context(torch.cuda.stream(evaluation))
@@ -387,6 +448,7 @@ def log_probs_entropy_and_loss(
     calculate_entropy: bool = True,
     chunk_rows: int | None = None,
     row_gradients: RowGradients | None = None,
+    host_loss_fn: LossFunction | None = None,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -395,11 +457,17 @@ def log_probs_entropy_and_loss(
             token-separable (row i's gradient depends on row i's values only) and deterministic; it is
             called once per chunk of rows and once more on the final values, identically on every TP rank.
         loss_name: names the loss in errors.
-        chunk_rows: scored rows per chunk (default: a chunk of logits near CHUNK_BUDGET_BYTES, or every
-            scored row in one chunk where that fits in the budget plus the fp32 d_weight accumulator).
+        chunk_rows: scored rows per chunk (default: a chunk of logits near CHUNK_BUDGET_BYTES on CUDA,
+            PORTABLE_CHUNK_BUDGET_BYTES elsewhere; on CUDA every scored row in one chunk where that fits
+            in the budget plus the fp32 d_weight accumulator).
         row_gradients: optional (rows, their log_probs, their entropy or None) -> (g_lp, g_ent or None),
             the loss's gradients for the given flat rows; spares a whole-batch loss_fn call per chunk.
             Checked like the separability: against autograd of loss_fn after the last chunk.
+        host_loss_fn: optional, the same loss over host (CPU) tensors: its captured data on the host. When
+            gradients are computed, the final evaluation (loss value, metrics, separability check) calls it
+            on host copies of the final log-probs and entropy, taken ahead of the last chunk's gradient
+            GEMMs, so none of its synchronizations waits for them; the loss comes back on hidden's device.
+            Its gradients are checked against those used, like row_gradients.
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (TP: partial d_hidden, as
     `log_probs_and_entropy`); `metrics` come from the final evaluation. Backward raises LossGradientError
@@ -422,9 +490,12 @@ def log_probs_entropy_and_loss(
         calculate_entropy=calculate_entropy,
         tile_rows=chunk_rows,
     )
-    if row_gradients is not None and not callable(row_gradients):
-        raise ValueError(f"row_gradients: expected None or a callable, got {type(row_gradients).__name__}")
-    call = _LossCall(loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients)
+    for name, value in (("row_gradients", row_gradients), ("host_loss_fn", host_loss_fn)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{name}: expected None or a callable, got {type(value).__name__}")
+    call = _LossCall(
+        loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn
+    )
     # fp32 whatever the caller's autocast says, as log_probs_and_entropy (its backward only scales)
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         if not p.needs_grad:

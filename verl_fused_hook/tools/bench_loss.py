@@ -36,13 +36,13 @@ def _loss_config():
 
 
 @functools.cache
-def row_loss(n: int, device: str) -> tuple[Callable, Callable, str]:
-    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its name) for a synthetic batch of
-    N tokens on `device`."""
+def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
+    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its host twin, its name) for a synthetic
+    batch of N tokens on `device`, as hook mode builds them."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_row_gradients
+    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
     length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
     sequences = n // length
@@ -66,9 +66,11 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, str]:
     offsets = torch.arange(sequences + 1, device=device) * length
     config = _loss_config()
     to_nested = functools.partial(torch.nested.nested_tensor_from_jagged, offsets=offsets)
+    loss_function = functools.partial(ppo_loss, config=config)
     return (
-        ppo_loss_of_rows(functools.partial(ppo_loss, config=config), data, to_nested),
+        ppo_loss_of_rows(loss_function, data, to_nested),
         ppo_row_gradients(config, data, to_nested, torch.Size([n]), device),
+        ppo_loss_on_host(loss_function, data.to("cpu"), to_nested, torch.Size([n]), device),
         ppo_loss_name(config),
     )
 
@@ -80,10 +82,10 @@ def _as_loss_method(fn):
 
 def fused_loss_method():
     def fn(h, w, labels, temperature, score_mask=None):
-        loss_fn, row_gradients, name = row_loss(h.shape[0], str(h.device))
+        loss_fn, row_gradients, host_loss_fn, name = row_loss(h.shape[0], str(h.device))
         result = log_probs_entropy_and_loss(
             h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
-            row_gradients=row_gradients,  # chunk_rows: the op's default, what hook mode uses
+            row_gradients=row_gradients, host_loss_fn=host_loss_fn,  # chunk_rows: the op's default, as hook mode
         )
         return result.loss
 

@@ -17,7 +17,7 @@ import torch
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
-from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_row_gradients
+from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 from .model_plan import plan_of
 from .step_scoring import current_step
 
@@ -153,14 +153,14 @@ def make_hook_engine_forward(vision_model: bool):
         fused_loss = step.fused_loss if step is not None and gpt.post_process else None
         loss_options = {}
         if fused_loss is not None:  # the op sees [s, b] rows; verl's loss reads them unpacked like our result
-            rows_shape = packed_labels.t().shape
+            rows_shape, device = packed_labels.t().shape, packed_labels.device
+            to_nested = lambda rows: unpack(rows.t())  # noqa: E731
             loss_options = dict(
-                loss_fn=ppo_loss_of_rows(
-                    fused_loss.loss_function, fused_loss.data, lambda rows: unpack(rows.t()), fused_loss.dp_group
-                ),
+                loss_fn=ppo_loss_of_rows(fused_loss.loss_function, fused_loss.data, to_nested, fused_loss.dp_group),
                 loss_name=fused_loss.name,
-                row_gradients=ppo_row_gradients(
-                    fused_loss.config, fused_loss.data, lambda rows: unpack(rows.t()), rows_shape, packed_labels.device
+                row_gradients=ppo_row_gradients(fused_loss.config, fused_loss.data, to_nested, rows_shape, device),
+                host_loss_fn=ppo_loss_on_host(
+                    fused_loss.loss_function, fused_loss.host_data, to_nested, rows_shape, device, fused_loss.dp_group
                 ),
             )
         if isinstance(temperature, torch.Tensor):

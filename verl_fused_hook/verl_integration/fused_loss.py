@@ -61,6 +61,25 @@ def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], to
     return loss_fn
 
 
+def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size,
+                     device, dp_group=None):
+    """The op's host_loss_fn: `ppo_loss_of_rows` on host tensors, with `host_data` the micro-batch on the host.
+
+    verl's unpacking runs on the device; which op row each value of its jagged output holds is read once
+    per micro-batch by unpacking row ids, so the host only gathers rows and rebuilds the same jagged tensor.
+    """
+    ids = to_nested(torch.arange(row_shape.numel(), dtype=torch.float64, device=device).view(row_shape))
+    if getattr(ids, "_lengths", None) is not None:
+        raise ValueError("ppo_loss_on_host: verl's unpacking returned a jagged tensor with holes; not supported")
+    value_rows = ids.values().round().long().cpu()
+    offsets = ids.offsets().cpu()
+
+    def to_nested_on_host(rows: torch.Tensor) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(rows.reshape(-1).index_select(0, value_rows), offsets)
+
+    return ppo_loss_of_rows(loss_function, host_data, to_nested_on_host, dp_group)
+
+
 @dataclass(frozen=True)
 class FusedLossRequest:
     """What the engine forward needs to run a step's ppo_loss inside the op."""
@@ -68,6 +87,7 @@ class FusedLossRequest:
     loss_function: Callable
     config: Any  # the ActorConfig bound to ppo_loss
     data: Any  # the micro-batch TensorDict, on the model's device
+    host_data: Any  # the same on the host, for the op's final evaluation (ppo_loss_on_host)
     dp_group: Any
     name: str
 
@@ -110,6 +130,7 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> Fuse
         loss_function=loss_function,
         config=config,
         data=batch.to(get_device_id()),
+        host_data=batch.to("cpu"),
         dp_group=engine.get_data_parallel_group(),
         name=ppo_loss_name(config),
     )
