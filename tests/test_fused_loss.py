@@ -268,6 +268,35 @@ def test_host_loss_that_is_not_the_loss_is_refused():
         )
 
 
+def test_chunk_bytes_sets_the_chunk_and_not_the_result():
+    """The portable passes' chunk is chunk_bytes of fp32 logits: loss_fn (no row_gradients) is called once per
+    chunk and once at the end; the result equals one chunk's."""
+    config = actor_config(entropy_coeff=0.01)
+    data = rl_data(True)
+    inner = loss_of_rows(config, data)
+    calls = []
+
+    def counting(lp, ent):
+        calls.append(1)
+        return inner(lp, ent)
+
+    hidden, weight, labels, temperature = op_inputs()
+    outcomes = []
+    for chunk_bytes in (4 * VOCAB * 7, 1 << 30):  # 7 rows (vocab_size=VOCAB: the padding columns are not computed)
+        calls.clear()
+        h = hidden.clone().requires_grad_(True)
+        result = log_probs_entropy_and_loss(
+            h, weight, labels, loss_fn=counting, loss_name="ppo", temperature=temperature, vocab_size=VOCAB,
+            chunk_bytes=chunk_bytes,
+        )
+        result.loss.backward()
+        outcomes.append((len(calls), result.loss.detach(), h.grad))
+    rows = int(offsets()[-1])
+    assert outcomes[0][0] == -(-rows // 7) + 1 and outcomes[1][0] == 2
+    torch.testing.assert_close(outcomes[0][1], outcomes[1][1], rtol=RTOL, atol=0)
+    assert float((outcomes[0][2] - outcomes[1][2]).abs().max()) <= RTOL * float(outcomes[1][2].abs().max())
+
+
 def test_gradient_reaching_the_returned_log_probs_is_refused():
     config = actor_config()
     hidden, weight, labels, temperature = op_inputs()
@@ -300,6 +329,8 @@ def test_bad_arguments_name_the_field():
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=None, loss_name="x")
     with pytest.raises(ValueError, match="loss_name"):
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="")
+    with pytest.raises(ValueError, match="chunk_bytes: expected None or an int >= 1"):
+        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", chunk_bytes=0.5)
     with pytest.raises(ValueError, match="host_loss_fn: expected None or a callable"):
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", host_loss_fn=1)
     with pytest.raises(ValueError, match="temperature"):  # the shared checks of log_probs_and_entropy
@@ -342,7 +373,7 @@ def engine_batch(config_global: bool):
     return tu.get_tensordict(tensors, non_tensor_dict={**non_tensor, "calculate_entropy": True, "num_micro_batch": 1})
 
 
-def engine_step(fused: bool, loss_config, spy: list):
+def engine_step(fused: bool, loss_config, spy: list, **extra_options):
     from verl.workers.utils.losses import ppo_loss
 
     from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
@@ -350,6 +381,7 @@ def engine_step(fused: bool, loss_config, spy: list):
 
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=ENGINE_VOCAB, seed=7)
     options = {"use_output_processor_hook": True, "output_processor_backend": "torch", "output_processor_fused_loss": fused}
+    options.update(extra_options)
     engine = megatron_engine([model], fused_kernel_options=options)
     engine._maybe_enable_fused_kernels()
     loss_function = partial(ppo_loss, config=loss_config)
@@ -429,6 +461,12 @@ def test_verl_forward_step_with_fused_loss_reports_what_ppo_loss_reports(verl_ho
         assert float((fused_grads[name] - want).abs().max()) <= RTOL * max(scale, 1e-6), name
 
 
+def test_fused_loss_chunk_entry_reaches_the_op(verl_hook_mode):
+    config = actor_config(entropy_coeff=0.01)
+    engine_step(True, config, verl_hook_mode, output_processor_fused_loss_chunk_gib=0.5)
+    assert verl_hook_mode[-1]["chunk_bytes"] == 512 * 1024**2
+
+
 def test_unsupported_loss_mode_runs_the_two_pass_path_and_says_so(verl_hook_mode, caplog):
     config = actor_config(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
     with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.fused_loss"):
@@ -449,6 +487,16 @@ def test_fused_loss_entry_is_validated():
             environ={},
         )
     assert resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True}, environ={}).fused_loss
+    for bad in ("2", 0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=r"output_processor_fused_loss_chunk_gib=.* is not allowed; use a number of GiB > 0"):
+            resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True,
+                          "output_processor_fused_loss_chunk_gib": bad}, environ={})
+    chunked = resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True,
+                            "output_processor_fused_loss_chunk_gib": 1.5}, environ={})
+    assert chunked.fused_loss_chunk_bytes == 3 * 512 * 1024**2
+    assert "output_processor_fused_loss_chunk_gib=1.5" in chunked.log_line("MegatronEngineWithLMHead")
+    unused = resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss_chunk_gib": 2}, environ={})
+    assert unused.fused_loss_chunk_bytes is None and "chunk_gib ignored: the fused loss is off" in unused.note
     off = resolve_plan({"use_output_processor_hook": False, "output_processor_fused_loss": True}, environ={})
     assert not off.fused_loss and "ignored outside hook mode" in off.note
 
@@ -501,6 +549,8 @@ def test_processor_context_refuses_a_loss_without_the_op():
         FusedOutputProcessorContext(loss_fn=loss_fn, backend="verl")
     with pytest.raises(ValueError, match="loss_fn"):
         FusedOutputProcessorContext(loss_fn=loss_fn, as_tuple=True)
-    for name in ("row_gradients", "host_loss_fn"):
+    for name, value in (("row_gradients", loss_fn), ("host_loss_fn", loss_fn), ("loss_chunk_bytes", 1024)):
         with pytest.raises(ValueError, match=f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn"):
-            FusedOutputProcessorContext(**{name: loss_fn})
+            FusedOutputProcessorContext(**{name: value})
+    with pytest.raises(ValueError, match="FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1"):
+        FusedOutputProcessorContext(loss_fn=loss_fn, loss_chunk_bytes=2.5)

@@ -58,6 +58,8 @@ class FusedOutputProcessorContext:
     row_gradients: optional per-row gradients of loss_fn (see `log_probs_entropy_and_loss`).
     host_loss_fn: optional, loss_fn over host tensors, for the final evaluation (see
         `log_probs_entropy_and_loss`).
+    loss_chunk_bytes: the fused loss's chunk of stored logits in bytes (None: the op's default;
+        tile_rows, when given, wins).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -71,9 +73,10 @@ class FusedOutputProcessorContext:
     loss_name: str = "loss"
     row_gradients: Callable | None = field(default=None, repr=False)
     host_loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
+    loss_chunk_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("row_gradients", "host_loss_fn"):
+        for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes"):
             if getattr(self, name) is not None and self.loss_fn is None:
                 raise ValueError(f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn too")
         if self.loss_fn is not None and (self.backend == "verl" or self.as_tuple):
@@ -104,6 +107,12 @@ class FusedOutputProcessorContext:
             isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int) or self.tile_rows < 1
         ):
             raise ValueError(f"FusedOutputProcessorContext.tile_rows: expected None or an int >= 1, got {self.tile_rows!r}")
+        if self.loss_chunk_bytes is not None and (
+            isinstance(self.loss_chunk_bytes, bool) or not isinstance(self.loss_chunk_bytes, int) or self.loss_chunk_bytes < 1
+        ):
+            raise ValueError(
+                f"FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1, got {self.loss_chunk_bytes!r}"
+            )
         if self.vocab_size is not None and (
             isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1
         ):
@@ -297,6 +306,7 @@ def fused_output_processor(
             chunk_rows=context.tile_rows,
             row_gradients=context.row_gradients,
             host_loss_fn=context.host_loss_fn,
+            chunk_bytes=context.loss_chunk_bytes,
         )
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics

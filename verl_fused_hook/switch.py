@@ -13,11 +13,13 @@ Precedence (documented in docs/usage.md):
 3. Neither set: mode "unset", the plugin leaves verl's fused path as verl ships it.
 The op backend comes only from `...fused_kernel_options.output_processor_backend`
 (default "auto") and only matters in hook mode, as does `...output_processor_fused_loss`
-(default false: the actor update's ppo_loss computed inside the op, see verl_integration/fused_loss.py).
+(default false: the actor update's ppo_loss computed inside the op, see verl_integration/fused_loss.py)
+and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ CONFIG_PREFIX = "actor_rollout_ref.model.fused_kernel_options"
 CONFIG_HOOK_KEY = "use_output_processor_hook"
 CONFIG_BACKEND_KEY = "output_processor_backend"
 CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
+CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 
 # "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
 # the others are the op's backends ("auto", "torch", GPU kernels).
@@ -49,6 +52,7 @@ class FusedForwardPlan:
     source: str  # human-readable origin of the mode
     note: str | None = None  # an override or ignored entry worth a log line
     fused_loss: bool = False  # hook mode computes the actor update's ppo_loss inside the op
+    fused_loss_chunk_bytes: int | None = None  # the op's chunk of stored logits (None: its default)
 
     @property
     def is_set(self) -> bool:
@@ -59,6 +63,8 @@ class FusedForwardPlan:
             text = f"verl_fused_hook: {engine_name} uses the output_processor hook, backend={self.backend} ({self.source})"
             if self.fused_loss:
                 text += f", {CONFIG_FUSED_LOSS_KEY}=true"
+            if self.fused_loss and self.fused_loss_chunk_bytes is not None:
+                text += f" ({CONFIG_FUSED_LOSS_CHUNK_KEY}={self.fused_loss_chunk_bytes / 1024**3:g})"
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -121,12 +127,26 @@ def parse_config_fused_loss(options: Mapping | None) -> bool | None:
     return value
 
 
+def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
+    """`fused_kernel_options.output_processor_fused_loss_chunk_gib` in bytes, or None when absent/null."""
+    value = None if options is None else options.get(CONFIG_FUSED_LOSS_CHUNK_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_CHUNK_KEY}={value!r} is not allowed; use a number of GiB > 0 "
+            "(the fused loss's chunk of stored logits, e.g. 2) or null (the op's default, 4)"
+        )
+    return max(1, int(value * 1024**3))
+
+
 def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | None = None) -> FusedForwardPlan:
     """Combine the environment and an engine's `fused_kernel_options` into one plan (see module docstring)."""
     env_mode = parse_env(environ)
     config_mode = parse_config_mode(options)
     config_backend = parse_config_backend(options)
     fused_loss = parse_config_fused_loss(options)
+    fused_loss_chunk = parse_config_fused_loss_chunk(options)
 
     notes = []
     if env_mode is not None:
@@ -153,6 +173,10 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         )
     if fused_loss and mode != HOOK:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true ignored outside hook mode")
+    fused_loss = bool(fused_loss) and mode == HOOK
+    if fused_loss_chunk is not None and not fused_loss:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_CHUNK_KEY} ignored: the fused loss is off")
     return FusedForwardPlan(
-        mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=bool(fused_loss) and mode == HOOK
+        mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=fused_loss,
+        fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None,
     )

@@ -66,3 +66,30 @@ def test_host_evaluation_gives_the_device_evaluation_on_cuda():
         want = metric.aggregate() if hasattr(metric, "aggregate") else metric
         got = host.metrics[key].aggregate() if hasattr(host.metrics[key], "aggregate") else host.metrics[key]
         assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-8), key
+
+
+def test_chunk_bytes_splits_the_rows_on_cuda():
+    """chunk_bytes below the rows' stored logits plus the fp32 d_weight accumulator: several chunks of the
+    Triton path, the same loss and gradients as one chunk within bf16 rounding (d_weight adds in fp32)."""
+    n, h, v = 4 * bench_loss.SEQUENCE_TOKENS, 512, 32000  # stored logits 0.5 GiB, accumulator 62.5 MiB
+    hidden, weight, labels = _inputs(n, h, v)
+    loss_fn, row_gradients, host_loss_fn, name = bench_loss.row_loss(n, "cuda")
+    calls, runs = [], []
+
+    def counting_row_gradients(rows, lp, ent):
+        calls.append(rows.numel())
+        return row_gradients(rows, lp, ent)
+
+    for chunk_bytes in (None, 100 * 1024**2):
+        calls.clear()
+        x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        result = log_probs_entropy_and_loss(
+            x, w, labels, loss_fn=loss_fn, loss_name=name, temperature=0.7, row_gradients=counting_row_gradients,
+            host_loss_fn=host_loss_fn, chunk_bytes=chunk_bytes,
+        )
+        runs.append((len(calls), result.loss, torch.autograd.grad(result.loss, (x, w))))
+    (one, loss_one, grads_one), (several, loss_several, grads_several) = runs
+    assert one == 1 and several >= 5, (one, several)
+    torch.testing.assert_close(loss_several, loss_one, rtol=1e-6, atol=0)
+    for got, want in zip(grads_several, grads_one):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

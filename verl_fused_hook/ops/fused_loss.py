@@ -196,9 +196,10 @@ class _PortableChunks:
     """Each chunk's fp32 logits materialized by cuBLAS/CPU GEMMs (`_Gemms`), the two elementwise passes in
     torch (`chunk_elementwise`): 4 bytes per logit plus d_logits."""
 
-    def __init__(self, p: LogProbProblem, chunk_rows: int | None):
+    def __init__(self, p: LogProbProblem, chunk_rows: int | None, budget: int | None):
         self.p, self.gemms = p, _Gemms(p.weight, p.valid_columns)
-        self.rows = chunk_rows or max(1, PORTABLE_CHUNK_BUDGET_BYTES // (4 * max(1, p.valid_columns)))
+        budget = budget or PORTABLE_CHUNK_BUDGET_BYTES
+        self.rows = chunk_rows or max(1, budget // (4 * max(1, p.valid_columns)))
 
     def statistics(self, rows, label_col, inv_temp):
         self.h = self.gemms.rows(self.p.hidden, rows)
@@ -221,7 +222,7 @@ class _StoredChunks:
     (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every chunk. Without gradients
     (`keep=False`) nothing is kept, and every scored row goes through the kernel at once."""
 
-    def __init__(self, p: LogProbProblem, chunk_rows: int | None, keep: bool):
+    def __init__(self, p: LogProbProblem, chunk_rows: int | None, keep: bool, budget: int | None):
         from .triton_backend import FORWARD_CONFIG, tma_ready
 
         self.p, self.weight = p, tma_ready(p.weight)
@@ -235,11 +236,12 @@ class _StoredChunks:
             return
         if chunk_rows is None:
             row_bytes, block = 2 * pitch + 4 * tiles, FORWARD_CONFIG.block_m
+            budget = budget or CHUNK_BUDGET_BYTES
             # One chunk when it fits in what several would take with their fp32 d_weight accumulator.
-            if active * row_bytes <= CHUNK_BUDGET_BYTES + 4 * self.columns * p.hidden.shape[1]:
+            if active * row_bytes <= budget + 4 * self.columns * p.hidden.shape[1]:
                 fit = active
             else:
-                fit = max(block, CHUNK_BUDGET_BYTES // row_bytes // block * block)
+                fit = max(block, budget // row_bytes // block * block)
             chunk_rows = -(-active // -(-active // fit))  # equal chunks
         self.rows = chunk_rows = min(chunk_rows, active)
         self.buffer = torch.empty(chunk_rows, pitch, dtype=torch.float16, device=p.weight.device)
@@ -269,9 +271,9 @@ def _log_portable_on_cuda(reason: str) -> None:
     logger.warning("log_probs_entropy_and_loss: %s; portable fp32 chunk passes on CUDA (slower, more memory)", reason)
 
 
-def _chunk_passes(p: LogProbProblem, chunk_rows: int | None, keep: bool):
+def _chunk_passes(p: LogProbProblem, chunk_rows: int | None, keep: bool, budget: int | None):
     """The Triton passes where the Triton backend can run `p`, else the portable ones (said once on CUDA);
-    keep: the logits are needed again for the gradients."""
+    keep: the logits are needed again for the gradients; budget: bytes of a chunk (None: the default)."""
     if p.hidden.device.type == "cuda":
         try:
             from . import triton_backend, triton_chunk_kernels  # noqa: F401  (Triton importable)
@@ -280,9 +282,9 @@ def _chunk_passes(p: LogProbProblem, chunk_rows: int | None, keep: bool):
         else:
             reason = triton_backend.unavailable_reason(p)
             if reason is None:
-                return _StoredChunks(p, chunk_rows, keep)
+                return _StoredChunks(p, chunk_rows, keep, budget)
             _log_portable_on_cuda(reason)
-    return _PortableChunks(p, chunk_rows)
+    return _PortableChunks(p, chunk_rows, budget)
 
 
 class _HostCopy:
@@ -329,11 +331,11 @@ def _evaluation_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-100)
 
 
-def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: int | None):
+def _one_pass(p: LogProbProblem, call: _LossCall, want_grads: bool, chunk_rows: int | None, budget: int | None):
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
     device, n, n_active = p.hidden.device, p.num_rows, p.active_rows.numel()
-    passes = _chunk_passes(p, chunk_rows, keep=want_grads) if p.valid_columns > 0 else None
+    passes = _chunk_passes(p, chunk_rows, want_grads, budget) if p.valid_columns > 0 else None
     step = passes.rows if passes is not None else max(1, n_active)
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
     entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
@@ -409,8 +411,8 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
     """Forward does all the work; backward scales the stored input gradients by d(result)/d(loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, p: LogProbProblem, call: _LossCall, chunk_rows: int | None):
-        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, chunk_rows)
+    def forward(ctx, hidden, weight, p: LogProbProblem, call: _LossCall, chunk_rows: int | None, budget: int | None):
+        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, chunk_rows, budget)
         ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
         ctx.set_materialize_grads(False)
         return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
@@ -426,11 +428,11 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
                     "dropped. Fold that term into loss_fn, or use log_probs_and_entropy"
                 )
         if grad_loss is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         grad_hidden = _scaled(ctx.d_hidden, grad_loss) if ctx.needs_input_grad[0] else None
         grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
         ctx.d_hidden = ctx.d_weight = None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def log_probs_entropy_and_loss(
@@ -449,6 +451,7 @@ def log_probs_entropy_and_loss(
     chunk_rows: int | None = None,
     row_gradients: RowGradients | None = None,
     host_loss_fn: LossFunction | None = None,
+    chunk_bytes: int | None = None,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -468,6 +471,8 @@ def log_probs_entropy_and_loss(
             on host copies of the final log-probs and entropy, taken ahead of the last chunk's gradient
             GEMMs, so none of its synchronizations waits for them; the loss comes back on hidden's device.
             Its gradients are checked against those used, like row_gradients.
+        chunk_bytes: the chunk budget in bytes, in place of CHUNK_BUDGET_BYTES / PORTABLE_CHUNK_BUDGET_BYTES
+            (ignored when chunk_rows is given).
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (TP: partial d_hidden, as
     `log_probs_and_entropy`); `metrics` come from the final evaluation. Backward raises LossGradientError
@@ -493,6 +498,8 @@ def log_probs_entropy_and_loss(
     for name, value in (("row_gradients", row_gradients), ("host_loss_fn", host_loss_fn)):
         if value is not None and not callable(value):
             raise ValueError(f"{name}: expected None or a callable, got {type(value).__name__}")
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
+        raise ValueError(f"chunk_bytes: expected None or an int >= 1 (bytes), got {chunk_bytes!r}")
     call = _LossCall(
         loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn
     )
@@ -500,9 +507,9 @@ def log_probs_entropy_and_loss(
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         if not p.needs_grad:
             with torch.no_grad():
-                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, chunk_rows)
+                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, chunk_rows, chunk_bytes)
         else:
-            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, chunk_rows)
+            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, chunk_rows, chunk_bytes)
             metrics = call.metrics
             entropy = entropy if p.calculate_entropy else None
     return FusedLossResult(

@@ -162,6 +162,7 @@ def make_hook_engine_forward(vision_model: bool):
                 host_loss_fn=ppo_loss_on_host(
                     fused_loss.loss_function, fused_loss.host_data, to_nested, rows_shape, device, fused_loss.dp_group
                 ),
+                loss_chunk_bytes=fused_loss.chunk_bytes,
             )
         if isinstance(temperature, torch.Tensor):
             # Real positions hold their sample's temperature (>= 1e-8 after verl's floor); padding

@@ -90,6 +90,7 @@ class FusedLossRequest:
     host_data: Any  # the same on the host, for the op's final evaluation (ppo_loss_on_host)
     dp_group: Any
     name: str
+    chunk_bytes: int | None = None  # output_processor_fused_loss_chunk_gib (None: the op's default)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +106,7 @@ def _ppo_config(loss_function):
     return None
 
 
-def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> FusedLossRequest | None:
+def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_bytes: int | None = None) -> FusedLossRequest | None:
     """The step's request to fuse `loss_function`, or None for verl's two-pass path (logged once per reason;
     a forward-only step has no loss to fuse and is not logged)."""
     if forward_only or loss_function is None or not torch.is_grad_enabled():
@@ -133,6 +134,7 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool) -> Fuse
         host_data=batch.to("cpu"),
         dp_group=engine.get_data_parallel_group(),
         name=ppo_loss_name(config),
+        chunk_bytes=chunk_bytes,
     )
 
 

@@ -128,7 +128,7 @@ def make_forward_step(original):
         elif plan.fused_loss:
             # only verl's own postprocess partial says whether this is a training step
             forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
-            fused = fused_loss_request(self, batch, logits_processor_func, forward_only)
+            fused = fused_loss_request(self, batch, logits_processor_func, forward_only, plan.fused_loss_chunk_bytes)
         if fused is not None:
             batch = fused.data
             postprocess_micro_batch_func = functools.partial(postprocess_micro_batch_func, loss_function=fused_result_loss)
