@@ -297,6 +297,19 @@ def test_chunk_bytes_sets_the_chunk_and_not_the_result():
     assert float((outcomes[0][2] - outcomes[1][2]).abs().max()) <= RTOL * float(outcomes[1][2].abs().max())
 
 
+def test_host_loss_is_not_built_from_a_jagged_tensor_with_holes(caplog):
+    from verl.workers.utils.losses import ppo_loss
+
+    def with_holes(rows):  # each sequence one value shorter than its span: what a plain gather cannot rebuild
+        return torch.nested.nested_tensor_from_jagged(rows, offsets=offsets(), lengths=offsets().diff() - 1)
+
+    loss = partial(ppo_loss, config=actor_config())
+    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.fused_loss"):
+        host = ppo_loss_on_host(loss, rl_data(False), with_holes, torch.Size([int(offsets()[-1])]), "cpu")
+    assert host is None
+    assert any("jagged tensor with holes" in record.getMessage() for record in caplog.records)
+
+
 def test_gradient_reaching_the_returned_log_probs_is_refused():
     config = actor_config()
     hidden, weight, labels, temperature = op_inputs()

@@ -63,14 +63,19 @@ def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], to
 
 def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size,
                      device, dp_group=None):
-    """The op's host_loss_fn: `ppo_loss_of_rows` on host tensors, with `host_data` the micro-batch on the host.
+    """The op's host_loss_fn: `ppo_loss_of_rows` on host tensors, with `host_data` the micro-batch on the host;
+    None (the op then evaluates on the device, logged once) if verl's unpacking is not a plain jagged tensor.
 
     verl's unpacking runs on the device; which op row each value of its jagged output holds is read once
     per micro-batch by unpacking row ids, so the host only gathers rows and rebuilds the same jagged tensor.
     """
     ids = to_nested(torch.arange(row_shape.numel(), dtype=torch.float64, device=device).view(row_shape))
     if getattr(ids, "_lengths", None) is not None:
-        raise ValueError("ppo_loss_on_host: verl's unpacking returned a jagged tensor with holes; not supported")
+        _log_once(
+            "verl_fused_hook: output_processor_fused_loss: verl's unpacking gave a jagged tensor with holes; "
+            "ppo_loss's final evaluation stays on the device (slower, same values)"
+        )
+        return None
     value_rows = ids.values().round().long().cpu()
     offsets = ids.offsets().cpu()
 
