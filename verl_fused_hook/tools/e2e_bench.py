@@ -58,6 +58,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -341,12 +342,17 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(report: dict, out: Path | None) -> None:
+def write_report(report: dict, out: Path | None, stem: str, table: Callable[[dict], str]) -> None:
+    """out/STEM.json and out/STEM.md (the report through `table`); nothing without --out. Every e2e tool's."""
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "e2e.md").write_text(markdown_table(report) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table(report) + "\n")
+
+
+def write_outputs(report: dict, out: Path | None) -> None:
+    write_report(report, out, "e2e", markdown_table)
 
 
 # ---------------------------------------------------------------- main

@@ -25,14 +25,13 @@ accumulator and the issue's target (1.5 GiB plus that accumulator).
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from .ab_parity import TEMPERATURE, grpo_loss
-from .e2e_bench import Clock, _gib, _ms, free_step_memory, init_single_process, make_batch
+from .e2e_bench import Clock, _gib, _ms, free_step_memory, init_single_process, make_batch, write_report
 
 SIDES = ("hook", "verl")  # hook first: verl's side may run out of memory
 
@@ -238,7 +237,4 @@ def run_mtp(args) -> dict:
 
 
 def write_mtp_outputs(report: dict, out: Path | None) -> None:
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "e2e_mtp.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "e2e_mtp.md").write_text(markdown_table(report) + "\n")
+    write_report(report, out, "e2e_mtp", markdown_table)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from .e2e_bench import (
     init_single_process,
     make_batch,
     reset_fused_mode,
+    write_report,
 )
 
 
@@ -279,11 +279,7 @@ def markdown_table(report: dict) -> str:
 
 
 def write_outputs(report: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e_fused_loss.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "e2e_fused_loss.md").write_text(markdown_table(report) + "\n")
+    write_report(report, out, "e2e_fused_loss", markdown_table)
 
 
 # ---------------------------------------------------------------- main
