@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 python="$(ensure_venv verl)"
-exec "$python" -m verl_fused_hook.cli ab-parity "$@"
+exec "$python" -m verl_fused_hook_harness.cli ab-parity "$@"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity"]
+COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 ALL_SCENARIOS = {
     "tp1/nosp/untied",
@@ -84,7 +84,7 @@ def test_peak_memory_is_reported_per_mode(cpu_report):
 
 
 def _script_module():
-    from verl_fused_hook.tools import ab_parity
+    from verl_fused_hook_harness.commands import ab_parity
 
     return ab_parity
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from verl_fused_hook.switch import ENV_VAR
-from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from verl_fused_hook.testing.output_rows import OutputWeightRows
-from verl_fused_hook.testing.verl_engine import megatron_engine
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from output_rows import OutputWeightRows
+from verl_fused_hook_harness.support.verl_engine import megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 
 VOCAB = 192  # no other layer of the tiny model has 192 output features, so output-weight matmuls are countable
@@ -201,7 +201,7 @@ def test_hook_bshd_matches_verl_unfused_bshd(padding):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["nosp", "sp"])
 def test_hook_bshd_matches_verl_unfused_bshd_tp2(sequence_parallel):
-    from verl_fused_hook.testing.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_on_gloo
 
     for results in run_on_gloo(parity_worker, 2, "both", sequence_parallel):
         assert_parity(results)
@@ -210,7 +210,7 @@ def test_hook_bshd_matches_verl_unfused_bshd_tp2(sequence_parallel):
 def test_hook_bshd_context_parallel_matches_verl_and_cp1():
     """CP=2: hook vs verl on each rank; both vs the CP=1 run (values, and gradients summed over the CP ranks,
     as megatron's data-parallel reduction over DP x CP sums them); the ranks together score the rows verl reads."""
-    from verl_fused_hook.testing.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_on_gloo
 
     reference = parity_worker(0, 1, "both", False)["verl"]
     ranks = run_on_gloo(context_parallel_worker, 2, "both")
@@ -369,7 +369,7 @@ def test_stand_in_attention_right_and_left_padding():
 
 def test_stand_in_attention_split_mask_uses_an_explicit_mask():
     # Real tokens in two runs (as a context-parallel rank's zigzag halves hold them): causal over the real keys only.
-    from verl_fused_hook.testing.bshd_attention import PaddedDotProductAttention
+    from verl_fused_hook_harness.stand_ins.bshd_attention import PaddedDotProductAttention
 
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=96, seed=3)
     attention = model.decoder.layers[0].self_attention.core_attention
@@ -403,7 +403,7 @@ def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
     path = tmp_path / "ab_bshd.json"
     scenarios = "tp1/nosp/tied,tp2/nosp/untied,tp2/sp/untied"
     done = subprocess.run(
-        [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity", "--device", "cpu", "--layout", "bshd",
+        [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cpu", "--layout", "bshd",
          "--scenarios", scenarios, "--json", str(path)],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900,
     )
@@ -420,8 +420,8 @@ def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
 
 
 def test_ab_bshd_evaluation_flags_mismatches():
-    from verl_fused_hook.tools import ab_parity
-    from verl_fused_hook.tools.ab_bshd import evaluate_bshd
+    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab_bshd import evaluate_bshd
 
     base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
             "grads": {"w": torch.full((3,), 2.0)}, "peak_bytes": 1}
@@ -447,7 +447,7 @@ def test_e2e_bench_bshd_layout_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     config = root / "verl_fused_hook" / "configs" / "tiny_qwen2"
     done = subprocess.run(
-        [sys.executable, "-m", "verl_fused_hook.cli", "e2e-bench", "--device", "cpu", "--hf-config", str(config),
+        [sys.executable, "-m", "verl_fused_hook_harness.cli", "e2e-bench", "--device", "cpu", "--hf-config", str(config),
          "--layout", "bshd", "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(tmp_path)],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900,
     )

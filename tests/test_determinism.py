@@ -1,4 +1,4 @@
-"""The parity runs' determinism switch (verl_fused_hook.testing.determinism) on a real tiny GPTModel, CPU."""
+"""The parity runs' determinism switch (verl_fused_hook_harness.support.determinism) on a real tiny GPTModel, CPU."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import os
 
 import torch
 
-from verl_fused_hook.testing.determinism import (
+from verl_fused_hook_harness.support.determinism import (
     CUBLAS_WORKSPACE_VARIABLE,
     deterministic_steps,
     prepare_cublas_workspace,
 )
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 
 def switch_worker(rank, world_size):
-    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
     init_model_parallel(1)
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=128)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 RTOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _bench_worker(rank, world_size, out):
     """The benchmark in a fresh process, with the fused op counted: proves the fused-loss mode ran it."""
     import verl_fused_hook.hook as hook
-    from verl_fused_hook.tools import e2e_bench
+    from verl_fused_hook_harness.commands import e2e_bench
 
     calls = []
     real = hook.log_probs_entropy_and_loss
@@ -29,7 +29,7 @@ def _bench_worker(rank, world_size, out):
 
     hook.log_probs_entropy_and_loss = counting
     code = e2e_bench.main([
-        "--fused-loss", "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook/configs/tiny_qwen2"),
+        "--fused-loss", "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
         "--modes", "hook+ours+mask,hook+ours+fused-loss", "--sizes", "128", "--warmups", "1", "--repeats", "1",
         "--out", str(out),
     ])
@@ -37,7 +37,7 @@ def _bench_worker(rank, world_size, out):
 
 
 def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
-    from verl_fused_hook.tools.e2e_fused_loss import PARITY_KEY
+    from verl_fused_hook_harness.commands.e2e_fused_loss import PARITY_KEY
 
     code, calls = run_on_gloo(_bench_worker, 1, tmp_path)[0]
     assert code == 0
@@ -61,7 +61,7 @@ def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
 
 
 def test_fused_loss_bench_refuses_other_layouts(capsys):
-    from verl_fused_hook.tools import e2e_bench
+    from verl_fused_hook_harness.commands import e2e_bench
 
     with pytest.raises(SystemExit):
         e2e_bench.main(["--fused-loss", "--device", "cpu", "--layout", "bshd"])

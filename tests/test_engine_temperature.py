@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from verl_fused_hook.testing.verl_engine import fused_engine_forward, megatron_engine
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 from verl_fused_hook.verl_integration.engine_forward import VERL_TEMPERATURE_FLOOR, sample_temperatures
 

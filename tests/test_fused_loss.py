@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops.fused_loss import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 from verl_fused_hook.verl_integration.fused_loss import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
@@ -389,8 +389,8 @@ def engine_batch(config_global: bool):
 def engine_step(fused: bool, loss_config, spy: list, **extra_options):
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=ENGINE_VOCAB, seed=7)
     options = {"use_output_processor_hook": True, "output_processor_backend": "torch", "output_processor_fused_loss": fused}
@@ -412,7 +412,7 @@ def verl_hook_mode(monkeypatch):
     """verl with the plugin installed and megatron's parallel state on one CPU rank; verl (and, when this
     fixture created it, the absence of a process group) restored after."""
     from verl_fused_hook.switch import ENV_VAR
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import call_sites, install
 
     monkeypatch.delenv(ENV_VAR, raising=False)
@@ -520,7 +520,7 @@ def test_fused_loss_entry_is_validated():
 def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu():
     """fused_loss and verl_loss compute the same loss and gradients; verl's Triton kernel needs CUDA, so
     verl_loss's kernel is stood in for by the portable op here (a fake of verl's kernel, named so)."""
-    from verl_fused_hook.tools import bench, bench_loss
+    from verl_fused_hook_harness.commands import bench, bench_loss
 
     def fake_verl_kernel(h, w, labels, temperature, score_mask=None):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, backend="torch")

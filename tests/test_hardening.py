@@ -19,7 +19,7 @@ import torch
 
 from reference import max_rel, reference_log_probs_entropy
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor, log_probs_and_entropy
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 from verl_fused_hook.verl_integration import log_level_from_env
 from verl_fused_hook.verl_integration.lazy_import import when_imported
 from verl_fused_hook.verl_integration.replacements import _originals, original, replace, restore
@@ -280,7 +280,7 @@ def test_logging_level_is_read_once_per_install(caplog):
 
 def test_tp_group_that_is_not_a_group_is_a_value_error_with_torch_distributed_up():
     """With a process group initialized (as in any trainer), a stray object must not reach torch.distributed."""
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     init_model_parallel(1)
     hidden, weight, labels = _problem(requires_grad=False)

@@ -12,8 +12,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-from verl_fused_hook.testing.distributed import run_on_gloo
-from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
 PADDED_VOCAB, TRUE_VOCAB, TEMPERATURE = 128, 123, 0.7
 VALUE_ATOL = 2e-6  # hook log-prob/entropy vs fp64 of the default path's fp32 logits

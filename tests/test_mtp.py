@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 VOCAB, TEMPERATURE = 160, 0.7
 RTOL = 1e-5  # fp32: values and every gradient, relative to the reference's largest magnitude
@@ -82,7 +82,7 @@ def compare_scenario(name, verl_patch):
 
     from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
     from verl_fused_hook.switch import HOOK, FusedForwardPlan
-    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
     from verl_fused_hook.verl_integration.model_plan import set_plan
     from verl_fused_hook.verl_integration.mtp import set_mtp_training
 
@@ -148,7 +148,7 @@ def compare_scenario(name, verl_patch):
 def scenarios_worker(rank, world_size, names):
     from verl.models.mcore import mtp_patch
 
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import call_sites
 
     init_model_parallel(world_size)
@@ -235,7 +235,7 @@ def engine_steps_worker(rank, world_size, switch):
     import os
 
     from verl_fused_hook.switch import ENV_VAR
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import install
 
     if switch:
@@ -251,8 +251,8 @@ def engine_steps_worker(rank, world_size, switch):
     init_model_parallel(1)
     steps = {train: engine_step(switch, train, records) for train in (True, False)}
     if switch:  # legacy mode (verl's monkey-patched forward) keeps verl's MTP disable
-        from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
-        from verl_fused_hook.testing.verl_engine import megatron_engine
+        from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+        from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
         os.environ[ENV_VAR] = "0"
         legacy = megatron_engine([build_cpu_gpt(tiny_transformer_config(mtp_num_layers=1), vocab_size=VOCAB)], mtp_enable=True)
@@ -265,8 +265,8 @@ def engine_step(switch, enable_train, records):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from verl.utils.megatron_utils import patch_engine_mtp
 
-    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     records.clear()
     MTPLossLoggingHelper.tracker.clear()
@@ -346,7 +346,7 @@ def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
 def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook.tools import ab_parity
+    from verl_fused_hook_harness.commands import ab_parity
 
     out = tmp_path / "ab_mtp.json"
     code = ab_parity.main(["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)])
@@ -359,7 +359,7 @@ def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
 
 
 def test_ab_parity_refuses_negative_mtp_layers(capsys):
-    from verl_fused_hook.tools import ab_parity
+    from verl_fused_hook_harness.commands import ab_parity
 
     with pytest.raises(SystemExit):
         ab_parity.main(["--device", "cpu", "--mtp-layers", "-1"])
@@ -370,14 +370,14 @@ def _e2e_mtp_worker(rank, world_size, out):
     from megatron.core.models.gpt import gpt_model
     from verl.models.mcore import mtp_patch
 
-    from verl_fused_hook.tools import e2e_bench
+    from verl_fused_hook_harness.commands import e2e_bench
 
     def call_sites():
         return gpt_model.process_mtp_loss, mtp_patch._process_mtp_loss
 
     before = call_sites()
     code = e2e_bench.main([
-        "--mtp", "1", "--device", "cpu", "--hf-config", "verl_fused_hook/configs/tiny_qwen2", "--vocab-size", "1000",
+        "--mtp", "1", "--device", "cpu", "--hf-config", "verl_fused_hook_harness/configs/tiny_qwen2", "--vocab-size", "1000",
         "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(out),
     ])
     # the probe put back what it wrapped (the plugin's replacement, installed by the bench, stays)
@@ -387,7 +387,7 @@ def _e2e_mtp_worker(rank, world_size, out):
 def test_e2e_bench_mtp_option_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook.tools.e2e_bench_mtp import SIDES
+    from verl_fused_hook_harness.commands.e2e_bench_mtp import SIDES
 
     code, restored = run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0]
     assert code == 0 and all(restored)

@@ -18,7 +18,7 @@ unsplit sequence scores.
 import pytest
 import torch
 
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 VOCAB = 160
 RTOL = 1e-5
@@ -37,7 +37,7 @@ CASES = {
 def rl_batch(per_token: bool):
     from verl.utils import tensordict_utils as tu
 
-    from verl_fused_hook.testing.mtp_engine import mtp_batch
+    from verl_fused_hook_harness.support.mtp_engine import mtp_batch
 
     def nested(parts):
         return torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)
@@ -53,9 +53,9 @@ def rl_batch(per_token: bool):
 
 
 def run_case(name: str) -> dict:
-    from verl_fused_hook.testing.hf_model import TINY_QWEN2
-    from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, tiny_transformer_config
-    from verl_fused_hook.testing.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
+    from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
     from verl_fused_hook.verl_integration.step_scoring import response_score_rows
 
     _, sp, tied, layers, per_token = CASES[name]
@@ -87,7 +87,7 @@ WORLD, CP = 4, 2
 def cp_worker(rank, world_size, names):
     """Every case at CP=2 and at CP=1 (its reference), in one set of processes: the parallel state is
     rebuilt per (TP, CP); ranks beyond TP x CP are data-parallel replicas. Process start-ups cost most."""
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import install
 
     install()

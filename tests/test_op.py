@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from verl_fused_hook.testing.memory import PeakMemory, SavedTensorBytes
+from verl_fused_hook_harness.support.memory import PeakMemory, SavedTensorBytes
 from reference import max_abs, max_rel, reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy

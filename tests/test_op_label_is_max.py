@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 # Rows whose fp64 top-two logits are closer than this could flip under fp32 rounding; the inputs
 # below have none, and the test checks that instead of skipping such rows silently.

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from reference import max_abs, max_rel, reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 ATOL = 5e-5  # log-prob / entropy (entropy sums up to 32k columns in fp32)
 GRAD_RTOL = 1e-5

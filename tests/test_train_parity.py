@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_fused_hook.testing.grpo_batches import RolloutShape, packed, rollout
-from verl_fused_hook.tools import train_parity, train_parity_report
+from verl_fused_hook_harness.support.grpo_batches import RolloutShape, packed, rollout
+from verl_fused_hook_harness.commands import train_parity, train_parity_report
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "train-parity"]
+COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 STEPS = 4
 FIELDS = ("loss", "grad_norm", "param_checksum")

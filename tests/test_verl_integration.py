@@ -22,10 +22,10 @@ import torch
 
 from verl_fused_hook.probe import OutputProcessorUnsupportedError
 from verl_fused_hook.switch import ENV_VAR
-from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
-from verl_fused_hook.testing.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from verl_fused_hook.testing.output_rows import OutputWeightRows
-from verl_fused_hook.testing.verl_engine import fused_engine_forward, megatron_engine
+from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from output_rows import OutputWeightRows
+from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,7 +411,7 @@ def _tp2_hook_step_worker(rank, world_size):
 
 
 def test_tp2_sequence_parallel_mixed_temperatures_and_score_mask():
-    from verl_fused_hook.testing.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_on_gloo
 
     results = run_on_gloo(_tp2_hook_step_worker, 2, env={ENV_VAR: "1"})
     for result in results:

@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity"]
+COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity"]
 PARITY_KEYS = ("log_probs", "entropy", "policy_loss", "grads")
 
 

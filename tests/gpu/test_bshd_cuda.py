@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMAND = [sys.executable, "-m", "verl_fused_hook.cli", "ab-parity", "--device", "cuda", "--tp", "1", "--layout", "bshd"]
+COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cuda", "--tp", "1", "--layout", "bshd"]
 PARITY_KEYS = ("log_probs", "entropy", "policy_loss", "grads")
 
 

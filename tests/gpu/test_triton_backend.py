@@ -15,7 +15,7 @@ from reference import max_abs, reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook.ops.backends import resolve_backend
 from verl_fused_hook.ops.problem import LogProbProblem, default_tile_rows
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ import torch
 
 from reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_entropy_and_loss
-from verl_fused_hook.testing.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 pytestmark = [
     pytest.mark.gpu,

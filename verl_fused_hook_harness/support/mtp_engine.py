@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..switch import ENV_VAR
+from verl_fused_hook.switch import ENV_VAR
 from .verl_engine import megatron_engine
 
 MTP_METRICS = ("loss_values", "correct_values", "total_values")

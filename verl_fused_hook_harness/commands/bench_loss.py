@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..ops import log_probs_entropy_and_loss
+from verl_fused_hook.ops import log_probs_entropy_and_loss
 
 SEQUENCE_TOKENS = 2048
 
@@ -42,7 +42,7 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from ..verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+    from verl_fused_hook.verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
     length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
     sequences = n // length

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from ..ops import log_probs_and_entropy
+from verl_fused_hook.ops import log_probs_and_entropy
 from . import bench_loss
 
 GIB = 1024**3

@@ -47,7 +47,7 @@ def _model_provider(engine, setup: EngineSetup):
     from megatron.core.models.gpt import GPTModel
 
     from .hf_model import _rope_base, padded_vocab_size, transformer_engine_available
-    from .megatron_cpu import cpu_block_spec
+    from ..stand_ins.megatron_cpu import cpu_block_spec
 
     hf_config = engine.model_config.hf_config
     config = engine.tf_config
@@ -96,7 +96,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from .cuda_on_cpu import cuda_names_on_cpu
+    from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from .grpo_batches import PAD_TOKEN_ID
     from .verl_engine import word_level_tokenizer
 

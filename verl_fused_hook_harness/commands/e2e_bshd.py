@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..switch import ENV_VAR
+from verl_fused_hook.switch import ENV_VAR
 from .ab_parity import TEMPERATURE
 from .e2e_bench import Mode, Step, reset_fused_mode
 
@@ -30,7 +30,7 @@ def padded_tokens(lengths: list[int]) -> int:
 
 
 def bshd_engine(model, mode: Mode, backend: str | None, hf_path: str):
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     options = {"output_processor_backend": backend} if mode.hook else {}
     return megatron_engine([model], fused_kernel_options=options, model_path=hf_path, use_remove_padding=False)

@@ -37,7 +37,7 @@ SIDES = ("hook", "verl")  # hook first: verl's side may run out of memory
 
 
 def _model(args, hf_config):
-    from verl_fused_hook.testing.hf_model import build_gpt_from_hf
+    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf
 
     return build_gpt_from_hf(
         hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init, mtp_num_layers=args.mtp
@@ -45,7 +45,7 @@ def _model(args, hf_config):
 
 
 def _step(engine, model, batch, advantages, old_offset):
-    from verl_fused_hook.testing.mtp_engine import mtp_forward
+    from verl_fused_hook_harness.support.mtp_engine import mtp_forward
 
     output = mtp_forward(engine, model, batch)
     loss = grpo_loss(output["log_probs"], output["entropy"], batch, advantages, old_offset)
@@ -55,7 +55,7 @@ def _step(engine, model, batch, advantages, old_offset):
 
 def _sample(model, batch, output, loss) -> dict:
     """The first step's results, on the CPU (so the other side's peak is not charged for them)."""
-    from verl_fused_hook.testing.mtp_engine import take_mtp_metrics
+    from verl_fused_hook_harness.support.mtp_engine import take_mtp_metrics
     from verl_fused_hook.verl_integration.step_scoring import response_score_rows
 
     rows = response_score_rows(batch, None).values()
@@ -71,8 +71,8 @@ def _sample(model, batch, output, loss) -> dict:
 def output_layer_memory(step, model, batch) -> dict:
     """One more step under `HeadMemoryProbe`; scored rows: the main head's (the response rows, what hook mode
     scores) and each MTP layer's (its rolled loss mask, megatron's logged total)."""
-    from verl_fused_hook.testing.head_memory import HeadMemoryProbe
-    from verl_fused_hook.testing.mtp_engine import take_mtp_metrics
+    from verl_fused_hook_harness.support.head_memory import HeadMemoryProbe
+    from verl_fused_hook_harness.support.mtp_engine import take_mtp_metrics
     from verl_fused_hook.verl_integration.step_scoring import response_score_rows
 
     free_step_memory(model)
@@ -110,7 +110,7 @@ def compare(verl: dict, hook: dict) -> dict:
 
 
 def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
-    from verl_fused_hook.testing.mtp_engine import build_mtp_engine, mtp_batch, take_mtp_metrics
+    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_batch, take_mtp_metrics
 
     started = time.time()
     model = _model(args, hf_config)
@@ -207,7 +207,7 @@ def step_table(report: dict) -> str:
 
 def run_mtp(args) -> dict:
     """The MTP benchmark for parsed e2e-bench arguments (args.mtp layers, args.vocab_size)."""
-    from verl_fused_hook.testing.hf_model import load_hf_config
+    from verl_fused_hook_harness.support.hf_model import load_hf_config
     from verl_fused_hook.verl_integration import install
 
     install()

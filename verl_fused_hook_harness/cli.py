@@ -1,4 +1,4 @@
-"""`verl-fused-hook <command> [args]`: the installed entry point for the tools in `verl_fused_hook.tools`.
+"""`verl-fused-hook <command> [args]`: the installed entry point for the tools in `verl_fused_hook_harness.commands`.
 
 Why one dispatcher: the A/B script and the benchmarks must come with `pip install`, not only with a clone,
 and each tool's module stays importable (tests call their functions) without importing the others.
@@ -10,10 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "ab-parity": ("verl_fused_hook.tools.ab_parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
-    "bench": ("verl_fused_hook.tools.bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
-    "e2e-bench": ("verl_fused_hook.tools.e2e_bench", "verl's engine forward+backward in each mode (CUDA)"),
-    "train-parity": ("verl_fused_hook.tools.train_parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
+    "ab-parity": ("verl_fused_hook_harness.commands.ab_parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
+    "bench": ("verl_fused_hook_harness.commands.bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
+    "e2e-bench": ("verl_fused_hook_harness.commands.e2e_bench", "verl's engine forward+backward in each mode (CUDA)"),
+    "train-parity": ("verl_fused_hook_harness.commands.train_parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
 }
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .ab_parity import TEMPERATURE, _row, _run_on_nccl, compare, grpo_loss, make_batch, world_size_for
-from ..testing.distributed import free_port, run_on_gloo
+from ..support.distributed import free_port, run_on_gloo
 
 SIDES = ("verl", "hook")
 CUDA_ACCEPTANCE_SLACK = 0.01
@@ -40,9 +40,9 @@ def _response_values(nested, data) -> torch.Tensor:
 
 
 def run_side(scenario, side: str, setup, mtp_layers: int) -> dict:
-    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
-    from verl_fused_hook.testing.mtp_engine import build_mtp_engine, mtp_batch, mtp_forward, take_mtp_metrics
+    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_batch, mtp_forward, take_mtp_metrics
 
     from .ab_parity import DTYPES
 

@@ -21,7 +21,7 @@ against ground truth: every scenario also runs verl's unfused engine forward
 a relative 1e-4 everywhere, the legacy gradients visibly do not there.
 
 On CUDA (one process per GPU; with one GPU only the TP=1 scenarios run) every run is made
-bitwise repeatable (`verl_fused_hook.testing.determinism`: deterministic attention backward and embedding
+bitwise repeatable (`verl_fused_hook_harness.support.determinism`: deterministic attention backward and embedding
 backward); legacy runs each scenario twice and that rerun must match exactly, so a zero below means
 something. There the fused side takes fp32 inputs at TF32 in Triton's dot, so the unfused tolerance is 2e-3
 (5e-2 for bf16 models, whose unfused logits are rounded to bf16).
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from ..testing.distributed import run_on_gloo
-from ..testing.memory import PeakMemory
+from ..support.distributed import run_on_gloo
+from ..support.memory import PeakMemory
 
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 MODES = {"legacy": "0", "hook": "1"}
@@ -167,7 +167,7 @@ def legacy_kernel(device: str, backend: str, tp_sum: bool):
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     from verl.models.mcore import model_forward_fused
 
-    from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+    from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
 
     swap = portable_legacy_kernel(backend) if device == "cpu" else contextlib.nullcontext()
     with swap:
@@ -190,9 +190,9 @@ def _prepared(scenario: Scenario, mode: str, setup: Setup):
     """Model, engine and batch of one scenario, identical in every process."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     device = setup.device
     init_model_parallel(scenario.tp, seed=setup.seed)
@@ -217,7 +217,7 @@ def _prepared(scenario: Scenario, mode: str, setup: Setup):
 
 def _fused_forward(hf_config, model, engine, input_ids):
     """verl's fused engine forward (this process's mode)."""
-    from verl_fused_hook.testing.verl_engine import fused_engine_forward
+    from verl_fused_hook_harness.support.verl_engine import fused_engine_forward
 
     return fused_engine_forward(engine, model, input_ids, TEMPERATURE)
 
@@ -254,7 +254,7 @@ def _unfused_forward(hf_config, model, engine, input_ids):
 def run_once(scenario: Scenario, mode: str, setup: Setup, variant: str) -> dict:
     """One forward+backward of one scenario; variant "fused" (this process's mode), "tp-sum" or "unfused".
     On CUDA deterministic (see the module docstring)."""
-    from verl_fused_hook.testing.determinism import deterministic_steps
+    from verl_fused_hook_harness.support.determinism import deterministic_steps
 
     device = setup.device
     hf_config, model, engine, input_ids, data, advantages, old_offset = _prepared(scenario, mode, setup)
@@ -337,7 +337,7 @@ def run_mode(mode: str, scenarios, setup: Setup):
     env = {ENV_VAR: MODES[mode]}
     world_size = world_size_for(setup.device, scenarios)
     if setup.device == "cuda":
-        from verl_fused_hook.testing.distributed import free_port
+        from verl_fused_hook_harness.support.distributed import free_port
 
         return _run_on_nccl(mode, scenarios, setup, env, free_port(), world_size)
     return run_on_gloo(mode_worker, world_size, mode, scenarios, setup, env=env)
@@ -346,7 +346,7 @@ def run_mode(mode: str, scenarios, setup: Setup):
 def _nccl_worker(rank, world_size, port, folder, mode, scenarios, setup, env, worker=None, extra=()):
     import torch.distributed as dist
 
-    from verl_fused_hook.testing.determinism import prepare_cublas_workspace
+    from verl_fused_hook_harness.support.determinism import prepare_cublas_workspace
 
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     prepare_cublas_workspace()  # before the first GEMM: deterministic runs need it
@@ -505,7 +505,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: bf16 with --backend triton, else fp32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu")
-    parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook/configs/tiny_qwen2_kv4)")
+    parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook_harness/configs/tiny_qwen2_kv4)")
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
         parser.error("--mtp-layers: the MTP scenario runs on the packed layout; drop --layout bshd")
 
     from verl_fused_hook.switch import allowed_backends
-    from verl_fused_hook.testing.hf_model import TINY_QWEN2
+    from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

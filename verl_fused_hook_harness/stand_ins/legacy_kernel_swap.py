@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..ops import log_probs_and_entropy
+from verl_fused_hook.ops import log_probs_and_entropy
 
 
 def portable_linear_cross_entropy(

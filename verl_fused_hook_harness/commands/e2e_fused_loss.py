@@ -82,7 +82,7 @@ def grpo_actor_config():
 
 
 def loss_engine(model, mode: LossMode, backend: str | None, hf_path: str):
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     options = {"output_processor_backend": backend, "output_processor_fused_loss": mode.fused_loss} if mode.hook else {}
     return megatron_engine([model], fused_kernel_options=options, model_path=hf_path)
@@ -152,7 +152,7 @@ def actor_batch(base, tensors: dict, sampled_log_probs: torch.Tensor, seed: int)
 def _kernel_context(mode: LossMode, device: str, cpu_kernel: str):
     """On the CPU verl's Triton kernel cannot run: the legacy forward gets the portable op (as in e2e_bench)."""
     if device == "cpu" and not mode.hook:
-        from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+        from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
 
         return portable_legacy_kernel(cpu_kernel)
     return contextlib.nullcontext()
@@ -312,8 +312,8 @@ def run_fused_loss(args) -> dict:
     """Per size: the actor batch (old/ref log-probs from a forward-only step), then every chosen mode."""
     import verl.workers.utils.losses as verl_losses
 
-    from verl_fused_hook.testing.determinism import deterministic_steps, prepare_cublas_workspace
-    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook_harness.support.determinism import deterministic_steps, prepare_cublas_workspace
+    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
     from verl_fused_hook.verl_integration import install
 
     device = args.device

@@ -26,7 +26,7 @@ what was allocated before the step, weights and batch: activations, the
 parameter gradients and the kernel's buffers), after warm-ups. Parity
 is measured on the first warm-up step against legacy: log-probs and entropy on
 the rows the loss reads, the loss, and every parameter gradient. On CUDA that
-step runs bitwise repeatable (`verl_fused_hook.testing.determinism`: SDPA's
+step runs bitwise repeatable (`verl_fused_hook_harness.support.determinism`: SDPA's
 attention backward and megatron's embedding backward otherwise accumulate with
 atomic adds), and legacy runs it twice: the rerun must be identical, so
 hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
@@ -62,7 +62,7 @@ from typing import Callable
 
 import torch
 
-from ..testing.determinism import deterministic_steps, prepare_cublas_workspace
+from ..support.determinism import deterministic_steps, prepare_cublas_workspace
 from .ab_parity import ENV_VAR, TEMPERATURE, grpo_loss, max_abs
 
 QWEN_7B_2LAYER = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_7b_2layer"
@@ -126,8 +126,8 @@ def make_batch(vocab_size: int, total: int, device: str, seed: int):
 def init_single_process(device: str, seed: int) -> None:
     import torch.distributed as dist
 
-    from verl_fused_hook.testing.distributed import free_port
-    from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.support.distributed import free_port
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     if device == "cuda" and not dist.is_initialized():
         torch.cuda.set_device(0)
@@ -180,13 +180,13 @@ class Step:
 
     def _kernel_context(self):
         if self.device == "cpu" and not self.mode.hook:
-            from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+            from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
 
             return portable_legacy_kernel(self.cpu_kernel)
         return contextlib.nullcontext()
 
     def forward(self):
-        from verl_fused_hook.testing.verl_engine import fused_engine_forward
+        from verl_fused_hook_harness.support.verl_engine import fused_engine_forward
 
         kwargs = {} if self.score_rows is None else {"score_rows": self.score_rows}
         with self._kernel_context():
@@ -273,7 +273,7 @@ class Clock:
                 peaks.append(torch.cuda.max_memory_allocated() - base)
                 absolute.append(torch.cuda.max_memory_allocated())
             else:
-                from verl_fused_hook.testing.memory import PeakMemory
+                from verl_fused_hook_harness.support.memory import PeakMemory
 
                 started = time.perf_counter()
                 tracker = PeakMemory()
@@ -359,8 +359,8 @@ def write_outputs(report: dict, out: Path | None) -> None:
 
 
 def run(args) -> dict:
-    from verl_fused_hook.testing.hf_model import build_gpt_from_hf, load_hf_config
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
     from verl_fused_hook.verl_integration import install
 
     device = args.device

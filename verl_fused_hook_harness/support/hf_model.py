@@ -70,7 +70,7 @@ def build_gpt_from_hf(
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from .megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
+    from ..stand_ins.megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied

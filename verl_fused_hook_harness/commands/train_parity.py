@@ -101,7 +101,7 @@ from pathlib import Path
 
 import torch
 
-from ..testing.grpo_batches import RolloutShape
+from ..support.grpo_batches import RolloutShape
 from . import train_parity_report as report_file
 from .train_parity_modes import MODES, Mode, fused_kernel_options
 
@@ -160,8 +160,8 @@ def mode_context(mode: Mode, device: str):
 
     hook-auto (no mask) is what hook mode does for a loss that may read every row: the plugin's
     row selection is turned off for this mode by making `response_score_rows` answer "every row"."""
-    from verl_fused_hook.testing.cuda_on_cpu import cuda_names_on_cpu
-    from verl_fused_hook.testing.legacy_kernel_swap import portable_legacy_kernel
+    from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
+    from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
     from verl_fused_hook.verl_integration import step_scoring
 
     with contextlib.ExitStack() as stack:
@@ -196,7 +196,7 @@ def _counted_fused_loss_op():
 
 def _engines(plan: Plan, mode: Mode, offload: bool):
     """(actor, reference) engines of one mode; the environment switch is read by verl's build step."""
-    from verl_fused_hook.testing.train_engine import EngineSetup, build_engine
+    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
 
     os.environ[ENV_VAR] = "1" if mode.hook else "0"
     options = fused_kernel_options(mode)
@@ -254,7 +254,7 @@ def _log_probs(engine, fields, plan: Plan, *, entropy: bool):
     """Forward-only log-probs as the trainer computes old/reference log-probs, padded [batch, response]."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_fused_hook.testing.grpo_batches import packed
+    from verl_fused_hook_harness.support.grpo_batches import packed
 
     data = packed(fields, TEMPERATURE, calculate_entropy=entropy, compute_loss=False, **_engine_keys(plan))
     with engine.eval_mode():
@@ -285,7 +285,7 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int, fused_los
     """One GRPO step (rollout, old and reference log-probs, actor update, LR step); this rank's numbers.
 
     fused_loss_calls: the running count of fused-loss op calls (`_counted_fused_loss_op`)."""
-    from verl_fused_hook.testing.grpo_batches import packed, rollout
+    from verl_fused_hook_harness.support.grpo_batches import packed, rollout
 
     device = plan.device
     allocated = None
@@ -337,15 +337,15 @@ def _prepare_process(plan: Plan, rank: int) -> None:
     if rank != 0:
         logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
     if plan.device == "cpu":
-        from verl_fused_hook.testing.megatron_cpu import init_model_parallel
+        from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
         init_model_parallel(plan.tp, seed=plan.seed)  # the engine then finds megatron's state set up
 
 
 def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, load: bool) -> tuple[list[dict], dict]:
     """One run's step rows and where its wall time went (engine builds, checkpoint save or load)."""
-    from verl_fused_hook.testing.determinism import deterministic_steps
-    from verl_fused_hook.testing.train_engine import load_checkpoint_for_resume
+    from verl_fused_hook_harness.support.determinism import deterministic_steps
+    from verl_fused_hook_harness.support.train_engine import load_checkpoint_for_resume
 
     started = time.perf_counter()
     info = {"build_s": None, "save_s": None, "load_s": None}
@@ -442,13 +442,13 @@ def resumed_worker(rank: int, world_size: int, plan: Plan) -> None:
 def run_group(worker, plan: Plan) -> None:
     """`worker` in fresh processes (gloo on the CPU, one per TP rank; NCCL on one GPU); it records its own runs."""
     if plan.device == "cpu":
-        from verl_fused_hook.testing.distributed import run_on_gloo
+        from verl_fused_hook_harness.support.distributed import run_on_gloo
 
         run_on_gloo(worker, plan.tp, plan)
         return
     import torch.multiprocessing as mp
 
-    from verl_fused_hook.testing.distributed import free_port
+    from verl_fused_hook_harness.support.distributed import free_port
 
     mp.start_processes(_nccl_worker, args=(free_port(), worker, plan), nprocs=1, start_method="spawn")
 
@@ -456,7 +456,7 @@ def run_group(worker, plan: Plan) -> None:
 def _nccl_worker(rank, port, worker, plan):
     import torch.distributed as dist
 
-    from verl_fused_hook.testing.determinism import prepare_cublas_workspace
+    from verl_fused_hook_harness.support.determinism import prepare_cublas_workspace
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     prepare_cublas_workspace()  # before the first GEMM: deterministic steps need it
@@ -525,7 +525,7 @@ def config_identity(hf_path: Path) -> str:
 
 
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint_root: str) -> Plan:
-    from verl_fused_hook.testing.hf_model import TINY_QWEN2
+    from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"

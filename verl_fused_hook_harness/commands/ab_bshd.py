@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..switch import ENV_VAR
+from verl_fused_hook.switch import ENV_VAR
 
 REFERENCE = "verl"  # the switch unset: verl turns fused kernels off and runs its unfused BSHD forward
 RESOLVED = {"legacy": "unfused", "hook": "hook"}  # keys: the A/B script's modes
@@ -57,7 +57,7 @@ def run_bshd_once(mode: str, setup, hf_config, model, tracker) -> dict:
 
     if mode != "hook":
         os.environ.pop(ENV_VAR, None)
-    from verl_fused_hook.testing.verl_engine import megatron_engine
+    from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     options = {"output_processor_backend": setup.backend} if mode == "hook" else {}
     engine = megatron_engine([model], fused_kernel_options=options, model_path=setup.hf_path, use_remove_padding=False)
