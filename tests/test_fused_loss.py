@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook.ops.fused_loss import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
+from verl_fused_hook.ops.loss_inside import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_on_gloo
-from verl_fused_hook.verl_integration.fused_loss import (
+from verl_fused_hook.verl_integration.ppo_loss import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
     ppo_loss_name,
@@ -304,7 +304,7 @@ def test_host_loss_is_not_built_from_a_jagged_tensor_with_holes(caplog):
         return torch.nested.nested_tensor_from_jagged(rows, offsets=offsets(), lengths=offsets().diff() - 1)
 
     loss = partial(ppo_loss, config=actor_config())
-    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.ppo_loss"):
         host = ppo_loss_on_host(loss, rl_data(False), with_holes, torch.Size([int(offsets()[-1])]), "cpu")
     assert host is None
     assert any("jagged tensor with holes" in record.getMessage() for record in caplog.records)
@@ -482,7 +482,7 @@ def test_fused_loss_chunk_entry_reaches_the_op(verl_hook_mode):
 
 def test_unsupported_loss_mode_runs_the_two_pass_path_and_says_so(verl_hook_mode, caplog):
     config = actor_config(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
-    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.ppo_loss"):
         report, _, fused_calls = engine_step(True, config, verl_hook_mode)
     assert fused_calls == 0
     assert any("loss_mode=gspo" in record.getMessage() and "two-pass" in record.getMessage() for record in caplog.records)

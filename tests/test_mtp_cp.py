@@ -56,7 +56,7 @@ def run_case(name: str) -> dict:
     from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
     from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
     from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
-    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+    from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
     _, sp, tied, layers, per_token = CASES[name]
     results = {}

@@ -119,3 +119,24 @@ def test_reads_process_environment_by_default(monkeypatch):
     assert resolve_plan({}).mode == HOOK
     monkeypatch.delenv(ENV_VAR)
     assert resolve_plan({}).mode == UNSET
+
+
+def test_score_mask_entry_defaults_on_and_turns_off_in_hook_mode():
+    assert resolve_plan({}, environ={ENV_VAR: "1"}).score_mask is True
+    plan = resolve_plan({"output_processor_score_mask": False}, environ={ENV_VAR: "1"})
+    assert plan.score_mask is False
+    assert plan.log_line("E").endswith("output_processor_score_mask=false")
+
+
+def test_score_mask_entry_outside_hook_mode_is_ignored_with_a_note():
+    plan = resolve_plan({"output_processor_score_mask": False}, environ={ENV_VAR: "0"})
+    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_score_mask ignored outside hook mode"
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1])
+def test_score_mask_entry_rejects_non_bool(value):
+    with pytest.raises(ValueError) as error:
+        resolve_plan({"output_processor_score_mask": value}, environ={ENV_VAR: "1"})
+    message = str(error.value)
+    assert f"actor_rollout_ref.model.fused_kernel_options.output_processor_score_mask={value!r}" in message
+    assert "true, false or null (on)" in message

@@ -30,7 +30,7 @@ def _interpreted_cases() -> list[dict]:
     """Run in the subprocess: each case's errors against fp64 autograd of the same weighted-sum loss."""
     import torch
 
-    from verl_fused_hook.ops import fused_loss, triton_backend
+    from verl_fused_hook.ops import loss_inside as fused_loss, triton_backend
     from verl_fused_hook.ops import triton_chunk_kernels as chunk_kernels
 
     small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)

@@ -281,7 +281,7 @@ def test_ppo_loss_qualifies_for_score_mask():
 
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+    from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
     batch = rl_batch(1.0)
     rows = response_score_rows(batch, partial(ppo_loss, config=None))

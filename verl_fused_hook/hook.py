@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .ops import BACKEND_CHOICES, log_probs_and_entropy
-from .ops.fused_loss import log_probs_entropy_and_loss
+from .ops.loss_inside import log_probs_entropy_and_loss
 from .ops.interface import check_temperature_values
 
 # "verl" runs verl's own Triton kernel exactly as verl's forward does (bit-identical A/B runs).

@@ -13,8 +13,9 @@ Precedence (documented in docs/usage.md):
 3. Neither set: mode "unset", the plugin leaves verl's fused path as verl ships it.
 The op backend comes only from `...fused_kernel_options.output_processor_backend`
 (default "auto") and only matters in hook mode, as does `...output_processor_fused_loss`
-(default false: the actor update's ppo_loss computed inside the op, see verl_integration/fused_loss.py)
-and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's).
+(default false: the actor update's ppo_loss computed inside the op, see verl_integration/ppo_loss.py)
+and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's), and
+`...output_processor_score_mask` (default true: only the rows verl reads are scored; false scores every row).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CONFIG_HOOK_KEY = "use_output_processor_hook"
 CONFIG_BACKEND_KEY = "output_processor_backend"
 CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
 CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
+CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
 
 # "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
 # the others are the op's backends ("auto", "torch", GPU kernels).
@@ -53,6 +55,7 @@ class FusedForwardPlan:
     note: str | None = None  # an override or ignored entry worth a log line
     fused_loss: bool = False  # hook mode computes the actor update's ppo_loss inside the op
     fused_loss_chunk_bytes: int | None = None  # the op's chunk of stored logits (None: its default)
+    score_mask: bool = True  # hook mode scores only the rows the step's loss reads (where it can tell)
 
     @property
     def is_set(self) -> bool:
@@ -65,6 +68,8 @@ class FusedForwardPlan:
                 text += f", {CONFIG_FUSED_LOSS_KEY}=true"
             if self.fused_loss and self.fused_loss_chunk_bytes is not None:
                 text += f" ({CONFIG_FUSED_LOSS_CHUNK_KEY}={self.fused_loss_chunk_bytes / 1024**3:g})"
+            if not self.score_mask:
+                text += f", {CONFIG_SCORE_MASK_KEY}=false"
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -117,14 +122,24 @@ def parse_config_backend(options: Mapping | None) -> str | None:
     return value
 
 
-def parse_config_fused_loss(options: Mapping | None) -> bool | None:
-    """`fused_kernel_options.output_processor_fused_loss` as a bool, or None when absent/null."""
-    value = None if options is None else options.get(CONFIG_FUSED_LOSS_KEY)
+def _parse_config_bool(options: Mapping | None, key: str, null_means: str) -> bool | None:
+    """`fused_kernel_options.<key>` as a bool, or None when absent/null."""
+    value = None if options is None else options.get(key)
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}={value!r} is not allowed; use true, false or null (off)")
+        raise ValueError(f"{CONFIG_PREFIX}.{key}={value!r} is not allowed; use true, false or null ({null_means})")
     return value
+
+
+def parse_config_fused_loss(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_fused_loss` as a bool, or None when absent/null."""
+    return _parse_config_bool(options, CONFIG_FUSED_LOSS_KEY, "off")
+
+
+def parse_config_score_mask(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_score_mask` as a bool, or None when absent/null."""
+    return _parse_config_bool(options, CONFIG_SCORE_MASK_KEY, "on")
 
 
 def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
@@ -147,6 +162,7 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     config_backend = parse_config_backend(options)
     fused_loss = parse_config_fused_loss(options)
     fused_loss_chunk = parse_config_fused_loss_chunk(options)
+    score_mask = parse_config_score_mask(options)
 
     notes = []
     if env_mode is not None:
@@ -176,7 +192,9 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     fused_loss = bool(fused_loss) and mode == HOOK
     if fused_loss_chunk is not None and not fused_loss:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_CHUNK_KEY} ignored: the fused loss is off")
+    if score_mask is not None and mode != HOOK:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_SCORE_MASK_KEY} ignored outside hook mode")
     return FusedForwardPlan(
         mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=fused_loss,
-        fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None,
+        fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None, score_mask=score_mask is not False,
     )

@@ -22,7 +22,7 @@ from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import VERL_BACKEND
 from .engine_forward import MULTI_MODAL_KEYS, check_backend_accepts, sample_temperatures
-from .model_plan import plan_of
+from .model_plan import counts_of, plan_of
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ def make_bshd_engine_forward(vision_model: bool):
         )
         if not gpt.post_process:
             return output
+        counts_of(gpt).forwards += 1
         result = {"log_probs": postprocess_bshd_engine(output.log_probs, real_rows)}
         if calculate_entropy:
             result["entropy"] = postprocess_bshd_engine(output.entropy, real_rows)

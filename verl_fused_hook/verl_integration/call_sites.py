@@ -23,7 +23,7 @@ from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
-from .step_scoring import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
+from .forward_step import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
 

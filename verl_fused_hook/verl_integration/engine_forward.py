@@ -17,9 +17,9 @@ import torch
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
-from .fused_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
-from .model_plan import plan_of
-from .step_scoring import current_step
+from .ppo_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+from .model_plan import counts_of, plan_of
+from .forward_step import current_step
 
 MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -191,7 +191,9 @@ def make_hook_engine_forward(vision_model: bool):
         )
         if not gpt.post_process:
             return output
-
+        counts = counts_of(gpt)
+        counts.forwards += 1
+        counts.fused_loss_forwards += fused_loss is not None
         result = {"log_probs": unpack(output.log_probs)}
         if calculate_entropy:
             result["entropy"] = unpack(output.entropy)

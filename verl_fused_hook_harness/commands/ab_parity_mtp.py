@@ -34,7 +34,7 @@ CUDA_ACCEPTANCE_MIN_SLACK = 2
 
 
 def _response_values(nested, data) -> torch.Tensor:
-    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+    from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
     return nested.values()[response_score_rows(data, None).values()].detach().cpu()
 

@@ -42,7 +42,7 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_fused_hook.verl_integration.fused_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+    from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
     length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
     sequences = n // length

@@ -172,7 +172,7 @@ class Step:
         self.cpu_kernel = cpu_kernel
         self.score_rows = None
         if mode.masked:
-            from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+            from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
             self.score_rows = response_score_rows(self.data, None)  # the rows ppo_loss / forward-only steps read
             if self.score_rows is None:
@@ -202,7 +202,7 @@ class Step:
 
     def scored(self, values: torch.Tensor) -> torch.Tensor:
         """Values on the rows the loss reads (the only rows the masked mode computes), flattened."""
-        from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+        from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
         rows = response_score_rows(self.data, None).values()
         return values.values()[rows]

@@ -56,7 +56,7 @@ def _step(engine, model, batch, advantages, old_offset):
 def _sample(model, batch, output, loss) -> dict:
     """The first step's results, on the CPU (so the other side's peak is not charged for them)."""
     from verl_fused_hook_harness.support.mtp_engine import take_mtp_metrics
-    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+    from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
     rows = response_score_rows(batch, None).values()
     return {
@@ -73,7 +73,7 @@ def output_layer_memory(step, model, batch) -> dict:
     scores) and each MTP layer's (its rolled loss mask, megatron's logged total)."""
     from verl_fused_hook_harness.support.head_memory import HeadMemoryProbe
     from verl_fused_hook_harness.support.mtp_engine import take_mtp_metrics
-    from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+    from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
     free_step_memory(model)
     take_mtp_metrics()

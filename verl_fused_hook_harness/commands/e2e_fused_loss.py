@@ -68,7 +68,7 @@ def grpo_actor_config():
 
     from verl.workers.config import ActorConfig
 
-    from verl_fused_hook.verl_integration.fused_loss import unsupported_reason
+    from verl_fused_hook.verl_integration.ppo_loss import unsupported_reason
 
     base = ActorConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
     config = dataclasses.replace(
@@ -176,7 +176,7 @@ class LossStep:
     """verl's forward_step with ppo_loss, its postprocess and the backward of the scaled loss."""
 
     def __init__(self, model, engine, data, loss_function, mode: LossMode, device: str, cpu_kernel: str):
-        from verl_fused_hook.verl_integration.step_scoring import response_score_rows
+        from verl_fused_hook.verl_integration.forward_step import response_score_rows
 
         self.model, self.engine, self.data, self.mode = model, engine, data, mode
         self.loss_function = loss_function

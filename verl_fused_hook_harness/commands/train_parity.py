@@ -155,43 +155,25 @@ class Plan:
 
 @contextlib.contextmanager
 def mode_context(mode: Mode, device: str):
-    """The kernel legacy computes with (portable op on the CPU), the score-mask switch for hook-auto, and on
-    the CPU the fakes that let megatron's optimizer run there (testing/cuda_on_cpu.py).
-
-    hook-auto (no mask) is what hook mode does for a loss that may read every row: the plugin's
-    row selection is turned off for this mode by making `response_score_rows` answer "every row"."""
+    """The kernel legacy computes with (portable op on the CPU), and on the CPU the fakes that let megatron's
+    optimizer run there (stand_ins/cuda_on_cpu.py). hook-auto (no mask) is what hook mode does for a loss
+    that may read every row: its engines are built with `output_processor_score_mask=false`."""
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
-    from verl_fused_hook.verl_integration import step_scoring
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_names_on_cpu())  # CPU only: megatron's optimizer and verl's memory logs (fakes)
         if not mode.hook and device == "cpu":
             stack.enter_context(portable_legacy_kernel("torch"))
-        if mode.hook and not mode.score_mask:
-            original = step_scoring.response_score_rows
-            step_scoring.response_score_rows = lambda batch, loss_function: None
-            stack.callback(setattr, step_scoring, "response_score_rows", original)
-        yield stack.enter_context(_counted_fused_loss_op())
+        yield
 
 
-@contextlib.contextmanager
-def _counted_fused_loss_op():
-    """The fused-loss op as the hook calls it, counting its calls: the report's proof that a fused-loss mode
-    ran verl's ppo_loss inside the op (and that no other mode did). Yields a one-element list, the count."""
-    from verl_fused_hook import hook
+def fused_loss_forwards(engine) -> int:
+    """How many engine forwards of `engine` computed their loss inside the op (the plugin's own count): the
+    report's proof that a fused-loss mode ran verl's ppo_loss inside the op, and that no other mode did."""
+    from verl_fused_hook.verl_integration.model_plan import counts_of
 
-    calls, original = [0], hook.log_probs_entropy_and_loss
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    hook.log_probs_entropy_and_loss = counted
-    try:
-        yield calls
-    finally:
-        hook.log_probs_entropy_and_loss = original
+    return sum(counts_of(model).fused_loss_forwards for model in engine.module)
 
 
 def _engines(plan: Plan, mode: Mode, offload: bool):
@@ -281,10 +263,8 @@ def parameter_checksum(engine) -> tuple[str, float]:
     return f"{chained:016x}", total
 
 
-def train_step(actor, reference, loss_function, plan: Plan, step: int, fused_loss_calls: list[int]) -> dict:
-    """One GRPO step (rollout, old and reference log-probs, actor update, LR step); this rank's numbers.
-
-    fused_loss_calls: the running count of fused-loss op calls (`_counted_fused_loss_op`)."""
+def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
+    """One GRPO step (rollout, old and reference log-probs, actor update, LR step); this rank's numbers."""
     from verl_fused_hook_harness.support.grpo_batches import packed, rollout
 
     device = plan.device
@@ -301,9 +281,9 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int, fused_los
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=plan.shape.sequences, **_engine_keys(plan)
     )
     with actor.train_mode():
-        calls_before = fused_loss_calls[0]
+        calls_before = fused_loss_forwards(actor)
         output = actor.train_batch(data, loss_function=loss_function)
-        update_fused_loss_calls = fused_loss_calls[0] - calls_before
+        update_fused_loss_calls = fused_loss_forwards(actor) - calls_before
         checksum_started = time.perf_counter()
         checksum, total = parameter_checksum(actor)  # inside: with offload on, parameters leave on exit
         checksum_seconds = time.perf_counter() - checksum_started
@@ -349,7 +329,7 @@ def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, lo
 
     started = time.perf_counter()
     info = {"build_s": None, "save_s": None, "load_s": None}
-    with mode_context(mode, plan.device) as fused_loss_calls:
+    with mode_context(mode, plan.device):
         actor, reference = _engines(plan, mode, offload)
         info["build_s"] = time.perf_counter() - started
         if load:
@@ -365,7 +345,7 @@ def _run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, lo
         rows = []
         with repeatable:
             for step in range(first, plan.steps + 1):
-                rows.append(train_step(actor, reference, loss_function, plan, step, fused_loss_calls))
+                rows.append(train_step(actor, reference, loss_function, plan, step))
                 if save and step == plan.checkpoint_step:
                     saving = time.perf_counter()
                     actor.save_checkpoint(plan.checkpoint_dir(mode.name), global_step=step)

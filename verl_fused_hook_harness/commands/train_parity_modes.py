@@ -49,6 +49,8 @@ def fused_kernel_options(mode: Mode) -> dict:
     options = {"output_processor_backend": mode.backend}
     if mode.fused_loss:
         options["output_processor_fused_loss"] = True
+    if not mode.score_mask:
+        options["output_processor_score_mask"] = False
     return options
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..switch import HOOK, VERL_BACKEND
-from .fused_loss import FusedLossRequest, fused_loss_request, fused_result_loss
+from ..switch import CONFIG_SCORE_MASK_KEY, HOOK, VERL_BACKEND
+from .ppo_loss import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
 
@@ -118,6 +118,9 @@ def make_forward_step(original):
         batch = next(batch_iter)
         if plan.backend == VERL_BACKEND:
             _log_once("verl_fused_hook: score_mask off, output_processor_backend=verl scores every row")
+            rows = None
+        elif not plan.score_mask:
+            _log_once(f"verl_fused_hook: score_mask off, {CONFIG_SCORE_MASK_KEY}=false")
             rows = None
         else:
             rows = response_score_rows(batch, logits_processor_func)

@@ -159,7 +159,7 @@ def _clipped_policy_loss(config, log_prob, old_log_prob, advantages):
 
 
 def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size, device):
-    """The op's row_gradients for `ppo_loss(config)` on `data` (see ops.fused_loss): per chunk, a few
+    """The op's row_gradients for `ppo_loss(config)` on `data` (see ops.loss_inside): per chunk, a few
     elementwise ops on the chunk's rows instead of a whole ppo_loss call.
 
     Built once per micro-batch: which padded response position each op row lands on (an index pushed
