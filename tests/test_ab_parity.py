@@ -156,7 +156,7 @@ def test_evaluate_holds_one_kernel_to_zero_and_two_kernels_to_their_accuracy(
 def test_four_ranks_on_gloo(tmp_path):
     """TP=4 (four gloo processes a mode) on a model whose 4 KV heads split over the ranks."""
     path = tmp_path / "ab_tp4.json"
-    config = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2_kv4"
+    config = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2_kv4"
     done = run_script("--device", "cpu", "--tp", "4", "--hf-config", str(config), "--json", str(path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(path.read_text())

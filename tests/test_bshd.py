@@ -3,7 +3,7 @@
 The reference is verl's own unfused BSHD path: `MegatronEngineWithLMHead.forward_step`
 with fused kernels off runs `gptmodel_forward_model_engine(data_format="bshd")` and
 verl's logits processor over full logits. Hook mode runs the same `forward_step`
-with fused kernels kept on, which routes to `bshd_forward`. Batches are verl's RL
+with fused kernels kept on, which routes to the engine forward's padded layout. Batches are verl's RL
 layout (left-padded prompts, right-padded responses) turned into its engine input
 by verl's `left_right_2_no_padding`. Context parallelism runs on the CPU through
 the test-only CP attention (`testing/cp_attention.py`), on both sides alike.
@@ -277,15 +277,18 @@ def test_thd_engine_still_takes_the_thd_forward():
 
 
 def test_bshd_forward_refuses_thd_only_inputs():
-    from verl_fused_hook.verl_integration.bshd_forward import make_bshd_engine_forward
+    from verl_fused_hook.verl_integration.engine_forward import make_engine_forward
+    from verl_fused_hook.verl_integration.forward_step import HookStep
+    from verl_fused_hook.verl_integration.layouts import BSHD
 
     engine, model = bshd_engine("hook")
-    forward = make_bshd_engine_forward(vision_model=False)
+    forward = make_engine_forward(vision_model=False)
     input_ids = padded_rl_batch("both")["input_ids"]
+    padded = HookStep(layout=BSHD)
     with pytest.raises(ValueError, match="pad_to_length_bucket: .*use_remove_padding=True"):
-        forward(model, input_ids, input_ids.clone(), {}, 1.0, True, 0, pad_to_length_bucket=64)
+        forward(model, input_ids, input_ids.clone(), {}, 1.0, True, 0, pad_to_length_bucket=64, step=padded)
     with pytest.raises(ValueError, match="local_cp_size: "):
-        forward(model, input_ids, input_ids.clone(), {}, 1.0, True, 0, local_cp_size=2)
+        forward(model, input_ids, input_ids.clone(), {}, 1.0, True, 0, local_cp_size=2, step=padded)
 
 
 # ---------------------------------------------------------------- the build step (verl's real _maybe_enable_fused_kernels)
@@ -445,7 +448,7 @@ def test_e2e_bench_bshd_layout_on_the_cpu(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    config = root / "verl_fused_hook" / "configs" / "tiny_qwen2"
+    config = root / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
     done = subprocess.run(
         [sys.executable, "-m", "verl_fused_hook_harness.cli", "e2e-bench", "--device", "cpu", "--hf-config", str(config),
          "--layout", "bshd", "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(tmp_path)],

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2"
+TINY = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
 GRAD_REL = 5e-2  # bf16: verl's unfused path rounds logits and their gradient to bf16 (docs/benchmarks.md)
 MTP_LOSS_REL = 1e-3  # a mean over the rows: bf16 rounding of single logits averages out (4.2e-6 at 32k tokens)
 

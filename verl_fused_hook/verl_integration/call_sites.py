@@ -17,13 +17,12 @@ import logging
 
 from ..probe import require_output_processor_support, unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, VERL_BACKEND, resolve_plan
-from .bshd_forward import make_bshd_engine_forward
-from .engine_forward import make_hook_engine_forward
+from .engine_forward import make_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
-from .forward_step import BSHD, current_step, make_forward_step, make_resolve_fused_temperature
+from .forward_step import make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
 
@@ -70,30 +69,18 @@ def _make_patch_fused_forward(verl_patch):
 
 
 def _make_engine_fn_getter(verl_getter):
+    """verl's models get verl's forward; hook-mode models get ours (engine_forward: packed or padded layout,
+    as the enclosing forward_step's HookStep says)."""
     from verl.models.mcore.registry import supported_vlm
-
-    """verl's models get verl's forward; hook-mode models get ours, for the layout their forward_step runs:
-    packed (engine_forward) or, where verl picks data_format="bshd" (use_remove_padding=False), bshd_forward."""
 
     @functools.wraps(verl_getter)
     def get_mcore_forward_fused_model_engine_fn(hf_config):
         verl_forward = verl_getter(hf_config)
-        vision_model = hf_config.architectures[0] in supported_vlm
-        hook_forward = make_hook_engine_forward(vision_model=vision_model)
-        bshd_forward = make_bshd_engine_forward(vision_model=vision_model)
+        hook_forward = make_engine_forward(vision_model=hf_config.architectures[0] in supported_vlm)
 
         def fused_forward(model, *args, **kwargs):
-            if not in_hook_mode(model):
-                return verl_forward(model, *args, **kwargs)
-            step = current_step()
-            if step is not None and step.score_rows is not None:
-                kwargs.setdefault("score_rows", step.score_rows)
-            if step is not None and step.layout == BSHD:
-                kwargs.setdefault("forced_max_seqlen", step.forced_max_seqlen)
-                return bshd_forward(model, *args, **kwargs)
-            if step is not None and step.mtp is not None:
-                kwargs.setdefault("mtp", step.mtp)
-            return hook_forward(model, *args, **kwargs)
+            forward = hook_forward if in_hook_mode(model) else verl_forward
+            return forward(model, *args, **kwargs)
 
         return fused_forward
 
@@ -136,7 +123,7 @@ def verl_disabling_reasons(engine) -> list[str]:
 def reasons_hook_mode_lifts(reasons: list[str]) -> frozenset[str]:
     """verl's disabling reasons that do not hold in hook mode: the one place such decisions are made.
 
-    Padded batches: bshd_forward runs the hook on verl's BSHD layout. MTP: the MTP loss goes through the op
+    Padded batches: the engine forward runs the hook on verl's BSHD layout (layouts.PaddedLayout). MTP: the MTP loss goes through the op
     (mtp.py) on packed (THD) batches; an MTP engine on the padded layout as well keeps verl's disable.
     """
     if REMOVE_PADDING_OFF in reasons:

@@ -29,18 +29,16 @@ import torch
 
 from ..switch import CONFIG_SCORE_MASK_KEY, HOOK, VERL_BACKEND
 from .ppo_loss import FusedLossRequest, fused_loss_request, fused_result_loss
+from .layouts import BSHD, THD
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
 
 logger = logging.getLogger(__name__)
 
 
-THD, BSHD = "thd", "bshd"
-
-
 @dataclass(frozen=True)
 class HookStep:
-    score_rows: torch.Tensor | None  # jagged bool shaped like input_ids, or None: every row
+    score_rows: torch.Tensor | None = None  # jagged bool shaped like input_ids, or None: every row
     layout: str = THD  # verl's data_format for this engine: packed (thd) or padded (bshd)
     forced_max_seqlen: int | None = None  # BSHD: verl's pad_bshd_to_minibatch_max length
     fused_loss: FusedLossRequest | None = None  # output_processor_fused_loss: the loss the op computes
