@@ -140,3 +140,34 @@ def test_score_mask_entry_rejects_non_bool(value):
     message = str(error.value)
     assert f"actor_rollout_ref.model.fused_kernel_options.output_processor_score_mask={value!r}" in message
     assert "true, false or null (on)" in message
+
+
+@pytest.mark.parametrize(
+    "key, nearest",
+    [
+        ("output_processor_fused_los", "output_processor_fused_loss"),  # one letter short
+        ("output_processor_backends", "output_processor_backend"),
+        ("output_processor_chunk_gib", "output_processor_fused_loss_chunk_gib"),  # our namespace, far from every key
+        ("use_output_processor", "use_output_processor_hook"),
+        ("use_output_procesor_hook", "use_output_processor_hook"),  # a near miss outside the namespace
+    ],
+)
+def test_unknown_or_misspelt_key_stops_with_the_nearest_and_the_allowed_keys(key, nearest):
+    with pytest.raises(ValueError) as error:
+        resolve_plan({key: True}, environ={})
+    message = str(error.value)
+    assert message.startswith(f"actor_rollout_ref.model.fused_kernel_options.{key} is not a verl_fused_hook entry")
+    assert f"did you mean actor_rollout_ref.model.fused_kernel_options.{nearest}?" in message
+    assert ("allowed: use_output_processor_hook, output_processor_backend, output_processor_fused_loss, "
+            "output_processor_fused_loss_chunk_gib, output_processor_score_mask") in message
+
+
+def test_verls_own_keys_are_left_alone():
+    plan = resolve_plan({"impl_backend": "triton", "use_output_processor_hook": True}, environ={})
+    assert plan.mode == HOOK
+
+
+def test_edit_distance():
+    from verl_fused_hook.switch import edit_distance
+
+    assert [edit_distance(a, b) for a, b in (("", "ab"), ("kitten", "sitting"), ("loss", "los"), ("ab", "ab"))] == [2, 3, 1, 0]

@@ -158,6 +158,20 @@ def test_bad_switch_value_stops_the_build(monkeypatch):
         megatron_engine([model])._maybe_enable_fused_kernels()
 
 
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_misspelt_entry_stops_the_build_even_with_the_switch_unset(monkeypatch, switch):
+    if switch is None:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(ENV_VAR, switch)
+    model = tiny_model()
+    engine = megatron_engine([model], fused_kernel_options={"output_processor_fused_los": True, "impl_backend": "triton"})
+    with pytest.raises(ValueError, match=r"fused_kernel_options\.output_processor_fused_los is not a verl_fused_hook "
+                       r"entry; did you mean actor_rollout_ref\.model\.fused_kernel_options\.output_processor_fused_loss\?"):
+        engine._maybe_enable_fused_kernels()
+    assert not hasattr(model, "_verl_fused_hook_plan")
+
+
 def test_verl_backend_without_cuda_stops_the_build(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
     model = tiny_model()

@@ -20,6 +20,7 @@ and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: 
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -34,6 +35,11 @@ CONFIG_BACKEND_KEY = "output_processor_backend"
 CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
 CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
+CONFIG_KEYS = (CONFIG_HOOK_KEY, CONFIG_BACKEND_KEY, CONFIG_FUSED_LOSS_KEY, CONFIG_FUSED_LOSS_CHUNK_KEY, CONFIG_SCORE_MASK_KEY)
+# Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
+# near miss of ours (at most this many single-letter edits away).
+CONFIG_NAMESPACE = ("use_output_processor", "output_processor")
+NEAR_MISS_EDITS = 2
 
 # "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
 # the others are the op's backends ("auto", "torch", GPU kernels).
@@ -155,8 +161,35 @@ def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
     return max(1, int(value * 1024**3))
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Single-letter insertions, deletions and substitutions that turn `a` into `b` (Levenshtein)."""
+    previous = list(range(len(b) + 1))
+    for i, letter in enumerate(a, 1):
+        current = [i]
+        for j, other in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (letter != other)))
+        previous = current
+    return previous[-1]
+
+
+def check_known_keys(options: Mapping | None) -> None:
+    """ValueError for a key of ours we do not know, or a near miss of one: a misspelt entry must not be ignored.
+
+    verl's own keys of `fused_kernel_options` (e.g. impl_backend) are left alone."""
+    for key in options or ():
+        if not isinstance(key, str) or key in CONFIG_KEYS:
+            continue
+        if key.startswith(CONFIG_NAMESPACE) or min(edit_distance(key, known) for known in CONFIG_KEYS) <= NEAR_MISS_EDITS:
+            nearest = difflib.get_close_matches(key, CONFIG_KEYS, n=1, cutoff=0)[0]  # most letters in common
+            raise ValueError(
+                f"{CONFIG_PREFIX}.{key} is not a verl_fused_hook entry; did you mean {CONFIG_PREFIX}.{nearest}? "
+                f"allowed: {', '.join(CONFIG_KEYS)}"
+            )
+
+
 def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | None = None) -> FusedForwardPlan:
     """Combine the environment and an engine's `fused_kernel_options` into one plan (see module docstring)."""
+    check_known_keys(options)
     env_mode = parse_env(environ)
     config_mode = parse_config_mode(options)
     config_backend = parse_config_backend(options)
