@@ -1,0 +1,247 @@
+"""`verl-fused-hook doctor`: what the plugin will do on this machine, checked before a multi-hour job.
+
+Why: a wrong version, a missing entry point or a misspelt config entry should
+show up in a minute on the login node, not as a different code path hours
+into a run. Each check prints one line (`ok`, `warn` or `FAIL`) and the exit
+status is 1 when something would fail at start-up:
+
+- versions: torch, megatron-core (>= 0.18: the hook), verl (>= 0.9.1), mbridge; optional ones;
+- hook probe: a tiny megatron-core GPTModel (CPU, its own process) built and run through
+  `fused_output_processor`; its log-probs must equal the model's own logits path;
+- device and backends: the GPU, which op backend `auto` picks for the job's hidden size and dtype,
+  and why each other backend would not run;
+- entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
+- plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
+  from the environment and, when given, verl's Hydra config with overrides;
+- op self-check: log-probs, entropy and both gradients against fp64 on the device at hand.
+
+Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [OVERRIDE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.metadata
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from packaging.version import Version
+
+from verl_fused_hook import log_probs_and_entropy
+from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
+
+from ..support.reference import reference_log_probs_entropy, relative_error
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+# (distribution, oldest supported, what needs it)
+REQUIRED = (
+    ("torch", "2.6", "the op"),
+    ("megatron-core", "0.18", "the output_processor hook (PR 4686)"),
+    ("verl", "0.9.1", "the plugin's call sites"),
+    ("mbridge", "0.15.1", "verl's model build (the plugin fixes its ModelType lookup on megatron-core >= 0.18)"),
+)
+OPTIONAL = ("triton", "transformer-engine", "liger-kernel")
+ENTRY_POINT_GROUP, ENTRY_POINT_NAME = "verl.plugins", "verl_fused_hook"
+PLUGIN_POLICY_ENV = "VERL_USE_EXTERNAL_PLUGINS"
+# Self-check shape: a vocabulary that divides nothing, rows that do not fill a tile, a temperature other than 1.
+SELF_CHECK = dict(rows=300, hidden=256, vocab=5003, temperature=0.7)
+# fp32 inputs: fp32 rounding over the vocabulary. bf16 inputs (the GPU kernels' dtype): the outputs are still
+# fp32-exact, the gradients carry bf16 rounding of d_logits (docs/op.md: <= 2.5e-3 relative).
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-5, 5e-3)}
+HOOK_PROBE_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class Finding:
+    topic: str
+    status: str
+    text: str
+
+    def line(self) -> str:
+        return f"[{self.status:>4}] {self.topic:<14} {self.text}"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> list[Finding]:
+    findings = []
+    for distribution, oldest, needed_by in REQUIRED:
+        found = _version(distribution)
+        if found is None:
+            findings.append(Finding(distribution, FAIL, f"not installed (>= {oldest} needed for {needed_by})"))
+        elif Version(found) < Version(oldest):
+            findings.append(Finding(distribution, FAIL, f"{found} is too old (>= {oldest} needed for {needed_by})"))
+        else:
+            findings.append(Finding(distribution, OK, f"{found} (>= {oldest})"))
+    optional = ", ".join(f"{name} {_version(name) or 'not installed'}" for name in OPTIONAL)
+    findings.append(Finding("optional", OK, optional))
+    return findings
+
+
+def _hook_probe_in_this_process() -> Finding:
+    """Build a tiny GPTModel on the CPU and compare the hook's log-probs with the model's own logits."""
+    from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
+    from verl_fused_hook.probe import OutputProcessorUnsupportedError, require_output_processor_support
+
+    from ..stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+
+    init_model_parallel(1)
+    vocab = 97
+    model = build_cpu_gpt(tiny_transformer_config(), vocab_size=vocab)
+    try:
+        require_output_processor_support(model)
+    except OutputProcessorUnsupportedError as error:
+        return Finding("hook probe", FAIL, str(error))
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (2, 11), generator=generator)
+    labels = torch.randint(0, vocab, (2, 11), generator=generator)
+    position_ids = torch.arange(11).expand(2, 11)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        expected = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        output = model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=None, labels=labels,
+            output_processor=fused_output_processor,
+            output_processor_context=FusedOutputProcessorContext(temperature=0.7),
+        )  # fmt: skip
+    error = (output.log_probs.double() - expected).abs().max().item()
+    if error > HOOK_PROBE_TOLERANCE:
+        return Finding("hook probe", FAIL, f"the hook's log-probs differ from the model's logits by {error:.2e}")
+    return Finding("hook probe", OK, f"GPTModel.forward calls fused_output_processor; log-probs match its logits ({error:.1e})")
+
+
+def check_hook_probe() -> Finding:
+    """The probe in a fresh process: the CPU stand-ins it needs must not leak into this one."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(_hook_probe_in_this_process).result(timeout=600)
+        except Exception as error:  # the probe's own failure is the finding
+            return Finding("hook probe", FAIL, f"{type(error).__name__}: {error}")
+
+
+def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Finding]:
+    from verl_fused_hook.ops.backends import BACKENDS, resolve_backend
+    from verl_fused_hook.ops.interface import build_problem
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    else:
+        device, where = torch.device("cpu"), "no CUDA device: CPU only"
+    findings = [Finding("device", OK, where)]
+    hidden = torch.zeros(4, hidden_size, dtype=dtype, device=device)
+    weight = torch.zeros(8, hidden_size, dtype=dtype, device=device)
+    problem = build_problem(
+        hidden, weight, torch.zeros(4, dtype=torch.long, device=device), temperature=1.0, tp_group=None,
+        score_mask=None, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
+    )  # fmt: skip
+    picked = resolve_backend("auto", problem).name
+    others = []
+    for name in BACKENDS:
+        reason = BACKENDS[name].unavailable_reason(problem)
+        others.append(f"{name}: {'runs' if reason is None else reason}")
+    findings.append(Finding("backends", OK, f"auto picks {picked} for {str(dtype).removeprefix('torch.')} "
+                                            f"H={hidden_size} on {device.type}; " + "; ".join(others)))
+    return findings
+
+
+def check_entry_point() -> Finding:
+    entries = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
+    if not entries:
+        return Finding("entry point", FAIL, f"no {ENTRY_POINT_GROUP} entry {ENTRY_POINT_NAME!r}: `import verl` will not load "
+                                            "the plugin (pip install the package into verl's environment)")
+    try:
+        entries[0].load()
+    except Exception as error:  # verl's loader would log this at DEBUG and go on without the plugin
+        return Finding("entry point", FAIL, f"{entries[0].value} fails to import: {type(error).__name__}: {error}")
+    policy = os.environ.get(PLUGIN_POLICY_ENV, "auto").strip().lower()
+    allowed = policy == "auto" or ENTRY_POINT_NAME in {p.strip() for p in policy.split(",")}
+    if not allowed:
+        return Finding("entry point", WARN, f"{PLUGIN_POLICY_ENV}={policy}: verl skips {ENTRY_POINT_NAME}; load it with "
+                                            "actor_rollout_ref.model.external_lib=verl_fused_hook instead")
+    return Finding("entry point", OK, f"{ENTRY_POINT_GROUP}: {ENTRY_POINT_NAME} = {entries[0].value} imports; "
+                                      f"{PLUGIN_POLICY_ENV}={policy}: verl loads it in every process")
+
+
+def _fused_kernel_options(config_name: str | None, overrides: list[str]):
+    """verl's trainer config composed as `python -m verl.trainer.main_ppo` composes it, or None without one."""
+    if config_name is None and not overrides:
+        return None
+    from hydra import compose, initialize_config_dir
+
+    import verl.trainer.main_ppo as main_ppo
+
+    config_dir = os.path.join(os.path.dirname(main_ppo.__file__), "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name=config_name or "ppo_trainer", overrides=overrides)
+    return config.actor_rollout_ref.model.get("fused_kernel_options")
+
+
+def check_plan(config_name: str | None, overrides: list[str]) -> Finding:
+    try:
+        options = _fused_kernel_options(config_name, overrides)
+        plan = resolve_plan(options)
+    except Exception as error:  # exactly what the engine build would raise
+        return Finding("plan", FAIL, f"{type(error).__name__}: {error}")
+    source = "the environment" if options is None else f"the environment and {CONFIG_PREFIX} of the composed config"
+    return Finding("plan", OK, f"from {source} ({ENV_VAR}={os.environ.get(ENV_VAR, 'unset')}): {plan.log_line('MegatronEngine')}")
+
+
+def check_op(dtype: torch.dtype) -> Finding:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype if device == "cuda" else torch.float32
+    shape = SELF_CHECK
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(shape["rows"], shape["hidden"], generator=generator).to(device, dtype)
+    weight = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) / shape["hidden"] ** 0.5).to(device, dtype)
+    labels = torch.randint(0, shape["vocab"], (shape["rows"],), generator=generator).to(device)
+    g_lp, g_ent = (torch.randn(shape["rows"], generator=generator).to(device) for _ in range(2))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    log_probs, entropy = log_probs_and_entropy(h, w, labels, temperature=shape["temperature"])
+    torch.autograd.backward((log_probs, entropy), (g_lp, g_ent))
+    ref_lp, ref_ent, ref_dh, ref_dw = reference_log_probs_entropy(
+        hidden.cpu(), weight.cpu(), labels.cpu(), temperature=shape["temperature"], grad_outputs=(g_lp.cpu(), g_ent.cpu())
+    )
+    value_error = max((log_probs.cpu().double() - ref_lp).abs().max().item(), (entropy.cpu().double() - ref_ent).abs().max().item())
+    grad_error = max(relative_error(h.grad.cpu(), ref_dh), relative_error(w.grad.cpu(), ref_dw))
+    value_tol, grad_tol = TOLERANCES[dtype]
+    text = (f"{device} {str(dtype).removeprefix('torch.')} {shape['rows']}x{shape['hidden']}x{shape['vocab']}, T=0.7: "
+            f"log-prob/entropy max error {value_error:.1e} (<= {value_tol:g}), gradients {grad_error:.1e} (<= {grad_tol:g})")
+    return Finding("op self-check", OK if value_error <= value_tol and grad_error <= grad_tol else FAIL, text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=4096, help="the model's hidden size, for the backend pick")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype (default bf16)")
+    parser.add_argument("--config-name", default=None, help="verl trainer config to compose (default ppo_trainer "
+                                                            "when overrides are given)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides as on verl's command line, e.g. "
+                                                     "+actor_rollout_ref.model.fused_kernel_options.output_processor_fused_loss=true")
+    args = parser.parse_args(argv)
+    if args.hidden_size < 1:
+        parser.error(f"--hidden-size: must be >= 1, got {args.hidden_size}")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    findings = check_versions()
+    findings.append(check_hook_probe())
+    findings += check_device_and_backends(args.hidden_size, dtype)
+    findings.append(check_entry_point())
+    findings.append(check_plan(args.config_name, args.overrides))
+    findings.append(check_op(dtype))
+    for finding in findings:
+        print(finding.line(), flush=True)
+    failed = [f.topic for f in findings if f.status == FAIL]
+    print(f"doctor: {'FAIL: ' + ', '.join(failed) if failed else 'OK'} ({len(findings)} checks, "
+          f"{sum(f.status == WARN for f in findings)} warnings)")
+    return 1 if failed else 0
