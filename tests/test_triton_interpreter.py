@@ -44,7 +44,7 @@ def _interpreted_cases() -> list[dict]:
         return real_addmm(accumulator, a.float(), b.float(), beta=beta, out=out)
 
     torch.addmm = addmm_fp32_output
-    fused_loss._chunk_passes = lambda p, chunk_rows, keep, budget: fused_loss._StoredChunks(p, chunk_rows, keep, budget)
+    triton_backend.unavailable_reason = lambda p: None  # "auto" then takes the Triton passes on the CPU
 
     results = []
     n, h, v = 70, 64, 301  # v divides nothing: a partial last tile, a row pitch padded to 8
