@@ -161,7 +161,9 @@ def build_problem(
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
 
-    if tp_world_size > 1:
+    row_temperature = _check_temperature(temperature, labels, hidden.device)
+
+    if tp_world_size > 1:  # the collectives come after every check
         check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), int(scored.sum()))
 
     vocab_start = tp_rank * local_vocab
@@ -170,7 +172,7 @@ def build_problem(
         hidden=hidden.reshape(-1, hidden.shape[-1]),
         weight=weight,
         labels=flat_labels,
-        temperature=_check_temperature(temperature, labels, hidden.device),
+        temperature=row_temperature,
         active_rows=scored.nonzero().squeeze(1),
         vocab_start=vocab_start,
         valid_columns=max(0, min(local_vocab, vocab_size - vocab_start)),
