@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook.ops.loss_inside import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
+from verl_fused_hook.ops import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_on_gloo
 from verl_fused_hook.verl_integration.ppo_loss import (
     SUPPORTED_AGG_MODES,

@@ -59,6 +59,7 @@ def shard_worker(rank, world_size, case, mask_everything):
         labels,
         temperature=temperature,
         tp_group=dist.group.WORLD,
+        tp_hidden="partial",  # each rank's own shard's d_hidden: summed below
         score_mask=score_mask,
         vocab_size=vocab,
         backend="torch",

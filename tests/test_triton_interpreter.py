@@ -1,11 +1,15 @@
-"""The fused loss's Triton path on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against fp64.
+"""The Triton backend's paths on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against fp64.
 
-Why: the GPU tests (tests/gpu/test_triton_chunk_kernels.py) need an H200; this runs the same kernels'
-arithmetic in CI: the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the
-chunking and the d_weight accumulation. Named fakes, for what the CPU cannot do:
+Why: the GPU tests (tests/gpu/test_triton_backend.py, test_triton_chunk_kernels.py) need an H200; this runs
+the same kernels' arithmetic and the same host code in CI. The two-pass op: the statistics kernel over
+compacted (or all) rows, the recomputing gradient pass over vocabulary chunks and row tiles, d_weight
+written directly or summed in fp32 per chunk, d_hidden only or d_weight only, no gradients. The fused loss:
+the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the chunking and the
+d_weight accumulation, with and without the entropy. Named fakes, for what the CPU cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
-- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `_num_sms`);
-- `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies.
+- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `GRAD_CONFIG`, `_num_sms`);
+- `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
+- the backend's availability check (CUDA, Hopper, bf16) answered "available".
 The interpreter is set at import time, so the checks run in a fresh subprocess.
 """
 
@@ -26,15 +30,15 @@ VALUE_TOL = 1e-5  # fp32 statistics, as the Triton backend's
 GRAD_TOL = 1e-3  # fp16 d_logits (2^-11 rounding) and fp16 outputs: relative, Frobenius (3e-4 measured)
 
 
-def _interpreted_cases() -> list[dict]:
-    """Run in the subprocess: each case's errors against fp64 autograd of the same weighted-sum loss."""
+def _interpret_on_cpu():
+    """The named fakes above; returns the Triton backend module."""
     import torch
 
-    from verl_fused_hook.ops import loss_inside as fused_loss, triton_backend
+    from verl_fused_hook.ops import triton_backend
     from verl_fused_hook.ops import triton_chunk_kernels as chunk_kernels
 
     small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
-    triton_backend.FORWARD_CONFIG = chunk_kernels.FORWARD_CONFIG = small
+    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = chunk_kernels.FORWARD_CONFIG = small
     triton_backend._num_sms = lambda device: 4
     real_addmm = torch.addmm
 
@@ -44,8 +48,81 @@ def _interpreted_cases() -> list[dict]:
         return real_addmm(accumulator, a.float(), b.float(), beta=beta, out=out)
 
     torch.addmm = addmm_fp32_output
-    fused_loss._chunk_passes = lambda p, chunk_rows, keep, budget: fused_loss._StoredChunks(p, chunk_rows, keep, budget)
+    triton_backend.unavailable_reason = lambda p: None  # "auto" then takes the Triton passes on the CPU
+    return triton_backend
 
+
+def _fp64_reference(hidden, weight, labels, active, temperature, g_lp, g_ent):
+    """log-probs, entropy and both gradients of sum(g_lp lp + g_ent H) in fp64 autograd (0 on inactive rows)."""
+    import torch
+
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    log_softmax = torch.log_softmax(hd @ wd.t() / temperature.double().unsqueeze(1), dim=1)
+    lp = torch.where(active, log_softmax.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    ent = torch.where(active, -(log_softmax.exp() * log_softmax).sum(1), 0.0)
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    return lp.detach(), ent.detach(), hd.grad, wd.grad
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _interpreted_two_pass_cases() -> list[dict]:
+    """Run in the subprocess: `log_probs_and_entropy(backend="triton")`, each case's errors against fp64."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_and_entropy
+
+    triton_backend = _interpret_on_cpu()
+    results = []
+    n, h, v = 70, 64, 301
+    budgets = {"one tile, one chunk": (8192, 1024**3), "row tiles x vocabulary chunks": (64, 1)}
+    cases = [(budget, masked, wants) for budget in budgets for masked in (True, False) for wants in ("both", "weight")]
+    cases.append(("row tiles x vocabulary chunks", True, "no entropy"))
+    for index, (budget, masked, wants) in enumerate(cases):
+        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        g = torch.Generator().manual_seed(100 + index)
+        hidden = (torch.randn(n, h, generator=g)).half()
+        weight = (torch.randn(v, h, generator=g) * 0.5).half()
+        labels = torch.randint(0, v, (n,), generator=g)
+        score_mask = torch.rand(n, generator=g) > 0.3 if masked else None
+        temperature = torch.rand(n, generator=g) + 0.5
+        entropy_on = wants != "no entropy"
+        g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g) if entropy_on else torch.zeros(n)
+        hid = hidden.clone().requires_grad_(wants != "weight")
+        w = weight.clone().requires_grad_()
+        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask,
+                                        calculate_entropy=entropy_on, backend="triton")
+        ((lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_on else 0)).backward()
+        active = torch.ones(n, dtype=torch.bool) if score_mask is None else score_mask
+        ref = _fp64_reference(hidden, weight, labels, active, temperature, g_lp, g_ent)
+        with torch.no_grad():
+            lp_plain, ent_plain = log_probs_and_entropy(hidden, weight, labels, temperature=temperature,
+                                                        score_mask=score_mask, calculate_entropy=entropy_on, backend="triton")
+        results.append(
+            {
+                "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
+                "tiles": len(triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32).tiles(int(active.sum()))),
+                "log_prob": (lp.double() - ref[0]).abs().max().item(),
+                "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
+                "entropy_is_none": ent is None,
+                "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
+                "d_weight": _rel(w.grad, ref[3]),
+                "inactive_zero": bool((lp[~active] == 0).all()) and (hid.grad is None or bool((hid.grad[~active] == 0).all())),
+                "no_grad_same": torch.equal(lp_plain, lp.detach()) and (not entropy_on or torch.equal(ent_plain, ent.detach())),
+            }
+        )
+    return results
+
+
+def _interpreted_cases() -> list[dict]:
+    """Run in the subprocess: each case's errors against fp64 autograd of the same weighted-sum loss."""
+    import torch
+
+    from verl_fused_hook.ops import loss_inside as fused_loss
+
+    _interpret_on_cpu()
     results = []
     n, h, v = 70, 64, 301  # v divides nothing: a partial last tile, a row pitch padded to 8
     for offset, chunk_rows in ((0.0, None), (0.0, 16), (0.0, 48), (-3000.0, 32)):
@@ -105,13 +182,68 @@ def _interpreted_cases() -> list[dict]:
     return results
 
 
-def test_fused_loss_triton_path_in_the_interpreter():
+def _interpreted_loss_without_entropy() -> dict:
+    """Run in the subprocess: the fused loss with calculate_entropy=False (the gradient pass gets zeros for the
+    entropy's gradient), two chunks, against fp64."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_entropy_and_loss
+
+    _interpret_on_cpu()
+    g = torch.Generator().manual_seed(7)
+    n, h, v = 40, 32, 150
+    hidden, weight = torch.randn(n, h, generator=g).half(), (torch.randn(v, h, generator=g) * 0.5).half()
+    labels = torch.randint(0, v, (n,), generator=g)
+    temperature, g_lp = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+    hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = log_probs_entropy_and_loss(
+        hid, w, labels, loss_fn=lambda lp, ent: ((lp * g_lp).sum(), {}), loss_name="weighted log-probs",
+        temperature=temperature, calculate_entropy=False, chunk_rows=24, backend="triton",
+    )
+    out.loss.backward()
+    ref = _fp64_reference(hidden, weight, labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, torch.zeros(n))
+    return {
+        "entropy_is_none": out.entropy is None,
+        "log_prob": (out.log_probs.double() - ref[0]).abs().max().item(),
+        "d_hidden": _rel(hid.grad, ref[2]),
+        "d_weight": _rel(w.grad, ref[3]),
+    }
+
+
+def _run_interpreted(function: str):
+    """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
-    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; print(json.dumps(t._interpreted_cases()))"
+    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; print(json.dumps(t.{function}()))"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_two_pass_triton_path_in_the_interpreter():
+    cases = _run_interpreted("_interpreted_two_pass_cases")
+    assert len(cases) == 9
+    for case in cases:
+        label = case["case"]
+        assert case["inactive_zero"] and case["no_grad_same"], label
+        assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
+        assert case["entropy_is_none"] == label.endswith("no entropy"), label
+        assert case["d_weight"] <= GRAD_TOL, (label, case)
+        if label.endswith("grads of weight"):
+            assert case["d_hidden"] is None, label
+        else:
+            assert case["d_hidden"] <= GRAD_TOL, (label, case)
+        assert (case["tiles"] > 1) == label.startswith("row tiles"), (label, case)
+
+
+def test_fused_loss_without_entropy_in_the_interpreter():
+    case = _run_interpreted("_interpreted_loss_without_entropy")
+    assert case["entropy_is_none"]
+    assert case["log_prob"] <= VALUE_TOL and case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
+
+
+def test_fused_loss_triton_path_in_the_interpreter():
+    cases = _run_interpreted("_interpreted_cases")
     assert len(cases) == 4
     for case in cases:
         label = f"offset {case['offset']}, chunk_rows {case['chunk_rows']}"

@@ -195,7 +195,8 @@ def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size
     h = hidden.cuda().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].cuda().requires_grad_()
     lp, ent = log_probs_and_entropy(
-        h, w, labels.cuda(), temperature=0.8, tp_group=dist.group.WORLD, vocab_size=vocab_size, backend="triton"
+        h, w, labels.cuda(), temperature=0.8, tp_group=dist.group.WORLD, tp_hidden="partial", vocab_size=vocab_size,
+        backend="triton",
     )
     ((lp * g_lp.cuda()).sum() + (ent * g_ent.cuda()).sum()).backward()
     return lp.cpu(), ent.cpu(), h.grad.float().cpu(), w.grad.float().cpu()

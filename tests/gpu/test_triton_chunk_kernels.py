@@ -153,7 +153,7 @@ def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size
     w = weight[rank * shard : (rank + 1) * shard].cuda().requires_grad_()
     out = log_probs_entropy_and_loss(
         h, w, labels.cuda(), loss_fn=_weighted_sum(g_lp.cuda(), g_ent.cuda()), loss_name="weighted sum",
-        temperature=0.8, tp_group=dist.group.WORLD, vocab_size=vocab_size, chunk_rows=128,
+        temperature=0.8, tp_group=dist.group.WORLD, tp_hidden="partial", vocab_size=vocab_size, chunk_rows=128,
     )
     out.loss.backward()
     return out.log_probs.cpu(), out.entropy.cpu(), h.grad.float().cpu(), w.grad.float().cpu()

@@ -1,14 +1,28 @@
-"""The op: per-token log-probs and entropy from hidden states and a vocab-parallel output weight."""
+"""The op: per-token log-probs and entropy from hidden states and a vocab-parallel output weight.
 
-from .backends import BACKEND_CHOICES
-from .loss_inside import FusedLossResult, LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
-from .interface import log_probs_and_entropy
+Two drivers over one set of backend primitives: `log_probs_and_entropy` (statistics in forward,
+logits recomputed in backward) and `log_probs_entropy_and_loss` (a token-separable loss inside,
+each chunk's logits computed once). See docs/op.md.
+"""
+
+from .backends import BACKEND_CHOICES, BackendCapabilities, backend_capabilities, backend_unavailable_at_build
+from .interface import check_temperature_values
+from .loss_inside import FusedLossResult, LossGradientError, log_probs_entropy_and_loss
+from .separability import NonFiniteLossGradientError, NonSeparableLossError
+from .tensor_parallel import TP_HIDDEN_CHOICES
+from .two_pass import log_probs_and_entropy
 
 __all__ = [
     "BACKEND_CHOICES",
+    "BackendCapabilities",
     "FusedLossResult",
     "LossGradientError",
+    "NonFiniteLossGradientError",
     "NonSeparableLossError",
+    "TP_HIDDEN_CHOICES",
+    "backend_capabilities",
+    "backend_unavailable_at_build",
+    "check_temperature_values",
     "log_probs_and_entropy",
     "log_probs_entropy_and_loss",
 ]

@@ -1,10 +1,22 @@
-"""Backend registry: which implementations exist, whether each can run these inputs, and what "auto" picks.
+"""Backend registry: which implementations exist, what each can run, and what "auto" picks.
 
-A backend is a module-level `run(problem)` plus a function that returns None when
-it can run the problem or a sentence saying why not. "auto" walks PREFERENCE and
-logs every backend it passes over, so no fallback is silent: at debug level
-on the CPU (where the portable backend is the only choice), and once per
-reason at warning level when inputs on a GPU miss a faster backend.
+A backend is a module (imported lazily: a GPU backend must not break CPU imports) with
+`unavailable_reason(problem)` and `build_unavailable_reason(hidden_size, device_type)`, each
+None when it can run or a sentence saying why not, and either
+
+- block primitives, for both drivers: `two_pass_passes(problem)` (gradients recompute the
+  logits) and `loss_inside_passes(problem, keep, chunk_rows, chunk_bytes)` (statistics keep
+  each block's logits for its gradients when `keep`). Passes of one call have `block_count`,
+  `blocks()` (RowBlocks in order), `statistics(block)` (this shard's Partials of the block),
+  `gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden, weight_sum)`
+  (d_hidden of the block or None; d_weight added into the WeightGradientSum), and, for the
+  two-pass driver, `for_backward()` (the tensors to save and how to rebuild the passes);
+- or `run(problem)`, a whole-problem backend (statistics and gradients in one autograd
+  function of its own): the two-pass driver runs it whole, the loss-inside driver refuses it.
+
+"auto" walks PREFERENCE and logs every backend it passes over, so no fallback is silent: at
+debug level on the CPU (where the portable backend is the only choice), and once per reason at
+warning level when inputs on a GPU miss a faster backend. It never picks "verl".
 """
 
 from __future__ import annotations
@@ -13,7 +25,6 @@ import functools
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 from .problem import LogProbProblem
 
@@ -21,9 +32,29 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can run, for callers that decide before they hold tensors (the integration).
+
+    per_row_temperature: a temperature tensor shaped like labels; row_selection: rows left out by
+    score_mask or ignore_index; padded_vocabulary: vocab_size below V_local * tp size;
+    label_is_max: return_label_is_max=True; loss_inside: `log_probs_entropy_and_loss`.
+    """
+
+    per_row_temperature: bool = True
+    row_selection: bool = True
+    padded_vocabulary: bool = True
+    label_is_max: bool = True
+    loss_inside: bool = True
+
+
+@dataclass(frozen=True)
 class Backend:
+    """`module` holds the backend's functions; `whole_problem`: it has `run(problem)`, not block primitives."""
+
     name: str
-    module: str  # imported lazily: a GPU backend must not break CPU imports
+    module: str
+    capabilities: BackendCapabilities
+    whole_problem: bool = False
 
     def load(self):
         return importlib.import_module(self.module, package=__package__)
@@ -33,13 +64,20 @@ class Backend:
             module = self.load()
         except ImportError as error:
             return f"cannot be imported ({error})"
-        check: Callable[[LogProbProblem], str | None] | None = getattr(module, "unavailable_reason", None)
-        return check(problem) if check is not None else None
+        return module.unavailable_reason(problem)
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", ".triton_backend"),
-    "torch": Backend("torch", ".torch_backend"),
+    "triton": Backend("triton", ".triton_backend", BackendCapabilities()),
+    "torch": Backend("torch", ".torch_backend", BackendCapabilities()),
+    "verl": Backend(
+        "verl",
+        ".verl_backend",
+        BackendCapabilities(
+            per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False
+        ),
+        whole_problem=True,
+    ),
 }
 
 # Fastest first; "auto" takes the first whose unavailable_reason is None.
@@ -48,15 +86,48 @@ PREFERENCE: tuple[str, ...] = ("triton", "torch")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 
 
+def check_backend_name(backend) -> None:
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKEND_CHOICES)}")
+
+
+def backend_capabilities(backend: str) -> BackendCapabilities:
+    """What `backend` can run; "auto" can run everything (the portable backend takes any input)."""
+    check_backend_name(backend)
+    return BackendCapabilities() if backend == "auto" else BACKENDS[backend].capabilities
+
+
+def backend_unavailable_at_build(backend: str, *, hidden_size: int, device_type: str) -> str | None:
+    """None when `backend` can run a model of this hidden size on this device type ("cuda", "cpu"),
+    else why not; needs no tensors, so a job can stop at model build instead of its first step.
+    Inputs known only per step (dtype, masks, temperatures) are checked per call."""
+    check_backend_name(backend)
+    if backend == "auto":
+        return None
+    try:
+        module = BACKENDS[backend].load()
+    except ImportError as error:
+        return f"cannot be imported ({error})"
+    return module.build_unavailable_reason(hidden_size, device_type)
+
+
 @functools.cache  # one line per distinct reason, not one per training step
-def _warn_once(candidate: str, reason: str) -> None:
-    logger.warning("log_probs_and_entropy: backend=auto skips %r on this GPU: %s", candidate, reason)
+def _warn_once(driver: str, candidate: str, reason: str) -> None:
+    logger.warning("%s: backend=auto skips %r on this GPU: %s", driver, candidate, reason)
 
 
-def resolve_backend(name: str, problem: LogProbProblem) -> Backend:
-    """The backend to run `problem` with; ValueError when the named one cannot."""
+def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs_and_entropy") -> Backend:
+    """The backend to run `problem` with in `driver` (the op's name); ValueError when the named one cannot."""
+    check_backend_name(name)
+    loss_inside = driver == "log_probs_entropy_and_loss"
     if name != "auto":
         backend = BACKENDS[name]
+        if loss_inside and not backend.capabilities.loss_inside:
+            raise ValueError(
+                f"backend={name!r} cannot run {driver}: its kernel computes statistics and gradients in one call, "
+                f"so no loss fits between them; allowed: "
+                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).loss_inside)}"
+            )
         reason = backend.unavailable_reason(problem)
         if reason is not None:
             raise ValueError(f"backend={name!r} is unavailable here: {reason}; allowed: {', '.join(BACKEND_CHOICES)}")
@@ -67,7 +138,7 @@ def resolve_backend(name: str, problem: LogProbProblem) -> Backend:
         if reason is None:
             return backend
         if problem.hidden.is_cuda:
-            _warn_once(candidate, reason)
+            _warn_once(driver, candidate, reason)
         else:
-            logger.debug("log_probs_and_entropy: backend=auto skips %r: %s", candidate, reason)
+            logger.debug("%s: backend=auto skips %r: %s", driver, candidate, reason)
     raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs

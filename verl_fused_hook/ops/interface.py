@@ -1,4 +1,4 @@
-"""The public op: argument checks, normalization and backend dispatch."""
+"""The ops' arguments: every check, and their normalization into one `LogProbProblem`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .backends import BACKEND_CHOICES, resolve_backend
 from .problem import LogProbProblem, default_tile_rows
+from .tensor_parallel import check_tp_hidden, full_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -92,82 +92,6 @@ def check_row_counts_agree(tp_group, device: torch.device, num_rows: int, scored
     _row_counts_checked.add(tp_group)
 
 
-def log_probs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: float | torch.Tensor = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    score_mask: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    vocab_size: int | None = None,
-    calculate_entropy: bool = True,
-    backend: str = "auto",
-    tile_rows: int | None = None,
-    return_label_is_max: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
-
-    Never materializes [rows, vocab] logits: rows are processed in tiles and the
-    backward recomputes each tile's logits.
-
-    Args:
-        hidden: [..., H] rows (any float dtype; computed in fp32, also under torch.autocast).
-        weight: [V_local, H], this rank's contiguous vocabulary shard: rank r of
-            `tp_group` holds global ids r*V_local ... (r+1)*V_local-1.
-        labels: global token ids shaped like `hidden` without its last dim.
-        temperature: float > 0, or a floating tensor of per-row temperatures shaped like
-            labels (no gradient flows to it: a tensor that requires grad is refused).
-        tp_group: the tensor-parallel group the vocabulary is sharded over (None: one rank).
-        score_mask: bool tensor shaped like labels; False rows are not computed.
-        ignore_index: label value of rows that are not computed.
-        vocab_size: true global vocabulary; columns at or past it (padding) are
-            excluded from the softmax. Default: V_local * tp size.
-        calculate_entropy: when False the entropy is neither computed nor returned.
-        backend: one of "auto", "torch" (and GPU kernels when installed).
-        tile_rows: rows per tile; default keeps one fp32 logits tile near 256 MiB.
-        return_label_is_max: also return, per row, whether the label's logit is the
-            row maximum over the whole vocabulary (greedy acceptance, e.g. MTP's).
-
-    Returns:
-        (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
-        Rows not computed hold 0 and get zero gradient. With return_label_is_max a
-        third output: bool shaped like labels, not differentiable, False on rows not
-        computed; a label tied with another column at the maximum counts as True.
-
-    Tensor-parallel contract (Megatron's convention): every rank passes the same
-    full `hidden` and gets identical outputs. Backward returns each rank's
-    *partial* d_hidden (its shard's contribution: the caller sums it over the
-    group, as Megatron's copy_to_tensor_model_parallel_region or the
-    sequence-parallel gather does in their backward) and the rank's own d_weight.
-    """
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKEND_CHOICES)}")
-    problem = build_problem(
-        hidden,
-        weight,
-        labels,
-        temperature=temperature,
-        tp_group=tp_group,
-        score_mask=score_mask,
-        ignore_index=ignore_index,
-        vocab_size=vocab_size,
-        calculate_entropy=calculate_entropy,
-        tile_rows=tile_rows,
-        return_label_is_max=return_label_is_max,
-    )
-    # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
-    # recomputes in fp32, see the backends' fp32_backward) working against bf16 statistics.
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        log_probs, entropy = resolve_backend(backend, problem).load().run(problem)
-    log_probs = log_probs.view(labels.shape)
-    entropy = entropy.view(labels.shape) if entropy is not None else None
-    if return_label_is_max:
-        return log_probs, entropy, problem.label_is_max.view(labels.shape)
-    return log_probs, entropy
-
-
 def build_problem(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -181,8 +105,13 @@ def build_problem(
     calculate_entropy: bool,
     tile_rows: int | None,
     return_label_is_max: bool = False,
+    tp_hidden: str = "replicated",
 ) -> LogProbProblem:
-    """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it)."""
+    """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it).
+
+    Under tensor parallelism its `hidden` holds every row, wired per `tp_hidden` (tensor_parallel.py) so
+    that the op's backward completes d_hidden; the gather of "sequence_sharded" runs after every check."""
+    check_tp_hidden(tp_hidden)
     for field, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         _check_tensor(field, value)
     if score_mask is not None:
@@ -193,10 +122,8 @@ def build_problem(
         raise ValueError(f"calculate_entropy: expected a bool, got {calculate_entropy!r}")
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden: must be [..., H] with H >= 1, got {tuple(hidden.shape)}")
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
-        )
+    tp_world_size, tp_rank = _tp_layout(tp_group)
+    _check_labels_shape(hidden, labels, tp_hidden, tp_world_size)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight: must be [V_local, H] with H={hidden.shape[-1]} matching hidden, got {tuple(weight.shape)}"
@@ -214,7 +141,6 @@ def build_problem(
     if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
 
-    tp_world_size, tp_rank = _tp_layout(tp_group)
     local_vocab = weight.shape[0]
     padded_vocab = local_vocab * tp_world_size
     if vocab_size is None:
@@ -235,15 +161,18 @@ def build_problem(
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
 
-    if tp_world_size > 1:
+    row_temperature = _check_temperature(temperature, labels, hidden.device)
+
+    if tp_world_size > 1:  # the collectives come after every check
         check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), int(scored.sum()))
 
     vocab_start = tp_rank * local_vocab
+    hidden = full_hidden(hidden, tp_hidden, tp_group, tp_world_size)
     problem = LogProbProblem(
         hidden=hidden.reshape(-1, hidden.shape[-1]),
         weight=weight,
         labels=flat_labels,
-        temperature=_check_temperature(temperature, labels, hidden.device),
+        temperature=row_temperature,
         active_rows=scored.nonzero().squeeze(1),
         vocab_start=vocab_start,
         valid_columns=max(0, min(local_vocab, vocab_size - vocab_start)),
@@ -252,5 +181,25 @@ def build_problem(
         calculate_entropy=calculate_entropy,
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
         label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
+        vocab_size=vocab_size,
     )
     return problem
+
+
+def _check_labels_shape(hidden: torch.Tensor, labels: torch.Tensor, tp_hidden: str, tp_world_size: int) -> None:
+    """labels (and what is shaped like them) cover every row: under "sequence_sharded" hidden's dim 0 is
+    this rank's slice, so labels' dim 0 is tp size times it."""
+    if tp_hidden == "sequence_sharded" and tp_world_size > 1:
+        if hidden.dim() < 2:
+            raise ValueError(f"hidden: tp_hidden='sequence_sharded' needs [s / tp, ..., H], got {tuple(hidden.shape)}")
+        rows = (hidden.shape[0] * tp_world_size, *hidden.shape[1:-1])
+        if labels.shape != rows:
+            raise ValueError(
+                f"labels: must be shaped like hidden without its last dim, hidden's dim 0 gathered over the {tp_world_size} "
+                f"ranks of tp_group (tp_hidden='sequence_sharded'): {rows}, got {tuple(labels.shape)}"
+            )
+        return
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+        )

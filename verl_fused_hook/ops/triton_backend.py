@@ -1,16 +1,18 @@
 """Fused Triton backend for CUDA (Hopper first): logits never reach memory in the forward,
 and the backward recomputes them one vocabulary chunk at a time.
 
-Forward: one kernel reduces each scored row's logits, tile by tile, to softmax
-statistics; the vocabulary is split across programs when rows are few, and the
-splits are merged here with the same shifted formulas as statistics.py.
-Backward: per vocabulary chunk and tile of rows, a kernel recomputes the logits and writes
-d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32
-accumulator and of the chunk's d_weight rows. Chunk width and tile height come from fixed
-budgets, not from the token count, so the time per row does not change with N. The fp32
-d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that grows
-with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once. No
-float atomics anywhere, so two runs give the same bits.
+Two-pass op (`RecomputingPasses`): every scored row is one block; its kernels tile rows and
+vocabulary themselves. Statistics: one kernel reduces each scored row's logits, tile by tile,
+to a Partial; the vocabulary is split across programs when rows are few, and the splits are
+merged with softmax_math's formulas. Gradients: per vocabulary chunk and tile of rows, a kernel
+recomputes the logits and writes d_logits (bf16); two cuBLAS GEMMs then add that tile's share of
+d_hidden into an fp32 accumulator and of the chunk's d_weight rows. Chunk width and tile height
+come from fixed budgets, not from the token count, so the time per row does not change with N.
+The fp32 d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that
+grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once.
+Loss-inside op (`StoredLogitsPasses`): blocks of rows near the chunk budget; the statistics
+kernel also keeps the logits in fp16, and the gradient pass overwrites them in place with
+d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
-from .precision import fp32_backward
-from .problem import LogProbProblem
-from .statistics import combine_row_statistics, rescale_partials, scatter_rows
+from .problem import LogProbProblem, RowBlock
+from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
+from .weight_gradient import WeightGradientSum
 
 # Working memory of the backward beside the fp32 d_hidden accumulator: the bf16 d_logits tile and, when the
 # rows need more than one tile, the fp32 accumulator of the chunk's d_weight rows.
@@ -38,6 +40,13 @@ SPLIT_OVERHEAD_TILES = 0.5
 # Programs running together should share few row blocks (kept in L2) and stream a few vocabulary
 # splits; with a single split, 132 programs would each stream their own 1 MiB row block per tile.
 MIN_SPLITS = 8
+# The loss-inside op's chunk of stored logits: 2 bytes per logit, the forward kernel keeps them in fp16 and
+# d_logits overwrites them. More rows per chunk add fewer times into the fp32 d_weight accumulator (V_local x H
+# x 4 bytes, read and written once per chunk; there is none when one chunk holds every scored row), and leave
+# more GPU work queued behind loss_fn's final evaluation, whose host time (~21 ms for verl's ppo_loss at 65k
+# tokens) the last chunk's GEMMs must cover. On the H200 at 65536 x 2048 x 151936: 4 GiB (5 chunks) 0.84x
+# the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
+STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,27 @@ def unavailable_reason(p: LogProbProblem) -> str | None:
         return f"hidden/weight must both be bfloat16, got {p.hidden.dtype} and {p.weight.dtype}"
     if p.hidden.shape[1] % 8 != 0:
         return f"H={p.hidden.shape[1]} not supported (TMA needs rows of a multiple of 8 bf16 elements)"
+    return _triton_import_error()
+
+
+def build_unavailable_reason(hidden_size: int, device_type: str) -> str | None:
+    """What can be known at model build: the device, the GPU generation, Triton, H."""
+    if device_type != "cuda":
+        return f"needs CUDA; the model is on {device_type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if torch.cuda.get_device_capability()[0] < 9:
+        return "needs a Hopper or newer GPU (TMA descriptors)"
+    if hidden_size % 8 != 0:
+        return f"H={hidden_size} not supported (TMA needs rows of a multiple of 8 bf16 elements)"
+    return _triton_import_error()
+
+
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401  (after the first call a dictionary lookup)
+    except ImportError as error:
+        return f"Triton cannot be imported ({error})"
     return None
 
 
@@ -108,25 +138,10 @@ def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
     return best
 
 
-def _row_inputs(p: LogProbProblem):
-    """Compacted scored rows: hidden, label column in this shard (-1 elsewhere), 1/temperature."""
-    rows = p.active_rows
-    all_rows = rows.numel() == p.num_rows
-    hidden = tma_ready(p.hidden if all_rows else p.hidden.index_select(0, rows))
-    local = p.labels.index_select(0, rows) - p.vocab_start
-    label_col = torch.where((local >= 0) & (local < p.valid_columns), local, -1).to(torch.int32)
-    if isinstance(p.temperature, torch.Tensor):
-        inv_temp = p.temperature.index_select(0, rows).reciprocal()
-    else:
-        inv_temp = torch.full((rows.numel(),), 1.0 / p.temperature, dtype=torch.float32, device=rows.device)
-    return hidden, label_col, inv_temp
-
-
-def _merge_splits(part_max, part_sum, part_dot, part_label):
-    """Combine [splits, rows] partial statistics into one per row."""
-    row_max = part_max.amax(dim=0)
-    total, dot = rescale_partials(row_max, part_max, part_sum, part_dot)
-    return row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0)
+def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
+    """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
+    hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
+    return RowBlock(span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows))
 
 
 @dataclass(frozen=True)
@@ -146,9 +161,7 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
 
     n = hidden.shape[0]
     if p.valid_columns == 0 or n == 0:
-        device = hidden.device
-        return (torch.full((n,), float("-inf"), device=device), torch.zeros(n, device=device),
-                torch.zeros(n, device=device), torch.zeros(n, device=device))
+        return no_column_partials(n, hidden.device)
     c = FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
@@ -167,15 +180,7 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
     )
     if splits == 1:
         return parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0]
-    return _merge_splits(*parts.unbind(0))
-
-
-def _forward(p: LogProbProblem):
-    weight = tma_ready(p.weight)
-    hidden, label_col, inv_temp = _row_inputs(p)
-    stats = local_statistics(p, hidden, weight, label_col, inv_temp)
-    log_probs, entropy, row_max, log_sum, shifted_mean = combine_row_statistics(p, *stats)
-    return log_probs, entropy, row_max, log_sum, shifted_mean, (hidden, weight, label_col, inv_temp)
+    return merge_partials(*parts.unbind(0))
 
 
 @dataclass(frozen=True)
@@ -202,11 +207,12 @@ def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: in
     return BackwardTiling(columns, -(-balanced // block_m) * block_m)
 
 
-def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d_weight):
-    """fp32 d_hidden over the scored rows (or None); fills d_weight[:valid_columns] when given."""
+def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, row_max, log_sum, shifted_mean,
+                          g_lp, g_ent, want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+    """fp32 d_hidden of the block (or None); d_weight[:valid_columns] chunk by chunk through weight_sum."""
     from . import triton_kernels as kernels
 
-    hidden, weight, label_col, inv_temp, row_max, log_sum, shifted_mean = saved
+    hidden = block.hidden
     n, h = hidden.shape
     c = GRAD_CONFIG
     tiling = backward_tiling(n, h, valid_columns, c.block_m, c.block_n)
@@ -215,14 +221,17 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
     # Several row tiles add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
     dw_chunk = None
-    if d_weight is not None and len(tiles) > 1:
+    if weight_sum is not None and len(tiles) > 1:
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
-    row_args = (label_col, inv_temp, row_max, log_sum, shifted_mean, grad_lp, grad_ent)
+    row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
     for start in range(0, valid_columns, tiling.columns):
         cols = min(tiling.columns, valid_columns - start)
         w_chunk = weight[start : start + cols]
-        for index, (first, count) in enumerate(tiles):
+        chunk_sum = None
+        if weight_sum is not None:
+            chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
+        for first, count in tiles:
             rows = slice(first, first + count)
             dz = dz_buffer[:count, :cols]
             kernels.grad_logits_kernel[(-(-count // c.block_m) * -(-cols // c.block_n),)](
@@ -234,70 +243,116 @@ def _backward(saved, valid_columns: int, grad_lp, grad_ent, want_hidden: bool, d
             )
             if d_hidden is not None:
                 torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
-            if dw_chunk is None:
-                if d_weight is not None:
-                    torch.mm(dz.t(), hidden[rows], out=d_weight[start : start + cols])
-            else:  # beta=0 on the first tile: the buffer's old contents are ignored, NaN included
-                accumulate = dw_chunk[:cols]
-                torch.addmm(accumulate, dz.t(), hidden[rows], beta=min(index, 1), out_dtype=torch.float32, out=accumulate)
-        if dw_chunk is not None:
-            d_weight[start : start + cols].copy_(dw_chunk[:cols])
+            if chunk_sum is not None:
+                chunk_sum.add(dz, hidden[rows])
+        if chunk_sum is not None:
+            chunk_sum.finish()
     return d_hidden
 
 
-class _FusedLogProbEntropy(torch.autograd.Function):
-    """Saves the compacted inputs plus three fp32 numbers per scored row (max, log sum-exp and
-    mean logit, both relative to the max)."""
+def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
+    return grad if grad is not None else torch.zeros(like.shape, dtype=torch.float32, device=like.device)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, p: LogProbProblem):
-        log_probs, entropy, row_max, log_sum, shifted_mean, inputs = _forward(p)
-        ctx.save_for_backward(*inputs, row_max, log_sum, shifted_mean, p.active_rows)
-        ctx.layout = (p.valid_columns, p.num_rows, p.calculate_entropy)
-        ctx.set_materialize_grads(False)
-        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
 
-    @staticmethod
-    @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
-    @fp32_backward
-    def backward(ctx, grad_log_probs, grad_entropy):
-        *saved, active_rows = ctx.saved_tensors
-        valid_columns, num_rows, calculate_entropy = ctx.layout
-        hidden, weight = saved[0], saved[1]
-        if not calculate_entropy:
-            grad_entropy = None
-        n = active_rows.numel()
-        grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = torch.zeros(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.empty_like(weight)
-            grad_weight[valid_columns:].zero_()
-        if valid_columns == 0 or n == 0 or (grad_log_probs is None and grad_entropy is None):
-            if grad_weight is not None:
-                grad_weight.zero_()
-            return grad_hidden, grad_weight, None
+class RecomputingPasses:
+    """Two-pass primitives: every scored row in one block (compacted when some are masked); statistics
+    run the forward kernel, gradients recompute the logits chunk by chunk. Saved for backward: the
+    block (its rows, an int32 label column and 1/T each) and the weight."""
 
-        def rows_of(grad):
-            if grad is None:
-                return torch.zeros(n, dtype=torch.float32, device=hidden.device)
-            return grad.index_select(0, active_rows).float()
+    block_count = 1
 
-        d_hidden = _backward(
-            saved, valid_columns, rows_of(grad_log_probs), rows_of(grad_entropy), grad_hidden is not None, grad_weight
+    def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock):
+        self.p, self.valid_columns, self.weight, self.block = p, valid_columns, weight, block
+
+    def blocks(self):
+        yield self.block
+
+    def statistics(self, block: RowBlock):
+        return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp)
+
+    def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
+                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+        return _recomputed_gradients(
+            block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, _zeros_for_none(g_lp, row_max),
+            _zeros_for_none(g_ent, row_max), want_hidden, weight_sum,
         )
-        if d_hidden is not None:
-            if n == num_rows:
-                grad_hidden.copy_(d_hidden)
+
+    def for_backward(self):
+        b = self.block
+        return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp), functools.partial(
+            _rebuilt_recomputing, self.valid_columns
+        )
+
+
+def _rebuilt_recomputing(valid_columns: int, hidden, weight, rows, label_col, inv_temp) -> RecomputingPasses:
+    return RecomputingPasses(None, valid_columns, weight, RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp))
+
+
+def two_pass_passes(p: LogProbProblem) -> RecomputingPasses:
+    block = _block(p, p.active_rows, slice(0, p.active_rows.numel()))
+    return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block)
+
+
+class StoredLogitsPasses:
+    """Loss-inside primitives. With `keep`, the forward kernel reduces each block's logits to statistics and
+    keeps them in fp16 (`StoredLogits`); the gradient pass overwrites them with d_logits in place
+    (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every block. Without `keep` (no
+    gradients) nothing is kept, and every scored row goes through the kernel at once."""
+
+    # The loss-inside op's final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs
+    # (host_evaluation.py; measured on the H200).
+    overlap_final_evaluation = True
+
+    def __init__(self, p: LogProbProblem, keep: bool, chunk_rows: int | None, chunk_bytes: int | None):
+        self.p, self.weight = p, tma_ready(p.weight)
+        self.columns = p.valid_columns
+        pitch = -(-self.columns // 8) * 8  # TMA: 16-byte aligned rows
+        tiles = -(-self.columns // FORWARD_CONFIG.block_n)
+        active = max(1, p.active_rows.numel())
+        self.store = self.buffer = self.tile_max = None
+        if not keep:
+            chunk_rows = active
+        elif chunk_rows is None:
+            row_bytes, block = 2 * pitch + 4 * tiles, FORWARD_CONFIG.block_m
+            budget = chunk_bytes or STORED_CHUNK_BUDGET_BYTES
+            # One chunk when it fits in what several would take with their fp32 d_weight accumulator.
+            if active * row_bytes <= budget + 4 * self.columns * p.hidden.shape[1]:
+                fit = active
             else:
-                grad_hidden.index_copy_(0, active_rows, d_hidden.to(hidden.dtype))
-        return grad_hidden, grad_weight, None
+                fit = max(block, budget // row_bytes // block * block)
+            chunk_rows = -(-active // -(-active // fit))  # equal chunks
+        self.block_rows = chunk_rows = min(chunk_rows, active)
+        self.block_count = -(-p.active_rows.numel() // chunk_rows)
+        if keep:
+            self.buffer = torch.empty(chunk_rows, pitch, dtype=torch.float16, device=p.weight.device)
+            self.tile_max = torch.empty(chunk_rows, tiles, dtype=torch.float32, device=p.weight.device)
+
+    def blocks(self):
+        active = self.p.active_rows
+        for start in range(0, active.numel(), self.block_rows):
+            span = slice(start, min(start + self.block_rows, active.numel()))
+            yield _block(self.p, active[span], span)
+
+    def statistics(self, block: RowBlock):
+        count = block.rows.numel()
+        if self.buffer is not None:
+            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count])
+        return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp, self.store)
+
+    def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
+                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+        from .triton_chunk_kernels import stored_grad_logits
+
+        grad_logits = stored_grad_logits(
+            self.store, block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp,
+            _zeros_for_none(g_ent, row_max), self.p.hidden.dtype,
+        )
+        if weight_sum is not None:
+            weight_sum.add(grad_logits, block.hidden)
+        return torch.mm(grad_logits, self.weight[: self.columns]) if want_hidden else None
 
 
-def run(p: LogProbProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs and entropy for `p`; differentiable in hidden and weight when they require grad."""
-    if not p.needs_grad:
-        with torch.no_grad():
-            log_probs, entropy, *_ = _forward(p)
-        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
-    return _FusedLogProbEntropy.apply(p.hidden, p.weight, p)
+def loss_inside_passes(p: LogProbProblem, keep: bool, chunk_rows: int | None, chunk_bytes: int | None) -> StoredLogitsPasses:
+    """Chunks of `chunk_rows`, else of stored logits near chunk_bytes (default STORED_CHUNK_BUDGET_BYTES); every
+    scored row in one chunk where that fits in the budget plus the fp32 d_weight accumulator it spares."""
+    return StoredLogitsPasses(p, keep, chunk_rows, chunk_bytes)

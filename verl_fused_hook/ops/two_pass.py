@@ -1,0 +1,185 @@
+"""The two-pass op `log_probs_and_entropy`: statistics in forward, logits recomputed in backward.
+
+Why two passes: the upstream gradient is known only in backward, so the forward keeps three
+fp32 numbers per scored row (row max, log of the shifted sum-exp, shifted mean logit) and the
+backward recomputes each block's logits from them (four GEMMs in all). The driver walks a
+backend's blocks; across tensor-parallel ranks only the per-row statistics travel: one MAX and
+one SUM all-reduce per call, plus the d_hidden reduction `tp_hidden` asks for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .backends import check_backend_name, resolve_backend
+from .interface import build_problem
+from .precision import fp32_backward
+from .problem import LogProbProblem
+from .softmax_math import combine_row_statistics, no_column_partials, scatter_rows
+from .weight_gradient import WeightGradientSum
+
+
+def log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    tp_hidden: str = "replicated",
+    score_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+    calculate_entropy: bool = True,
+    backend: str = "auto",
+    tile_rows: int | None = None,
+    return_label_is_max: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
+
+    Never materializes [rows, vocab] logits: rows are processed in blocks and the
+    backward recomputes each block's logits.
+
+    Args:
+        hidden: [..., H] rows (any float dtype; computed in fp32, also under torch.autocast).
+            Under tensor parallelism laid out as `tp_hidden` says.
+        weight: [V_local, H], this rank's contiguous vocabulary shard: rank r of
+            `tp_group` holds global ids r*V_local ... (r+1)*V_local-1.
+        labels: global token ids shaped like `hidden` without its last dim (every row: under
+            tp_hidden="sequence_sharded" their dim 0 is tp size times hidden's).
+        temperature: float > 0, or a floating tensor of per-row temperatures shaped like
+            labels (no gradient flows to it: a tensor that requires grad is refused).
+        tp_group: the tensor-parallel group the vocabulary is sharded over (None: one rank).
+        tp_hidden: how `hidden` is laid out over tp_group, and so what its gradient is:
+            "replicated" (default): every rank passes the same full `hidden`; backward
+            all-reduces d_hidden, so each rank gets the complete gradient (Megatron's
+            copy_to_tensor_model_parallel_region).
+            "sequence_sharded": each rank passes its slice of hidden's dim 0 (sequence
+            parallelism); the op all-gathers it and backward reduce-scatters d_hidden, so each
+            rank gets the complete gradient of its slice (Megatron's
+            gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True)).
+            "partial": every rank passes the full `hidden` and gets its shard's partial
+            d_hidden; the caller sums it over the group (verl's kernel's contract).
+            Ignored with one rank.
+        score_mask: bool tensor shaped like labels; False rows are not computed.
+        ignore_index: label value of rows that are not computed.
+        vocab_size: true global vocabulary; columns at or past it (padding) are
+            excluded from the softmax. Default: V_local * tp size.
+        calculate_entropy: when False the entropy is neither computed nor returned.
+        backend: one of BACKEND_CHOICES: "auto" (Triton where it runs, else torch),
+            "triton", "torch", "verl" (verl's own kernel: every row, one float temperature).
+        tile_rows: rows per tile; default keeps one fp32 logits tile near 256 MiB.
+        return_label_is_max: also return, per row, whether the label's logit is the
+            row maximum over the whole vocabulary (greedy acceptance, e.g. MTP's).
+
+    Returns:
+        (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
+        Rows not computed hold 0 and get zero gradient. With return_label_is_max a
+        third output: bool shaped like labels, not differentiable, False on rows not
+        computed; a label tied with another column at the maximum counts as True.
+
+    Every rank of tp_group gets identical outputs and its own d_weight shard.
+    """
+    check_backend_name(backend)
+    problem = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        tp_group=tp_group,
+        score_mask=score_mask,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+        calculate_entropy=calculate_entropy,
+        tile_rows=tile_rows,
+        return_label_is_max=return_label_is_max,
+        tp_hidden=tp_hidden,
+    )
+    # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
+    # recomputes in fp32, see precision.fp32_backward) working against bf16 statistics.
+    with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
+        chosen = resolve_backend(backend, problem)
+        module = chosen.load()
+        if chosen.whole_problem:
+            log_probs, entropy = module.run(problem)
+        elif not problem.needs_grad:
+            with torch.no_grad():
+                log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem))
+            log_probs, entropy = scatter_rows(problem, log_probs), scatter_rows(problem, entropy)
+        else:
+            log_probs, entropy = _TwoPass.apply(problem.hidden, problem.weight, problem, module.two_pass_passes)
+    log_probs = log_probs.view(labels.shape)
+    entropy = entropy.view(labels.shape) if entropy is not None else None
+    if return_label_is_max:
+        return log_probs, entropy, problem.label_is_max.view(labels.shape)
+    return log_probs, entropy
+
+
+def _statistics(p: LogProbProblem, passes):
+    """(log_probs, entropy or None, max, log sum-exp, shifted mean) over the scored rows, block by block."""
+    if p.valid_columns == 0 or p.active_rows.numel() == 0:
+        partials = no_column_partials(p.active_rows.numel(), p.hidden.device)
+    else:
+        parts = [passes.statistics(block) for block in passes.blocks()]
+        partials = parts[0] if len(parts) == 1 else tuple(torch.cat(column) for column in zip(*parts))
+    return combine_row_statistics(p, *partials)
+
+
+def _scored(grad: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.index_select(0, rows).float()
+
+
+class _TwoPass(torch.autograd.Function):
+    """Saves what the backend's passes need (the inputs by reference, or a compacted copy of the scored rows)
+    plus three fp32 numbers per scored row; the backward walks the same blocks, recomputing their logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: LogProbProblem, two_pass_passes):
+        passes = two_pass_passes(p)
+        log_probs, entropy, row_max, log_sum, shifted_mean = _statistics(p, passes)
+        tensors, ctx.rebuild_passes = passes.for_backward()
+        ctx.save_for_backward(*tensors, row_max, log_sum, shifted_mean)
+        ctx.inputs = (hidden.shape, hidden.dtype, weight.shape, weight.dtype)
+        ctx.layout = (p.valid_columns, p.calculate_entropy)
+        ctx.set_materialize_grads(False)
+        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+
+    @staticmethod
+    @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
+    @fp32_backward
+    def backward(ctx, grad_log_probs, grad_entropy):
+        *tensors, row_max, log_sum, shifted_mean = ctx.saved_tensors
+        hidden_shape, hidden_dtype, weight_shape, weight_dtype = ctx.inputs
+        valid_columns, calculate_entropy = ctx.layout
+        device = row_max.device
+        if not calculate_entropy:
+            grad_entropy = None
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
+            grad_weight[valid_columns:].zero_()
+        if valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None):
+            if grad_weight is not None:
+                grad_weight.zero_()
+            return grad_hidden, grad_weight, None, None
+        passes = ctx.rebuild_passes(*tensors)
+        weight_sum = None if grad_weight is None else WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
+        for block in passes.blocks():
+            span = block.span
+            d_hidden = passes.gradients(
+                block, row_max[span], log_sum[span], shifted_mean[span], _scored(grad_log_probs, block.rows),
+                _scored(grad_entropy, block.rows), grad_hidden is not None, weight_sum,
+            )
+            if d_hidden is None:
+                continue
+            if d_hidden.shape[0] == hidden_shape[0]:  # every row in one block
+                grad_hidden.copy_(d_hidden)
+            else:
+                grad_hidden.index_copy_(0, block.rows, d_hidden.to(hidden_dtype))
+        if weight_sum is not None:
+            weight_sum.finish()
+        return grad_hidden, grad_weight, None, None

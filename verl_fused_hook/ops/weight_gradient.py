@@ -1,0 +1,61 @@
+"""d_weight summed in fp32 and rounded once: the one accumulation every backend and driver adds into.
+
+Why: d_weight is a sum over blocks of rows (d_logits^T @ hidden rows). Summing bf16 partial
+products would round at every block; summing in fp32 and rounding once keeps the gradient's
+error that of a single GEMM, at the cost of an fp32 buffer only when there is more than one block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class WeightGradientSum:
+    """`target` (rows of d_weight, in the weight's dtype) as the sum of `products` products a_k.T @ b_k,
+    a_k: d_logits [R, C], b_k: the block's hidden rows [R, H].
+
+    One product: its GEMM writes `target` directly (no buffer). Several: they add into an fp32 total
+    (`target` itself when fp32; else `buffer`, for a caller that reuses one, or a new one) that
+    `finish()` rounds into `target` once. The first product overwrites (beta=0), so a reused
+    buffer's old contents, NaN included, never count; a sum that got no product is zero.
+    """
+
+    def __init__(self, target: Tensor, products: int, buffer: Tensor | None = None):
+        self.target = target
+        self.products = products
+        self.added = 0
+        if products <= 1 or target.dtype == torch.float32:
+            self.total = target
+        elif buffer is not None:
+            self.total = buffer
+        else:
+            self.total = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+
+    def add(self, a: Tensor, b: Tensor) -> None:
+        beta = min(self.added, 1)
+        self.added += 1
+        if self.products == 1:
+            if a.dtype == self.target.dtype:
+                torch.mm(a.t(), b, out=self.target)
+            else:  # fp32 d_logits of a low-precision weight on the CPU: one rounding
+                self.target.copy_(a.t() @ b)
+        elif a.dtype == torch.float32:
+            self.total.addmm_(a.t(), b, beta=beta)
+        else:  # bf16/fp16 operands on CUDA: cuBLAS accumulates and returns fp32
+            torch.addmm(self.total, a.t(), b, beta=beta, out_dtype=torch.float32, out=self.total)
+
+    def columns(self, start: int, stop: int, products: int, buffer: Tensor | None = None) -> WeightGradientSum:
+        """The sum of columns [start, stop) (rows of d_weight) built from `products` products of its own,
+        for a backend whose one block walks the vocabulary in chunks. Only for a sum of one product."""
+        if self.products != 1:
+            raise ValueError(f"columns: a sum of {self.products} products cannot be split by columns")
+        self.added = 1
+        return WeightGradientSum(self.target[start:stop], products, buffer)
+
+    def finish(self) -> Tensor:
+        if self.added == 0:
+            self.target.zero_()
+        elif self.total is not self.target:
+            self.target.copy_(self.total)
+        return self.target
