@@ -35,7 +35,7 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert checks["megatron-core"].startswith("ok 0.19.2 (>= 0.18)")
     assert checks["verl"].startswith("ok 0.9.1")
     assert checks["hook probe"].startswith("ok") and "log-probs match its logits" in checks["hook probe"]
-    assert "auto picks torch for bfloat16 H=3584 on cpu; triton: CUDA is not available; torch: runs" in checks["backends"]
+    assert "auto picks torch for bfloat16 H=3584 on cpu; triton: CUDA is not available; torch: runs; verl: " in checks["backends"]
     assert "verl_fused_hook = verl_fused_hook.verl_integration.plugin imports" in checks["entry point"]
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")

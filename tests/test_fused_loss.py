@@ -553,7 +553,7 @@ def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu():
 
 
 def test_processor_context_refuses_a_loss_without_the_op():
-    from verl_fused_hook.hook import FusedOutputProcessorContext
+    from verl_fused_hook import FusedOutputProcessorContext
 
     def loss_fn(lp, ent):
         return lp.sum(), {}

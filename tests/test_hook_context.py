@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-from verl_fused_hook.hook import logit_multiplier, resolve_output_weight
+from verl_fused_hook.output_layer import logit_multiplier, resolve_output_weight
 
 
 @pytest.mark.parametrize(

@@ -135,3 +135,13 @@ def test_auto_never_picks_verl(fake_verl_kernel):
     hidden, weight, labels = inputs()
     log_probs_and_entropy(hidden, weight, labels)
     assert fake_verl_kernel == []
+
+
+def test_describe_backends_names_the_pick_and_every_other_reason():
+    from verl_fused_hook.ops import describe_backends
+
+    reasons = describe_backends(torch.zeros(3, 96), torch.zeros(5, 96))
+    assert reasons == {
+        "triton": reasons["triton"], "torch": None, "verl": "hidden: verl's kernel needs H % 128 == 0, got H=96", "auto": "torch",
+    }  # fmt: skip
+    assert reasons["triton"] in ("CUDA is not available", "hidden is on cpu")

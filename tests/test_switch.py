@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl_fused_hook.hook import PROCESSOR_BACKENDS
+from verl_fused_hook.ops import BACKEND_CHOICES
 from verl_fused_hook.switch import (
-    allowed_backends,
     ENV_VAR,
     HOOK,
     LEGACY,
@@ -53,10 +52,9 @@ def test_config_mode_rejects_non_bool(value):
     assert "true, false or null" in message
 
 
-def test_backends_are_verl_plus_the_processor_backends():
-    assert allowed_backends() == PROCESSOR_BACKENDS
-    assert {"verl", "auto", "torch"} <= set(allowed_backends())
-    for backend in allowed_backends():
+def test_backends_are_the_ops_backends():
+    assert {"verl", "auto", "torch"} <= set(BACKEND_CHOICES)
+    for backend in BACKEND_CHOICES:
         assert parse_config_backend({"output_processor_backend": backend}) == backend
 
 
@@ -65,7 +63,7 @@ def test_config_backend_rejects_unknown():
         parse_config_backend({"output_processor_backend": "cuda"})
     message = str(error.value)
     assert "actor_rollout_ref.model.fused_kernel_options.output_processor_backend='cuda'" in message
-    assert ", ".join(allowed_backends()) in message
+    assert ", ".join(BACKEND_CHOICES) in message
 
 
 def test_unset_everywhere_is_unset():

@@ -9,7 +9,7 @@ import importlib
 from .ops import BACKEND_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
 
 _LAZY = {
-    "FusedOutputProcessorContext": ".hook",
+    "FusedOutputProcessorContext": ".context",
     "LogProbsOutput": ".hook",
     "fused_output_processor": ".hook",
     "OutputProcessorUnsupportedError": ".probe",

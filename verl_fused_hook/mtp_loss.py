@@ -17,34 +17,11 @@ counts as accepted, where megatron's argmax accepts only the lowest tied id.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper, roll_tensor
 
-from .hook import logit_multiplier, resolve_output_weight
 from .ops import log_probs_and_entropy
-
-
-def _full_rows(hidden: torch.Tensor, output_layer, tp_group, tp_size: int) -> torch.Tensor:
-    """What megatron's ColumnParallelLinear feeds its GEMM: sequence-parallel shards gathered
-    (reduce-scatter in backward), else the rows as they are (all-reduce in backward)."""
-    if tp_size == 1:
-        return hidden
-    if getattr(output_layer, "sequence_parallel", False):
-        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
-    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
-
-
-def _tensor_parallel_group(output_layer, tp_group):
-    group = tp_group if tp_group is not None else getattr(output_layer, "tp_group", None)
-    if group is None:
-        group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
-    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-    return group, size
+from .output_layer import logit_multiplier, resolve_output_weight, tensor_parallel_layout
 
 
 def fused_process_mtp_loss(
@@ -82,7 +59,7 @@ def fused_process_mtp_loss(
     weight = resolve_output_weight(output_layer, output_weight)
     if config.mtp_detach_heads:
         weight = weight.detach()
-    group, tp_size = _tensor_parallel_group(output_layer, tp_group)
+    tp = tensor_parallel_layout(output_layer, tp_group)
     temperature = 1.0 / logit_multiplier(scale_logits_fn, config)
 
     mtp_labels = labels.clone()
@@ -98,11 +75,12 @@ def fused_process_mtp_loss(
             loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
         )
         log_probs, _, label_is_max = log_probs_and_entropy(
-            _full_rows(chunks[layer + 1], output_layer, group, tp_size),
+            chunks[layer + 1],
             weight,
             mtp_labels.t(),
             temperature=temperature,
-            tp_group=group if tp_size > 1 else None,
+            tp_group=tp.group,
+            tp_hidden=tp.tp_hidden,
             score_mask=(loss_mask != 0).t(),
             calculate_entropy=False,
             backend=backend,

@@ -26,6 +26,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .ops import BACKEND_CHOICES, backend_capabilities
+
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 ENV_VALUES = {"1": "hook", "0": "legacy"}
 
@@ -41,9 +43,6 @@ CONFIG_KEYS = (CONFIG_HOOK_KEY, CONFIG_BACKEND_KEY, CONFIG_FUSED_LOSS_KEY, CONFI
 CONFIG_NAMESPACE = ("use_output_processor", "output_processor")
 NEAR_MISS_EDITS = 2
 
-# "verl" runs verl's own Triton kernel through our processor (bit-identical to the legacy forward);
-# the others are the op's backends ("auto", "torch", GPU kernels).
-VERL_BACKEND = "verl"
 DEFAULT_BACKEND = "auto"
 
 HOOK = "hook"
@@ -83,13 +82,6 @@ class FusedForwardPlan:
         return f"{text}; {self.note}" if self.note else text
 
 
-def allowed_backends() -> tuple[str, ...]:
-    """The processor's backends; imported on demand so that reading the switch never imports megatron-core."""
-    from .hook import PROCESSOR_BACKENDS
-
-    return PROCESSOR_BACKENDS
-
-
 def parse_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The mode the environment asks for (HOOK/LEGACY) or None when the variable is unset."""
     environ = os.environ if environ is None else environ
@@ -122,9 +114,10 @@ def parse_config_backend(options: Mapping | None) -> str | None:
     value = None if options is None else options.get(CONFIG_BACKEND_KEY)
     if value is None:
         return None
-    allowed = allowed_backends()
-    if value not in allowed:
-        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={value!r} is not allowed; use one of {', '.join(allowed)}")
+    if value not in BACKEND_CHOICES:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={value!r} is not allowed; use one of {', '.join(BACKEND_CHOICES)}"
+        )
     return value
 
 
@@ -215,10 +208,10 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         backend = config_backend or DEFAULT_BACKEND
     elif config_backend is not None:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={config_backend} ignored outside hook mode")
-    if fused_loss and mode == HOOK and backend == VERL_BACKEND:
+    if fused_loss and mode == HOOK and not backend_capabilities(backend).loss_inside:
         raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true needs the op: {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl "
-            "runs verl's kernel, which cannot fuse the loss; use output_processor_backend=auto"
+            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true needs the op: {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} "
+            "runs a kernel that cannot take the loss inside; use output_processor_backend=auto"
         )
     if fused_loss and mode != HOOK:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true ignored outside hook mode")

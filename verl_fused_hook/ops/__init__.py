@@ -5,7 +5,13 @@ logits recomputed in backward) and `log_probs_entropy_and_loss` (a token-separab
 each chunk's logits computed once). See docs/op.md.
 """
 
-from .backends import BACKEND_CHOICES, BackendCapabilities, backend_capabilities, backend_unavailable_at_build
+from .backends import (
+    BACKEND_CHOICES,
+    BackendCapabilities,
+    backend_capabilities,
+    backend_unavailable_at_build,
+    describe_backends,
+)
 from .interface import check_temperature_values
 from .loss_inside import FusedLossResult, LossGradientError, log_probs_entropy_and_loss
 from .separability import NonFiniteLossGradientError, NonSeparableLossError
@@ -22,6 +28,7 @@ __all__ = [
     "TP_HIDDEN_CHOICES",
     "backend_capabilities",
     "backend_unavailable_at_build",
+    "describe_backends",
     "check_temperature_values",
     "log_probs_and_entropy",
     "log_probs_entropy_and_loss",

@@ -26,6 +26,8 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from .problem import LogProbProblem
 
 logger = logging.getLogger(__name__)
@@ -142,3 +144,18 @@ def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs
         else:
             logger.debug("%s: backend=auto skips %r: %s", driver, candidate, reason)
     raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs
+
+
+def describe_backends(hidden: torch.Tensor, weight: torch.Tensor) -> dict[str, str | None]:
+    """For inputs like `hidden` [N, H] and `weight` [V_local, H] (their dtype and device matter, not their
+    values): every backend's reason not to run them (None: it runs), and under "auto" the one auto picks.
+    For diagnostics (`verl-fused-hook doctor`); no collective, no logging."""
+    from .interface import build_problem
+
+    problem = build_problem(
+        hidden, weight, torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device), temperature=1.0,
+        tp_group=None, score_mask=None, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
+    )  # fmt: skip
+    reasons = {name: backend.unavailable_reason(problem) for name, backend in BACKENDS.items()}
+    reasons["auto"] = next(name for name in PREFERENCE if reasons[name] is None)
+    return reasons

@@ -16,7 +16,8 @@ import importlib
 import logging
 
 from ..probe import require_output_processor_support, unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, VERL_BACKEND, resolve_plan
+from ..ops import backend_unavailable_at_build
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
 from .engine_forward import make_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
@@ -27,29 +28,17 @@ from .forward_step import make_forward_step, make_resolve_fused_temperature
 logger = logging.getLogger(__name__)
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-VERL_HIDDEN_MULTIPLE = 128  # verl's Triton kernel asserts hidden_size % 128 == 0
 
 
 def _check_backend_at_build(backend: str, gpt) -> None:
-    """Fail at model build, not at the first step, when the configured backend cannot run."""
-    if backend == VERL_BACKEND:
-        import torch
+    """Fail at model build, not at the first step, when the configured backend cannot run this model here."""
+    import torch
 
-        if not torch.cuda.is_available():
-            raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl needs CUDA (verl's Triton kernel); none found")
-        if gpt.config.hidden_size % VERL_HIDDEN_MULTIPLE:
-            raise ValueError(
-                f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl needs hidden_size % {VERL_HIDDEN_MULTIPLE} == 0 "
-                f"(verl's kernel), got {gpt.config.hidden_size}"
-            )
-        return
-    if backend != "auto":
-        from ..ops.backends import BACKENDS
-
-        try:
-            BACKENDS[backend].load()
-        except ImportError as error:
-            raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot be imported here: {error}") from error
+    reason = backend_unavailable_at_build(
+        backend, hidden_size=gpt.config.hidden_size, device_type="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    if reason is not None:
+        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot run here: {reason}")
 
 
 def _make_patch_fused_forward(verl_patch):

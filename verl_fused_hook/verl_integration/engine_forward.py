@@ -19,7 +19,8 @@ import torch
 
 from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, VERL_BACKEND
+from ..ops import backend_capabilities
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
 from .forward_step import HookStep, current_step
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .model_plan import counts_of, plan_of
@@ -61,16 +62,15 @@ def sample_temperatures(temperature, batch_size: int) -> float | torch.Tensor:
 
 
 def check_backend_accepts(backend: str, temperature, score_rows) -> None:
-    """Refuse per-step inputs verl's own kernel cannot take."""
-    if backend != VERL_BACKEND:
-        return
-    if isinstance(temperature, torch.Tensor):
+    """Refuse per-step inputs the configured backend cannot take (verl's kernel: one float, every row)."""
+    capabilities = backend_capabilities(backend)
+    if isinstance(temperature, torch.Tensor) and not capabilities.per_row_temperature:
         raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl cannot take per-sample temperatures (verl's kernel takes "
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot take per-sample temperatures (its kernel takes "
             "one float); choose another output_processor_backend, e.g. auto"
         )
-    if score_rows is not None:
-        raise ValueError(f"score rows given with {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}=verl, which scores every row")
+    if score_rows is not None and not capabilities.row_selection:
+        raise ValueError(f"score rows given with {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend}, which scores every row")
 
 
 def _fused_loss_options(step: HookStep, layout: PackedLayout, labels: torch.Tensor) -> dict:
@@ -140,16 +140,15 @@ def make_engine_forward(vision_model: bool):
             model_inputs["padding_mask"] = router_padding_mask
 
         fused_loss = step.fused_loss if gpt.post_process else None
-        if backend == VERL_BACKEND:
-            if step.layout == BSHD:
-                _log_once("verl_fused_hook: BSHD with output_processor_backend=verl scores every row, padding included")
-            score_mask = None
-        else:
+        if backend_capabilities(backend).row_selection:
             score_mask = layout.score_mask(step.score_rows)
+        else:
+            if step.layout == BSHD:
+                _log_once(f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included")
+            score_mask = None
         context = FusedOutputProcessorContext(
             temperature=layout.token_temperature(temperature),
-            # verl's kernel always computes both; asking it for less is refused by the context.
-            calculate_entropy=bool(calculate_entropy) or backend == VERL_BACKEND,
+            calculate_entropy=bool(calculate_entropy),
             score_mask=score_mask,
             backend=backend,
             **(_fused_loss_options(step, layout, model_inputs["labels"]) if fused_loss is not None else {}),

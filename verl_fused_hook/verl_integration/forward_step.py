@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..switch import CONFIG_SCORE_MASK_KEY, HOOK, VERL_BACKEND
+from ..ops import backend_capabilities
+from ..switch import CONFIG_SCORE_MASK_KEY, HOOK
 from .ppo_loss import FusedLossRequest, fused_loss_request, fused_result_loss
 from .layouts import BSHD, THD
 from .model_plan import plan_of
@@ -114,8 +115,8 @@ def make_forward_step(original):
         if not (self.engine_config.use_fused_kernels and plan is not None and plan.mode == HOOK):
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
-        if plan.backend == VERL_BACKEND:
-            _log_once("verl_fused_hook: score_mask off, output_processor_backend=verl scores every row")
+        if not backend_capabilities(plan.backend).row_selection:
+            _log_once(f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row")
             rows = None
         elif not plan.score_mask:
             _log_once(f"verl_fused_hook: score_mask off, {CONFIG_SCORE_MASK_KEY}=false")

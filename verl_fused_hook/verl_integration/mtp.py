@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from ..mtp_loss import fused_process_mtp_loss
 from ..probe import unwrap_to_gpt
-from ..switch import HOOK, VERL_BACKEND
+from ..ops import backend_capabilities
+from ..switch import HOOK
 from .model_plan import in_hook_mode, plan_of
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,10 @@ def mtp_training_of(model) -> bool:
 
 
 def mtp_loss_backend(backend: str) -> str:
-    """The op backend for the MTP loss: the plan's, except verl's kernel, which has no acceptance output."""
-    if backend == VERL_BACKEND:
-        _log_once("verl_fused_hook: output_processor_backend=verl has no label-is-max output; the MTP loss uses the op (auto)")
+    """The op backend for the MTP loss: the plan's, unless it has no label-is-max output (acceptance counts)."""
+    if not backend_capabilities(backend).label_is_max:
+        _log_once(f"verl_fused_hook: output_processor_backend={backend} has no label-is-max output; the MTP loss uses "
+                  "backend auto")
         return "auto"
     return backend
 

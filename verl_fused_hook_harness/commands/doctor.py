@@ -32,6 +32,7 @@ import torch
 from packaging.version import Version
 
 from verl_fused_hook import log_probs_and_entropy
+from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.reference import reference_log_probs_entropy, relative_error
@@ -130,30 +131,22 @@ def check_hook_probe() -> Finding:
 
 
 def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Finding]:
-    from verl_fused_hook.ops.backends import BACKENDS, resolve_backend
-    from verl_fused_hook.ops.interface import build_problem
-
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         major, minor = torch.cuda.get_device_capability(device)
         where = f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
     else:
         device, where = torch.device("cpu"), "no CUDA device: CPU only"
-    findings = [Finding("device", OK, where)]
-    hidden = torch.zeros(4, hidden_size, dtype=dtype, device=device)
-    weight = torch.zeros(8, hidden_size, dtype=dtype, device=device)
-    problem = build_problem(
-        hidden, weight, torch.zeros(4, dtype=torch.long, device=device), temperature=1.0, tp_group=None,
-        score_mask=None, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
-    )  # fmt: skip
-    picked = resolve_backend("auto", problem).name
-    others = []
-    for name in BACKENDS:
-        reason = BACKENDS[name].unavailable_reason(problem)
-        others.append(f"{name}: {'runs' if reason is None else reason}")
-    findings.append(Finding("backends", OK, f"auto picks {picked} for {str(dtype).removeprefix('torch.')} "
-                                            f"H={hidden_size} on {device.type}; " + "; ".join(others)))
-    return findings
+    reasons = describe_backends(
+        torch.zeros(4, hidden_size, dtype=dtype, device=device), torch.zeros(8, hidden_size, dtype=dtype, device=device)
+    )
+    picked = reasons.pop("auto")
+    others = "; ".join(f"{name}: {'runs' if reason is None else reason}" for name, reason in reasons.items())
+    return [
+        Finding("device", OK, where),
+        Finding("backends", OK, f"auto picks {picked} for {str(dtype).removeprefix('torch.')} H={hidden_size} "
+                                f"on {device.type}; {others}"),
+    ]
 
 
 def check_entry_point() -> Finding:

@@ -27,6 +27,7 @@ def portable_linear_cross_entropy(
         labels.reshape(-1),
         temperature=temperature,
         tp_group=dist_process_group,
+        tp_hidden="partial",  # verl's kernel returns each rank's partial d_hidden; verl's forward never sums it
         backend=backend,
     )
 

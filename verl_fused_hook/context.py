@@ -1,0 +1,129 @@
+"""The per-forward options of `fused_output_processor`, passed as `GPTModel.forward(output_processor_context=...)`.
+
+Why a frozen dataclass checked on construction: the processor itself is
+stateless, so everything a forward needs (temperature, rows to score, the op
+backend, a loss to compute inside the op) travels here, and a bad field is
+named when the context is built, before the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .ops import BACKEND_CHOICES, backend_capabilities, check_temperature_values
+
+
+def _check_temperature_field(temperature) -> None:
+    if isinstance(temperature, torch.Tensor) and (not temperature.is_floating_point() or temperature.dim() > 2):
+        raise ValueError(
+            "FusedOutputProcessorContext.temperature: a tensor must be floating point and 0-d, [b] or [b, s], "
+            f"got {temperature.dtype} {tuple(temperature.shape)}"
+        )
+    check_temperature_values("FusedOutputProcessorContext.temperature", temperature)
+
+
+@dataclass(frozen=True)
+class FusedOutputProcessorContext:
+    """Per-forward options of `fused_output_processor` (passed as `output_processor_context=`).
+
+    temperature: float > 0, or a tensor: 0-d, per sample [b], or per token [b, s].
+    calculate_entropy: compute the entropy too (False returns entropy None).
+    score_mask: bool [b, s]; False positions are never multiplied by the output
+        weight (prompt, padding) and get log-prob 0, entropy 0.
+    backend: the op backend (`verl_fused_hook.ops.BACKEND_CHOICES`): "auto", "torch", GPU
+        kernels, or "verl" for verl's own Triton kernel (scalar temperature, every row and column).
+    tile_rows: rows per tile (None: the op's default).
+    vocab_size: the true vocabulary; padded columns past it leave the softmax.
+    as_tuple: return `(log_probs, entropy)` tensors instead of an output object
+        (the combined-1F1B schedule plan only carries tensors).
+    loss_fn: a token-separable loss of the [s, b] log-probs and entropy -> (loss, metrics),
+        computed inside the op (`log_probs_entropy_and_loss`); the output's `loss` then
+        back-propagates into the model and `loss_metrics` holds the metrics.
+    loss_name: names loss_fn in errors.
+    row_gradients: optional per-row gradients of loss_fn (see `log_probs_entropy_and_loss`).
+    host_loss_fn: optional, loss_fn over host tensors, for the final evaluation (see
+        `log_probs_entropy_and_loss`).
+    loss_chunk_bytes: the fused loss's chunk of stored logits in bytes (None: the op's default;
+        tile_rows, when given, wins).
+    """
+
+    temperature: float | torch.Tensor = 1.0
+    calculate_entropy: bool = True
+    score_mask: torch.Tensor | None = field(default=None, repr=False)
+    backend: str = "auto"
+    tile_rows: int | None = None
+    vocab_size: int | None = None
+    as_tuple: bool = False
+    loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
+    loss_name: str = "loss"
+    row_gradients: Callable | None = field(default=None, repr=False)
+    host_loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
+    loss_chunk_bytes: int | None = None
+
+    def __post_init__(self):
+        for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes"):
+            if getattr(self, name) is not None and self.loss_fn is None:
+                raise ValueError(f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn too")
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(
+                f"FusedOutputProcessorContext.backend: unknown {self.backend!r}; allowed: {', '.join(BACKEND_CHOICES)}"
+            )
+        capabilities = backend_capabilities(self.backend)
+        if self.loss_fn is not None and (not capabilities.loss_inside or self.as_tuple):
+            raise ValueError(
+                "FusedOutputProcessorContext.loss_fn: needs a backend that runs the loss inside the op ("
+                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).loss_inside)}) and an output "
+                "object (as_tuple=False)"
+            )
+        _check_temperature_field(self.temperature)
+        if not isinstance(self.calculate_entropy, bool):
+            raise ValueError(f"FusedOutputProcessorContext.calculate_entropy: expected a bool, got {self.calculate_entropy!r}")
+        if not isinstance(self.as_tuple, bool):
+            raise ValueError(f"FusedOutputProcessorContext.as_tuple: expected a bool, got {self.as_tuple!r}")
+        if self.score_mask is not None and (
+            not isinstance(self.score_mask, torch.Tensor)
+            or self.score_mask.dtype != torch.bool
+            or self.score_mask.dim() != 2
+            or self.score_mask.device.type == "meta"
+        ):
+            raise ValueError(
+                "FusedOutputProcessorContext.score_mask: expected None or a bool tensor [b, s] shaped like labels "
+                "(not on the meta device)"
+            )
+        if self.tile_rows is not None and (
+            isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int) or self.tile_rows < 1
+        ):
+            raise ValueError(f"FusedOutputProcessorContext.tile_rows: expected None or an int >= 1, got {self.tile_rows!r}")
+        if self.loss_chunk_bytes is not None and (
+            isinstance(self.loss_chunk_bytes, bool) or not isinstance(self.loss_chunk_bytes, int) or self.loss_chunk_bytes < 1
+        ):
+            raise ValueError(
+                f"FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1, got {self.loss_chunk_bytes!r}"
+            )
+        if self.vocab_size is not None and (
+            isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1
+        ):
+            raise ValueError(f"FusedOutputProcessorContext.vocab_size: expected None or an int >= 1, got {self.vocab_size!r}")
+        unsupported = [
+            name
+            for name, used in (
+                ("score_mask", self.score_mask is not None and not capabilities.row_selection),
+                ("vocab_size", self.vocab_size is not None and not capabilities.padded_vocabulary),
+                (
+                    "temperature",
+                    isinstance(self.temperature, torch.Tensor)
+                    and self.temperature.dim() > 0
+                    and not capabilities.per_row_temperature,
+                ),
+            )
+            if used
+        ]
+        if unsupported:
+            raise ValueError(
+                f"FusedOutputProcessorContext.{unsupported[0]}: not supported with backend={self.backend!r} "
+                "(its kernel takes a scalar temperature over every row and column); "
+                f"use backend in {', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).row_selection)}"
+            )
