@@ -20,15 +20,14 @@ import torch.distributed as dist
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_on_gloo
-from verl_fused_hook.verl_integration.ppo_loss import (
+from verl_fused_hook.verl_integration.loss_support import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
     ppo_loss_name,
-    ppo_loss_of_rows,
-    ppo_loss_on_host,
-    ppo_row_gradients,
+    ppo_loss_separability,
     unsupported_reason,
 )
+from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
 PROMPT_LENS = (4, 6, 3, 5)
 RESPONSE_LENS = (5, 2, 7, 6)
@@ -224,7 +223,7 @@ def test_fused_loss_without_rollout_weights():
 
 def test_sequence_level_loss_is_refused_by_the_separability_guard():
     config = actor_config(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
-    assert "loss_mode=gspo" in unsupported_reason(config)
+    assert ppo_loss_separability(config) == ("sequence", None)  # fused only with its sequences kept whole
     hidden, weight, labels, temperature = op_inputs()
     with pytest.raises(NonSeparableLossError, match="gspo"):
         log_probs_entropy_and_loss(
@@ -481,11 +480,11 @@ def test_fused_loss_chunk_entry_reaches_the_op(verl_hook_mode):
 
 
 def test_unsupported_loss_mode_runs_the_two_pass_path_and_says_so(verl_hook_mode, caplog):
-    config = actor_config(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
-    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.ppo_loss"):
+    config = actor_config(loss_mode="clip_cov", loss_agg_mode="token-mean")
+    with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.loss_support"):
         report, _, fused_calls = engine_step(True, config, verl_hook_mode)
     assert fused_calls == 0
-    assert any("loss_mode=gspo" in record.getMessage() and "two-pass" in record.getMessage() for record in caplog.records)
+    assert any("loss_mode=clip_cov" in record.getMessage() and "two-pass" in record.getMessage() for record in caplog.records)
     assert report["loss"] != 0
 
 

@@ -48,6 +48,9 @@ class FusedOutputProcessorContext:
         `log_probs_entropy_and_loss`).
     loss_chunk_bytes: the fused loss's chunk of stored logits in bytes (None: the op's default;
         tile_rows, when given, wins).
+    loss_row_groups: int64 [b, s] like labels, for a loss whose row gradients depend on their
+        sequence (GSPO): each position's sequence id (-1: none); the op keeps each sequence's
+        rows in one chunk (`log_probs_entropy_and_loss(row_groups=...)`).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -62,9 +65,10 @@ class FusedOutputProcessorContext:
     row_gradients: Callable | None = field(default=None, repr=False)
     host_loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
     loss_chunk_bytes: int | None = None
+    loss_row_groups: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes"):
+        for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes", "loss_row_groups"):
             if getattr(self, name) is not None and self.loss_fn is None:
                 raise ValueError(f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn too")
         if self.backend not in BACKEND_CHOICES:
@@ -102,6 +106,14 @@ class FusedOutputProcessorContext:
         ):
             raise ValueError(
                 f"FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1, got {self.loss_chunk_bytes!r}"
+            )
+        if self.loss_row_groups is not None and (
+            not isinstance(self.loss_row_groups, torch.Tensor)
+            or self.loss_row_groups.dtype != torch.int64
+            or self.loss_row_groups.dim() != 2
+        ):
+            raise ValueError(
+                "FusedOutputProcessorContext.loss_row_groups: expected None or an int64 tensor [b, s] shaped like labels"
             )
         if self.vocab_size is not None and (
             isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1

@@ -126,6 +126,12 @@ def fused_output_processor(
         backend=context.backend,
     )
     if context.loss_fn is not None:
+        if context.loss_row_groups is not None and context.loss_row_groups.shape != labels.shape:
+            raise ValueError(
+                f"FusedOutputProcessorContext.loss_row_groups: must be shaped like labels [b, s] = {tuple(labels.shape)}, "
+                f"got {tuple(context.loss_row_groups.shape)}"
+            )
+        row_groups = None if context.loss_row_groups is None else context.loss_row_groups.to(labels.device).t()
         fused = log_probs_entropy_and_loss(
             hidden_states,
             weight,
@@ -137,6 +143,7 @@ def fused_output_processor(
             row_gradients=context.row_gradients,
             host_loss_fn=context.host_loss_fn,
             chunk_bytes=context.loss_chunk_bytes,
+            row_groups=row_groups,
         )
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics

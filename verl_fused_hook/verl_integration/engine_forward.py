@@ -24,7 +24,8 @@ from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
 from .forward_step import HookStep, current_step
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .model_plan import counts_of, plan_of
-from .ppo_loss import FUSED_LOSS_OUTPUT_KEY, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
+from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +75,24 @@ def check_backend_accepts(backend: str, temperature, score_rows) -> None:
 
 
 def _fused_loss_options(step: HookStep, layout: PackedLayout, labels: torch.Tensor) -> dict:
-    """The context fields that compute the step's ppo_loss inside the op (the op sees [s, b] rows; verl's loss
+    """The context fields that compute the step's loss inside the op (the op sees [s, b] rows; verl's loss
     reads them unpacked like our result)."""
     request = step.fused_loss
     rows_shape, device = labels.t().shape, labels.device
     to_nested = lambda rows: layout.unpack(rows.t())  # noqa: E731
-    return dict(
+    options = dict(
         loss_fn=ppo_loss_of_rows(request.loss_function, request.data, to_nested, request.dp_group),
         loss_name=request.name,
-        row_gradients=ppo_row_gradients(request.config, request.data, to_nested, rows_shape, device),
         host_loss_fn=ppo_loss_on_host(
             request.loss_function, request.host_data, to_nested, rows_shape, device, request.dp_group
         ),
         loss_chunk_bytes=request.chunk_bytes,
     )
+    if request.config is not None:
+        options["row_gradients"] = ppo_row_gradients(request.config, request.data, to_nested, rows_shape, device)
+    if request.separability == SEQUENCE:
+        options["loss_row_groups"] = row_groups(to_nested, rows_shape, device).t()
+    return options
 
 
 def make_engine_forward(vision_model: bool):

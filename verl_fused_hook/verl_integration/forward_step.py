@@ -29,7 +29,7 @@ import torch
 
 from ..ops import backend_capabilities
 from ..switch import CONFIG_SCORE_MASK_KEY, HOOK
-from .ppo_loss import FusedLossRequest, fused_loss_request, fused_result_loss
+from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .layouts import BSHD, THD
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of

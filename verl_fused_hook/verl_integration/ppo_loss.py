@@ -1,51 +1,29 @@
-"""verl's `ppo_loss` as the op's fused loss: which configurations qualify, and the per-row loss function.
+"""verl's losses as the op's `loss_fn`: the op's rows put back into verl's layout, and fast per-row gradients.
 
-Why a list: the op's one-pass gradient is exact only for token-separable losses
-(row i's gradient depends on row i alone). verl's vanilla clipped loss, every
-token-level aggregation (its normalizers depend on masks and batch sizes, never
-on values), the entropy bonus, the KL loss and rollout importance weights are;
-sequence-level ratios (GSPO and friends) are not. Anything outside the list runs
-verl's two-pass path and says so once in the log; the op also re-checks
-separability on every call and raises if it fails.
+Why: the op works on the model's [s, b] rows; verl's loss functions read jagged,
+then padded, per-response-token tensors. `ppo_loss_of_rows` hands the op's values
+to verl's own loss exactly as verl's postprocess would (so loss and metrics are
+verl's); `ppo_row_gradients` gives, for vanilla and gspo, the same per-row
+gradients in a few elementwise ops per chunk instead of a whole-batch loss call
+(the op checks them against autograd of verl's loss on every call); `row_groups`
+tells the op which rows form one sequence, for sequence-level losses.
+Which losses qualify is loss_support.py's table.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# The model output key that carries the fused (loss, metrics) from the engine forward to verl's postprocess.
-FUSED_LOSS_OUTPUT_KEY = "verl_fused_hook_loss"
 
-SUPPORTED_POLICY_LOSS_MODES = ("vanilla",)
-SUPPORTED_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-SUPPORTED_KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
-
-
-def policy_loss_mode(config) -> str:
-    return config.policy_loss.get("loss_mode", "vanilla")
-
-
-def unsupported_reason(config) -> str | None:
-    """None when `ppo_loss` with this ActorConfig is token-separable, else why it is not fused."""
-    mode = policy_loss_mode(config)
-    if mode not in SUPPORTED_POLICY_LOSS_MODES:
-        return f"policy_loss.loss_mode={mode} (fused: {', '.join(SUPPORTED_POLICY_LOSS_MODES)})"
-    if config.loss_agg_mode not in SUPPORTED_AGG_MODES:
-        return f"loss_agg_mode={config.loss_agg_mode} (fused: {', '.join(SUPPORTED_AGG_MODES)})"
-    if config.use_kl_loss and config.kl_loss_type not in SUPPORTED_KL_LOSS_TYPES:
-        return f"kl_loss_type={config.kl_loss_type} (fused: {', '.join(SUPPORTED_KL_LOSS_TYPES)})"
-    return None
-
-
-def ppo_loss_name(config) -> str:
-    return f"ppo_loss(loss_mode={policy_loss_mode(config)}, loss_agg_mode={config.loss_agg_mode})"
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
 
 
 def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], torch.Tensor], dp_group=None):
@@ -85,82 +63,38 @@ def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor
     return ppo_loss_of_rows(loss_function, host_data, to_nested_on_host, dp_group)
 
 
-@dataclass(frozen=True)
-class FusedLossRequest:
-    """What the engine forward needs to run a step's ppo_loss inside the op."""
-
-    loss_function: Callable
-    config: Any  # the ActorConfig bound to ppo_loss
-    data: Any  # the micro-batch TensorDict, on the model's device
-    host_data: Any  # the same on the host, for the op's final evaluation (ppo_loss_on_host)
-    dp_group: Any
-    name: str
-    chunk_bytes: int | None = None  # output_processor_fused_loss_chunk_gib (None: the op's default)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
-
-
-def _ppo_config(loss_function):
-    from verl.workers.utils.losses import ppo_loss
-
-    if isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss and not loss_function.args:
-        return loss_function.keywords.get("config")
-    return None
-
-
-def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_bytes: int | None = None) -> FusedLossRequest | None:
-    """The step's request to fuse `loss_function`, or None for verl's two-pass path (logged once per reason;
-    a forward-only step has no loss to fuse and is not logged)."""
-    if forward_only or loss_function is None or not torch.is_grad_enabled():
-        return None
-    name = getattr(getattr(loss_function, "func", loss_function), "__name__", repr(loss_function))
-    config = _ppo_config(loss_function)
-    if config is None:
-        _log_once(f"verl_fused_hook: output_processor_fused_loss: loss {name} is not ppo_loss; two-pass path")
-        return None
-    reason = unsupported_reason(config)
-    if reason is not None:
-        _log_once(f"verl_fused_hook: output_processor_fused_loss: {reason} is not token-separable; two-pass path")
-        return None
-    if engine.engine_config.context_parallel_size > 1 or getattr(engine.engine_config, "dynamic_context_parallel", False):
-        # verl's unpacking gathers over the CP group: a collective per chunk that ranks with different
-        # numbers of scored rows would not call in step
-        _log_once("verl_fused_hook: output_processor_fused_loss: context parallelism not fused; two-pass path")
-        return None
-    from verl.utils.device import get_device_id
-
-    return FusedLossRequest(
-        loss_function=loss_function,
-        config=config,
-        data=batch.to(get_device_id()),
-        host_data=batch.to("cpu"),
-        dp_group=engine.get_data_parallel_group(),
-        name=ppo_loss_name(config),
-        chunk_bytes=chunk_bytes,
-    )
-
-
-def fused_result_loss(model_output, data, dp_group=None):
-    """verl's loss_function for a fused step: the (loss, metrics) the op computed, taken out of the output."""
-    return model_output.pop(FUSED_LOSS_OUTPUT_KEY)
+def _clip_range(config) -> tuple[float, float]:
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return low, high
 
 
 def _clipped_policy_loss(config, log_prob, old_log_prob, advantages):
     """Per-token dual-clip PPO loss, as verl's compute_policy_loss_vanilla defines it (before aggregation)."""
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    low, high = _clip_range(config)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     unclipped_or_clipped = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
     dual_clipped = torch.minimum(-advantages * config.get("clip_ratio_c", 3.0), unclipped_or_clipped)
     return torch.where(advantages < 0, dual_clipped, unclipped_or_clipped)
 
 
+def _sequence_policy_loss(config, log_prob, old_log_prob, advantages, sequence_log_ratio):
+    """Per-token GSPO loss, as verl's compute_policy_loss_gspo defines it (before aggregation): the token's
+    ratio carries its sequence's mean log-ratio, detached, so only the token's own log-prob is differentiated."""
+    low, high = _clip_range(config)
+    log_ratio = torch.clamp(log_prob - log_prob.detach() + sequence_log_ratio.detach(), max=10.0)
+    ratio = torch.exp(log_ratio)
+    return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
+
+
+FAST_ROW_GRADIENT_MODES = ("vanilla", "gspo")
+
+
 def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size, device):
-    """The op's row_gradients for `ppo_loss(config)` on `data` (see ops.loss_inside): per chunk, a few
-    elementwise ops on the chunk's rows instead of a whole ppo_loss call.
+    """The op's row_gradients for `ppo_loss(config)` on `data` (see ops.loss_inside) when its policy loss mode
+    has a fast form (FAST_ROW_GRADIENT_MODES; else None: the op differentiates verl's loss per chunk): per
+    chunk, a few elementwise ops on the chunk's rows instead of a whole ppo_loss call. gspo's needs each
+    sequence's rows in one chunk (`row_groups`), as its loss does.
 
     Built once per micro-batch: which padded response position each op row lands on (an index pushed
     through the same `to_nested` and verl's no_padding_2_padding), the padded per-token fields, and
@@ -170,6 +104,11 @@ def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Te
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from .loss_support import policy_loss_mode
+
+    mode = policy_loss_mode(config)
+    if mode not in FAST_ROW_GRADIENT_MODES:
+        return None
     n_rows = row_shape.numel()
     row_ids = torch.arange(1, n_rows + 1, dtype=torch.float64, device=device).view(row_shape)
     padded_rows = no_padding_2_padding(to_nested(row_ids), data).round().long() - 1  # -1: padding
@@ -195,19 +134,32 @@ def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Te
         return padded[name].reshape(-1).float() if name in padded.keys() else None
 
     weights = weights.reshape(-1)
-    old_log_prob, advantages = flat("old_log_probs"), flat("advantages")
+    old_log_prob, advantages, mask = flat("old_log_probs"), flat("advantages"), flat("response_mask")
     rollout_weights, ref_log_prob = flat("rollout_is_weights"), flat("ref_log_prob")
+    sequence_lengths = response_mask.sum(dim=-1).clamp(min=1)
     if config.use_kl_loss and ref_log_prob is None:
         raise ValueError("use_kl_loss: the batch has no ref_log_prob (ppo_loss would fail the same way)")
+
+    def sequence_log_ratio(lp, at, read):
+        """Each position's sequence mean of (log_prob - old) * mask, summed per padded row as verl sums it;
+        exact for the sequences whose rows are all in this chunk (the others are not read)."""
+        terms = torch.zeros_like(old_log_prob)
+        terms[at[read]] = ((lp - old_log_prob.index_select(0, at)) * mask.index_select(0, at))[read]
+        per_sequence = terms.view(response_mask.shape).sum(dim=-1) / sequence_lengths
+        return per_sequence.index_select(0, at // response_mask.shape[-1])
 
     def row_gradients(rows, log_prob, entropy):
         position = position_of_row.index_select(0, rows)
         read = position >= 0
         at = position.clamp_min(0)
         weight = weights.index_select(0, at) * read
+        old, advantage = old_log_prob.index_select(0, at), advantages.index_select(0, at)
         with torch.enable_grad():
             lp = log_prob.detach().requires_grad_(True)
-            token_loss = _clipped_policy_loss(config, lp, old_log_prob.index_select(0, at), advantages.index_select(0, at))
+            if mode == "gspo":
+                token_loss = _sequence_policy_loss(config, lp, old, advantage, sequence_log_ratio(lp, at, read))
+            else:
+                token_loss = _clipped_policy_loss(config, lp, old, advantage)
             if rollout_weights is not None:
                 token_loss = token_loss * rollout_weights.index_select(0, at)
             if config.use_kl_loss:
@@ -218,3 +170,14 @@ def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Te
         return g_lp, g_ent
 
     return row_gradients
+
+
+def row_groups(to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size, device) -> torch.Tensor:
+    """int64 shaped like the op's rows: the sequence each row belongs to in verl's jagged layout (pushed
+    through the same `to_nested`), -1 for rows of no sequence (packing padding)."""
+    n_rows = row_shape.numel()
+    ids = to_nested(torch.arange(n_rows, dtype=torch.float64, device=device).view(row_shape))
+    groups = torch.full((n_rows,), -1, dtype=torch.long, device=device)
+    lengths = ids.offsets().diff()
+    groups[ids.values().round().long()] = torch.arange(lengths.numel(), device=device).repeat_interleave(lengths)
+    return groups.view(row_shape)
