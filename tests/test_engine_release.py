@@ -49,8 +49,6 @@ SETUPS = {
 MORE_SETUPS = {"installed": (None, {}), "legacy": ("0", {})}  # plugin installed with the switch unset; legacy
 ROUNDS = (("float32", "verl"), ("float32", "recipe"), ("bfloat16", "verl"), ("bfloat16", "recipe"))
 LEAK_ROUND = ("float32", "recipe+leak")
-WATCHED = ("actor_engine", "actor_ddp", "actor_gpt", "actor_param", "actor_optimizer", "actor_adam",
-           "reference_engine", "reference_gpt")  # fmt: skip
 
 # What verl's `register_megatron_training_hooks` sets on each model chunk's TransformerConfig (all default None).
 TRAINING_HOOK_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
