@@ -1,5 +1,5 @@
 """`verl-fused-hook e2e-bench --mtp 1` on CUDA at a small size (skipped without CUDA): the step runs on both sides,
-and the output layer's memory probe (testing/head_memory.py) gives real CUDA figures that add up.
+and the output layer's memory probe (support/head_memory.py) gives real CUDA figures that add up.
 
 Tiny Qwen2 shapes with a 32000-token vocabulary, 4096 tokens, bf16, hook mode on this package's Triton kernel.
 Checked: both sides measured, parity with verl's MTP path within bf16 tolerances, and per side a measured peak
@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2"
+TINY = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
 GRAD_REL = 5e-2  # bf16: verl's unfused path rounds logits and their gradient to bf16 (docs/benchmarks.md)
 MTP_LOSS_REL = 1e-3  # a mean over the rows: bf16 rounding of single logits averages out (4.2e-6 at 32k tokens)
 

@@ -29,7 +29,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "e2e-bench"]
-TINY = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2"
+TINY = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
 VALUE_TOL = 1e-4  # two kernels, each within 3e-5 of fp64 (docs/benchmarks.md), on identical hidden states
 GRAD_REL = 2e-2  # bf16 gradients, worst parameter, relative to its largest magnitude
 

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "verl_fused_hook" / "configs" / "tiny_qwen2"
+TINY = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
 FIELDS = ("loss", "grad_norm", "param_checksum")
 
 
