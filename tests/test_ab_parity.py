@@ -89,6 +89,12 @@ def _script_module():
     return ab_parity
 
 
+def _scenarios_module():
+    from verl_fused_hook_harness.commands import ab_scenarios
+
+    return ab_scenarios
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -107,17 +113,17 @@ def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
 
 
 def test_compare_reports_the_worst_parameter():
-    ab = _script_module()
+    ab = _scenarios_module()
     same = {"log_probs": torch.zeros(3), "entropy": torch.ones(3), "policy_loss": torch.zeros(1)}
     legacy = [{"s": {**same, "grads": {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([5.0, 0.0])}}}]
     hook = [{"s": {**same, "grads": {"a": torch.tensor([1.0, 2.25]), "b": torch.tensor([5.5, 0.0])}}}]
-    rows = ab.compare(legacy, "s", hook, "s")
+    rows = ab.compare_runs(legacy, "s", hook, "s")
     assert rows == {"log_probs": 0.0, "entropy": 0.0, "policy_loss": 0.0, "grads": 0.5, "worst_param": "b"}
-    relative = ab.compare(legacy, "s", hook, "s", relative=True)
+    relative = ab.compare_runs(legacy, "s", hook, "s", relative=True)
     assert relative["grads"] == 0.125 and relative["worst_param"] == "a"  # 0.25/2 beats 0.5/5
-    assert ab.compare(legacy, "s", legacy, "s")["worst_param"] is None
+    assert ab.compare_runs(legacy, "s", legacy, "s")["worst_param"] is None
     hook[0]["s"]["grads"] = {"a": torch.zeros(2)}
-    assert ab.compare(legacy, "s", hook, "s")["grads"] == float("inf")
+    assert ab.compare_runs(legacy, "s", hook, "s")["grads"] == float("inf")
 
 
 def _synthetic_runs(value_error: float, grad_error: float, rerun_grad_error: float):
@@ -146,9 +152,10 @@ def _synthetic_runs(value_error: float, grad_error: float, rerun_grad_error: flo
 def test_evaluate_holds_one_kernel_to_zero_and_two_kernels_to_their_accuracy(
     one_kernel, value_error, grad_error, rerun_error, match
 ):
-    ab = _script_module()
+    from verl_fused_hook_harness.commands import ab_thd
+
     runs = _synthetic_runs(value_error, grad_error, rerun_error)
-    entry = ab.evaluate(ab.Scenario(1, False, False), runs, one_kernel=one_kernel, rtol=1.0)
+    entry = ab_thd.evaluate(ab_thd.Scenario(1, False, False), runs, one_kernel=one_kernel, rtol=1.0)
     assert entry["match"] is match
     assert ("rel" in entry) is (not one_kernel)
 

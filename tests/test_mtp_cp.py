@@ -37,7 +37,7 @@ CASES = {
 def rl_batch(per_token: bool):
     from verl.utils import tensordict_utils as tu
 
-    from verl_fused_hook_harness.support.mtp_engine import mtp_batch
+    from verl_fused_hook_harness.support.micro_batches import forward_step_batch as mtp_batch
 
     def nested(parts):
         return torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)

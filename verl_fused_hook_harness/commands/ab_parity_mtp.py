@@ -1,11 +1,11 @@
-"""A/B parity with MTP layers (`ab-parity --mtp-layers N`): hook mode's fused MTP loss against verl's own MTP path.
+"""`ab-parity --mtp-layers N`: hook mode's fused MTP loss against verl's own MTP path.
 
 With `actor_rollout_ref.model.mtp.enable=True, enable_train=True`, verl as it
 ships turns fused kernels off: its unfused forward builds the main head's
 logits and megatron's `process_mtp_loss` builds every MTP head's logits. Hook
 mode keeps fused kernels on and computes both through the op. Each side runs
 on identical weights and batch, through verl's build step, `patch_engine_mtp`
-and `forward_step` (testing/mtp_engine.py; the build step sees the switch as
+and `forward_step` (support/mtp_engine.py; the build step sees the switch as
 each side sets it, so at one rank both sides share one process and pay the
 start-up, imports and CUDA/NCCL initialization once), then the
 same GRPO-style loss and its backward. Compared, relative to verl's side:
@@ -18,45 +18,30 @@ ones, so counts may differ by up to 2 or 1% of the total, whichever is larger.
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-from pathlib import Path
 
 import torch
 
-from .ab_parity import TEMPERATURE, _row, _run_on_nccl, compare, grpo_loss, make_batch, world_size_for
-from ..support.distributed import free_port, run_on_gloo
+from ..support.compare import error
+from ..support.distributed import backend_for, run_in_processes
+from ..support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
+from ..support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
+from ..support.reports import write_json
+from ..support.verl_engine import prepare_verl_process
+from .ab_scenarios import TABLE_HEADER, build_model, compare_runs, comparison_row, gradients_of, within, world_size_for
 
 SIDES = ("verl", "hook")
 CUDA_ACCEPTANCE_SLACK = 0.01
 CUDA_ACCEPTANCE_MIN_SLACK = 2
 
 
-def _response_values(nested, data) -> torch.Tensor:
-    from verl_fused_hook.verl_integration.forward_step import response_score_rows
-
-    return nested.values()[response_score_rows(data, None).values()].detach().cpu()
-
-
 def run_side(scenario, side: str, setup, mtp_layers: int) -> dict:
-    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
-    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_batch, mtp_forward, take_mtp_metrics
-
-    from .ab_parity import DTYPES
-
     device = setup.device
-    init_model_parallel(scenario.tp, seed=setup.seed)
-    hf_config = load_hf_config(setup.hf_path)
-    model = build_gpt_from_hf(
-        hf_config, sequence_parallel=scenario.sequence_parallel, tied=scenario.tied, seed=setup.seed,
-        dtype=DTYPES[setup.dtype], mtp_num_layers=mtp_layers,
-    ).to(device)
+    hf_config, model = build_model(scenario, setup, mtp_num_layers=mtp_layers)
     engine = build_mtp_engine(model, hook=side == "hook", backend=setup.backend, model_path=setup.hf_path)
-    prompts, responses, advantages, old_offset = make_batch(hf_config.vocab_size, setup.seed)
-    nested = lambda parts: torch.nested.as_nested_tensor([p.to(device) for p in parts], layout=torch.jagged)  # noqa: E731
-    batch = mtp_batch(nested([torch.cat(pair) for pair in zip(prompts, responses)]), nested(prompts), nested(responses), TEMPERATURE)
+    prompts, responses, advantages, old_offset = ab_rollout(hf_config.vocab_size, setup.seed)
+    input_ids = jagged([torch.cat(pair) for pair in zip(prompts, responses)], device)
+    batch = forward_step_batch(input_ids, jagged(prompts, device), jagged(responses, device), TEMPERATURE)
     take_mtp_metrics()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -66,29 +51,23 @@ def run_side(scenario, side: str, setup, mtp_layers: int) -> dict:
     loss.backward()
     return {
         "fused": engine.engine_config.use_fused_kernels,
-        "log_probs": _response_values(output["log_probs"], batch),
-        "entropy": _response_values(output["entropy"], batch),
+        "log_probs": response_values(output["log_probs"], batch).detach().cpu(),
+        "entropy": response_values(output["entropy"], batch).detach().cpu(),
         "policy_loss": loss.detach().reshape(1).cpu(),
-        "grads": {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None},
+        "grads": gradients_of(model),
         "mtp": take_mtp_metrics(),
         "peak_bytes": int(torch.cuda.max_memory_allocated() - base) if device == "cuda" else 0,
     }
 
 
-def both_sides_worker(rank: int, world_size: int, _mode: str, scenarios, setup, mtp_layers: int):
+def both_sides_worker(rank: int, world_size: int, scenarios, setup, mtp_layers: int):
     """verl's side, then hook mode's, in this one process: {side: side_worker's results}."""
     return {side: side_worker(rank, world_size, side, scenarios, setup, mtp_layers) for side in SIDES}
 
 
 def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_layers: int):
-    from verl_fused_hook.verl_integration import install
-
     started = time.time()
-    install()
-    if rank != 0:
-        logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
-    import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
-
+    prepare_verl_process(rank)
     if rank == 0:
         print(f"[{side}] verl's engine imported in {time.time() - started:.1f}s", flush=True)
     if setup.device == "cuda":
@@ -102,27 +81,19 @@ def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_lay
     return results
 
 
-def _metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, bool]:
+def metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, bool]:
     """Largest relative MTP-loss error and acceptance-count difference over ranks; whether they pass."""
     loss_error, count_gap, ok = 0.0, 0.0, True
     for verl_rank, hook_rank in zip(verl_runs, hook_runs):
         want, got = verl_rank[name]["mtp"], hook_rank[name]["mtp"]
         if set(want) != set(got) or not want:
             return {"mtp_loss": float("inf"), "acceptance_gap": float("inf")}, False
-        scale = want["loss_values"].double().abs().max().clamp_min(1e-30)
-        loss_error = max(loss_error, ((got["loss_values"].double() - want["loss_values"].double()).abs().max() / scale).item())
+        loss_error = max(loss_error, error(want["loss_values"], got["loss_values"], relative=True))
         gap = (got["correct_values"] - want["correct_values"]).abs().max().item()
         count_gap = max(count_gap, gap)
         slack = 0 if device == "cpu" else max(CUDA_ACCEPTANCE_MIN_SLACK, CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item())
         ok = ok and gap <= slack and torch.equal(got["total_values"], want["total_values"])
     return {"mtp_loss": loss_error, "acceptance_gap": count_gap}, ok
-
-
-def _in_processes(mode: str, worker, scenarios, setup, mtp_layers: int, world_size: int):
-    """worker(rank, world_size, mode, scenarios, setup, mtp_layers) in world_size new processes (NCCL or gloo)."""
-    if setup.device == "cuda":
-        return _run_on_nccl(mode, scenarios, setup, {}, free_port(), world_size, worker=worker, extra=(mtp_layers,))
-    return run_on_gloo(worker, world_size, mode, scenarios, setup, mtp_layers)
 
 
 def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: str | None) -> int:
@@ -131,32 +102,34 @@ def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: st
           f"verl as it ships (fused off with MTP) vs hook mode (backend={setup.backend}, MTP loss through the op)",
           flush=True)
     started = time.time()
+    backend = backend_for(setup.device)
     if world_size == 1:
-        ranks = _in_processes("both", both_sides_worker, scenarios, setup, mtp_layers, 1)
+        ranks = run_in_processes(both_sides_worker, 1, scenarios, setup, mtp_layers, backend=backend)
         runs = {side: [rank[side] for rank in ranks] for side in SIDES}
     else:
-        runs = {side: _in_processes(side, side_worker, scenarios, setup, mtp_layers, world_size) for side in SIDES}
+        runs = {side: run_in_processes(side_worker, world_size, side, scenarios, setup, mtp_layers, backend=backend)
+                for side in SIDES}
     print(f"both sides ran in {time.time() - started:.1f}s (process start-ups included)", flush=True)
     report = {"device": setup.device, "backend": setup.backend, "dtype": setup.dtype, "mtp_layers": mtp_layers,
               "rtol": rtol, "scenarios": []}
-    print(f"\n{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad")
+    print(f"\n{TABLE_HEADER}")
     for scenario in scenarios:
         name = scenario.name
-        rows = compare(runs["verl"], name, runs["hook"], name, relative=True)
-        metrics, metrics_ok = _metric_rows(runs["verl"], runs["hook"], name, setup.device)
+        rows = compare_runs(runs["verl"], name, runs["hook"], name, relative=True)
+        metrics, metrics_ok = metric_rows(runs["verl"], runs["hook"], name, setup.device)
         fused = {side: runs[side][0][name]["fused"] for side in SIDES}
+        mtp_grads = any(key.startswith("mtp.") for key in runs["hook"][0][name]["grads"])
         match = (
             fused == {"verl": False, "hook": True}
-            and all(rows[k] <= rtol for k in ("log_probs", "entropy", "policy_loss", "grads"))
+            and within(rows, rtol)
             and metrics["mtp_loss"] <= rtol
             and metrics_ok
+            and mtp_grads
         )
-        mtp_grads = any(key.startswith("mtp.") for key in runs["hook"][0][name]["grads"])
-        match = match and mtp_grads
         peaks = {side: max(r[name]["peak_bytes"] for r in runs[side]) for side in SIDES}
         report["scenarios"].append({"scenario": name, "fused": fused, "vs_verl_rel": rows, "mtp": metrics,
                                     "peak_bytes": peaks, "match": match})
-        print(_row(name, "hook vs verl's MTP path (rel)", rows, "" if match else "   MISMATCH"))
+        print(comparison_row(name, "hook vs verl's MTP path (rel)", rows, "" if match else "   MISMATCH"))
         print(f"{'':<18} {'MTP loss (rel), acceptance':<28} {metrics['mtp_loss']:>10.3g} {metrics['acceptance_gap']:>10.3g}"
               f"   fused kernels: verl {fused['verl']}, hook {fused['hook']}")
     report["match"] = all(entry["match"] for entry in report["scenarios"])
@@ -164,6 +137,5 @@ def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: st
     print(f"PASS: hook mode's fused MTP loss within {rtol:g} of verl's MTP path" if report["match"]
           else "FAIL: mismatches above")
     if json_path:
-        text = json.dumps(report, indent=2)
-        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
+        write_json(report, json_path)
     return 0 if report["match"] else 1

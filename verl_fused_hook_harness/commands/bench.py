@@ -23,18 +23,17 @@ layer plus the policy loss (bench_loss.py; they need `import verl`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import statistics
 import sys
-import types
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from verl_fused_hook.ops import log_probs_and_entropy
+from ..support.reports import write_json
 from . import bench_loss
+from .bench_methods import ALL_METHODS, load_methods
+from .bench_report import markdown, plot
 
 GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
@@ -46,114 +45,6 @@ SWEEP_TOKENS = (4096, 16384, 65536, 131072, 262144)
 SWEEP_WIDTHS = ((2048, 151936), (4096, 248320), (5120, 248320))
 # The floor's GEMMs run on row chunks whose [rows, V] bf16 upstream gradient stays under this size.
 FLOOR_CHUNK_BYTES = 8 * GIB
-ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss")
-
-
-# ---------------------------------------------------------------- methods
-# Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None),
-# or a scalar loss for the loss methods (marked fn.returns_loss).
-def _ours(backend: str):
-    def fn(h, w, labels, temperature, score_mask=None):
-        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend)
-
-    return fn
-
-
-def _naive(h, w, labels, temperature, score_mask=None):
-    logits = (h @ w.t()).float() / temperature
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    return log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy
-
-
-def _load_verl(kernel_dir: str | None):
-    """verl's linear_cross_entropy from its source files, with a stand-in for verl.utils.device
-    (importing verl itself needs ray). Looks in --verl-kernel-dir, else in the installed verl."""
-    if kernel_dir is None:
-        spec = importlib.util.find_spec("verl")  # locates the package without running it
-        if spec is None or spec.origin is None:
-            return None
-        kernel_dir = str(Path(spec.origin).parent / "utils" / "kernel")
-    folder = Path(kernel_dir)
-    if not (folder / "kernels.py").exists():
-        return None
-    device = types.ModuleType("verl.utils.device")
-    device.get_device_capability = torch.cuda.get_device_capability
-    device.get_device_name = lambda: "cuda"
-    device.is_cuda_available = torch.cuda.is_available()
-    device.get_torch_device = lambda: torch.cuda
-    package = types.ModuleType("_bench_verl_kernel")
-    package.__path__ = [str(folder)]
-    saved = sys.modules.get("verl.utils.device")
-    sys.modules["verl.utils.device"] = device
-    sys.modules["_bench_verl_kernel"] = package
-    try:
-        for name in ("kernels", "linear_cross_entropy"):
-            spec = importlib.util.spec_from_file_location(f"_bench_verl_kernel.{name}", folder / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del sys.modules["verl.utils.device"]
-        else:
-            sys.modules["verl.utils.device"] = saved
-    lce = sys.modules["_bench_verl_kernel.linear_cross_entropy"].linear_cross_entropy
-
-    def fn(h, w, labels, temperature, score_mask=None):
-        return lce(h, w, labels, float(temperature), "none", None)
-
-    return fn
-
-
-def _load_liger():
-    if importlib.util.find_spec("liger_kernel") is None:
-        return None
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
-
-    def fn(h, w, labels, temperature, score_mask=None):
-        return -loss(w, h / temperature, labels), None
-
-    return fn
-
-
-def _load_cce():
-    if importlib.util.find_spec("cut_cross_entropy") is None:
-        return None
-    from cut_cross_entropy import linear_cross_entropy
-
-    def fn(h, w, labels, temperature, score_mask=None):
-        return -linear_cross_entropy(h / temperature, w, labels, reduction="none"), None
-
-    return fn
-
-
-def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
-    loaders = {
-        "triton": lambda: _ours("triton"),
-        "torch": lambda: _ours("torch"),
-        "naive": lambda: _naive,
-        "verl": lambda: _load_verl(verl_kernel_dir),
-        "liger": _load_liger,
-        "cce": _load_cce,
-        "fused_loss": bench_loss.fused_loss_method,
-        "verl_loss": lambda: bench_loss.verl_loss_method(_load_verl(verl_kernel_dir)),
-    }
-    methods = {}
-    for name in names:
-        if name == "floor":
-            continue
-        fn = loaders[name]()
-        if fn is None:
-            print(f"# {name}: not installed, skipped", flush=True)
-        else:
-            methods[name] = fn
-    return methods
-
-
-# ---------------------------------------------------------------- measuring
 SLOW_MS = 1000.0  # a method this slow gets one warm-up and at most three timed repeats
 
 
@@ -349,110 +240,6 @@ def accuracy(methods, n, h, v, temperature) -> dict:
 
 
 # ---------------------------------------------------------------- reporting
-def _fmt(value, reference=None):
-    """'12.3 ms (1.05x)' against a reference time, '12.3 ms' without one, or why there is no number."""
-    if not isinstance(value, float):
-        return "OOM" if value == "out of memory" else ("n/a" if value is None else "failed")
-    return f"{value:.1f} ms ({value / reference:.2f}x)" if reference else f"{value:.1f} ms"
-
-
-def markdown(results: dict) -> str:
-    names = [m for m in results["methods"] if m != "floor"]
-    lines = [
-        "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients"
-        " (fused_loss, verl_loss: the output layer plus verl's ppo_loss):",
-        "",
-        "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
-        "|---|---|---|" + "---|" * len(names),
-    ]
-    for row in results["shapes"]:
-        floor = row.get("floor", {}).get("fwd_bwd_ms")
-        cells = [_fmt(row.get("floor", {}).get("fwd_bwd_3gemm_ms"), floor)]
-        for name in names:
-            r = row.get(name, {})
-            mem = r.get("extra_gib")
-            cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
-        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
-    if {"fused_loss", "verl_loss"} <= set(names):
-        lines += ["", "fused_loss speed-up over verl_loss (verl's kernel + its ppo_loss):", ""]
-        for row in results["shapes"]:
-            fused, verl = row.get("fused_loss", {}).get("fwd_bwd_ms"), row.get("verl_loss", {}).get("fwd_bwd_ms")
-            if isinstance(fused, float) and isinstance(verl, float):
-                lines.append(f"- {row['N']}, {row['H']}, {row['V']}: {verl / fused:.2f}x")
-    lines += ["", "Forward without gradient (ratio to one GEMM):", "",
-              "| N, H, V | one GEMM | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for row in results["shapes"]:
-        gemm = row.get("floor", {}).get("gemm_ms")
-        cells = [_fmt(row.get(name, {}).get("fwd_ms"), gemm) for name in names]
-        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(gemm)} | " + " | ".join(cells) + " |")
-    masked = [m for m in names if any("half_masked_fwd_bwd_ms" in row.get(m, {}) for row in results["shapes"])]
-    if masked:
-        lines += ["", "Half the rows masked by score_mask, forward+backward (ratio to the unmasked time):", "",
-                  "| N, H, V | " + " | ".join(masked) + " |", "|---|" + "---|" * len(masked)]
-        for row in results["shapes"]:
-            cells = []
-            for name in masked:
-                r = row.get(name, {})
-                full, half = r.get("fwd_bwd_ms"), r.get("half_masked_fwd_bwd_ms")
-                cells.append(_fmt(half, full) if isinstance(full, float) else _fmt(half))
-            lines.append(f"| {row['N']}, {row['H']}, {row['V']} | " + " | ".join(cells) + " |")
-    if results.get("accuracy"):
-        n, h, v = results["accuracy_shape"]
-        lines += ["", f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):", "",
-                  "| method | log-prob max err | entropy max err | loss rel err | d_hidden rel err | d_weight rel err |",
-                  "|---|---|---|---|---|---|"]
-        sci = lambda value: "n/a" if value is None else f"{value:.2e}"  # noqa: E731
-        for name, acc in results["accuracy"].items():
-            if isinstance(acc, dict):
-                lines.append(f"| {name} | {sci(acc['log_prob_max_err'])} | {sci(acc['entropy_max_err'])} | "
-                             f"{sci(acc.get('loss_rel_err'))} | {sci(acc['d_hidden_rel_err'])} | {sci(acc['d_weight_rel_err'])} |")
-            else:
-                lines.append(f"| {name} | {acc} | | | | |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: dict, path: Path) -> None:
-    """Left: forward+backward time over the 4-GEMM floor against N, one line per method and (H, V): a backward
-    whose speed depends on N shows as a line leaving 1. Right: extra memory against N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (ratio_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5))
-    shapes = results["shapes"]
-    names = [m for m in results["methods"] if m != "floor"]
-    widths = sorted({(row["H"], row["V"]) for row in shapes})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    markers = "osd^vP*X"
-    for index, name in enumerate(names):
-        for w_index, (h, v) in enumerate(widths):
-            rows = sorted((r for r in shapes if (r["H"], r["V"]) == (h, v)), key=lambda r: r["N"])
-            style = dict(color=colors[index % len(colors)], marker=markers[w_index % len(markers)], label=f"{name} H={h} V={v}")
-            ratios = [(r["N"], r[name]["fwd_bwd_ms"] / r["floor"]["fwd_bwd_ms"]) for r in rows
-                      if isinstance(r.get(name, {}).get("fwd_bwd_ms"), float) and "floor" in r]
-            if ratios:
-                ratio_axis.plot(*zip(*ratios), **style)
-            memory = [(r["N"], r[name]["extra_gib"]) for r in rows if isinstance(r.get(name, {}).get("extra_gib"), float)]
-            if memory:
-                memory_axis.plot(*zip(*memory), **style)
-    if not memory_axis.lines:
-        memory_axis.text(0.5, 0.5, "not measured (--quick)", ha="center", va="center", transform=memory_axis.transAxes)
-    ratio_axis.axhline(1.0, color="black", linewidth=0.8)
-    ratio_axis.axhline(1.1, color="gray", linewidth=0.8, linestyle="--")
-    ratio_axis.set_title("forward+backward time / 4-GEMM cuBLAS floor (dashed: 1.10)")
-    memory_axis.set_title("extra memory beyond inputs and returned gradients (GiB)")
-    for axis in (ratio_axis, memory_axis):
-        axis.set_xlabel("N (tokens)")
-        axis.grid(True, which="both", alpha=0.3)
-        if axis.lines:
-            axis.set_xscale("log", base=2)
-            axis.legend(fontsize=7)
-    figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = []
     for part in text.split(";"):
@@ -507,7 +294,7 @@ def main(argv=None) -> None:
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results)
-    prefix.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    write_json(results, prefix.with_suffix(".json"), indent=1)
     prefix.with_suffix(".md").write_text(table)
     plot(results, prefix.with_suffix(".png"))
     print(table)

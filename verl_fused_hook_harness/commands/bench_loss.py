@@ -15,12 +15,13 @@ from typing import Callable
 import torch
 
 from verl_fused_hook.ops import log_probs_entropy_and_loss
+from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
 SEQUENCE_TOKENS = 2048
 
 
 def _loss_config():
-    from verl.workers.config import ActorConfig
+    from verl.workers.config import ActorConfig  # verl loads only when a loss method runs (`import verl` starts ray)
 
     return ActorConfig(
         strategy="megatron",
@@ -41,8 +42,6 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
     batch of N tokens on `device`, as hook mode builds them."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
-
-    from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
     length = SEQUENCE_TOKENS if n % SEQUENCE_TOKENS == 0 else n
     sequences = n // length

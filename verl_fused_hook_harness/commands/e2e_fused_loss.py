@@ -19,39 +19,29 @@ clipped loss, token-mean, entropy bonus, low-var KL against the reference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import time
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .ab_parity import TEMPERATURE
-from .e2e_bench import (
-    Clock,
-    Mode,
-    _gib,
-    _ms,
-    compare,
-    enable_mode,
-    free_step_memory,
-    init_single_process,
-    make_batch,
-    reset_fused_mode,
-    write_report,
-)
+from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
+from verl_fused_hook.verl_integration.ppo_loss import unsupported_reason
 
-
-@dataclass(frozen=True)
-class LossMode(Mode):
-    fused_loss: bool = False  # fused_kernel_options.output_processor_fused_loss
-
+from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
+from ..support.compare import relative_scalar
+from ..support.determinism import deterministic_steps
+from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, jagged, response_rows
+from ..support.modes import Mode, kernel_backends
+from ..support.reports import gib, ms, write_report
+from ..support.verl_engine import megatron_engine, reset_fused_mode
+from .e2e_setup import Clock, build_model, free_step_memory, header_with_temperature, prepare_process, snapshot_gradients
+from .e2e_thd import compare_samples, enable_mode
 
 LOSS_MODES = (
-    LossMode("hook+ours+mask", hook=True, kernel="ours", masked=True),  # two-pass: log-probs, then ppo_loss
-    LossMode("hook+ours+fused-loss", hook=True, kernel="ours", masked=True, fused_loss=True),  # ppo_loss in the op
-    LossMode("legacy", hook=False, kernel="verl"),  # verl as it ships with the switch at 0: the time reference
+    Mode("hook+ours+mask", hook=True, kernel="ours", score_mask=True),  # two-pass: log-probs, then ppo_loss
+    Mode("hook+ours+fused-loss", hook=True, kernel="ours", score_mask=True, fused_loss=True),  # ppo_loss in the op
+    Mode("legacy", hook=False, kernel="verl"),  # verl as it ships with the switch at 0: the time reference
 )
 TWO_PASS = "hook+ours+mask"
 PARITY_KEY = "vs_two_pass"
@@ -64,11 +54,7 @@ REF_LOG_PROB_NOISE = 0.1
 
 def grpo_actor_config():
     """verl's ActorConfig for a GRPO-like update; refused at start-up if the fused loss would not take it."""
-    import dataclasses
-
-    from verl.workers.config import ActorConfig
-
-    from verl_fused_hook.verl_integration.ppo_loss import unsupported_reason
+    from verl.workers.config import ActorConfig  # verl loads on first use (`import verl` starts ray)
 
     base = ActorConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
     config = dataclasses.replace(
@@ -81,17 +67,13 @@ def grpo_actor_config():
     return config
 
 
-def loss_engine(model, mode: LossMode, backend: str | None, hf_path: str):
-    from verl_fused_hook_harness.support.verl_engine import megatron_engine
-
+def loss_engine(model, mode: Mode, backend: str | None, hf_path: str):
     options = {"output_processor_backend": backend, "output_processor_fused_loss": mode.fused_loss} if mode.hook else {}
     return megatron_engine([model], fused_kernel_options=options, model_path=hf_path)
 
 
-def enable_loss_mode(model, engine, mode: LossMode) -> str:
-    """e2e_bench's build step, then a check that the plan fuses the loss exactly when the mode says so."""
-    from verl_fused_hook.verl_integration.model_plan import plan_of
-
+def enable_loss_mode(model, engine, mode: Mode) -> str:
+    """e2e_thd's build step, then a check that the plan fuses the loss exactly when the mode says so."""
     resolved = enable_mode(model, engine, mode)
     if mode.hook and plan_of(model).fused_loss != mode.fused_loss:
         raise RuntimeError(f"mode {mode.name}: the plan's fused_loss is {plan_of(model).fused_loss}, expected {mode.fused_loss}")
@@ -101,33 +83,10 @@ def enable_loss_mode(model, engine, mode: LossMode) -> str:
 # ---------------------------------------------------------------- the actor batch
 
 
-def _jagged(parts):
-    return torch.nested.as_nested_tensor(list(parts), layout=torch.jagged)
-
-
-def forward_batch(base, device: str):
-    """What forward_step needs for a forward-only pass (verl's compute_log_prob): ids, loss mask, temperatures."""
-    from verl.utils import tensordict_utils as tu
-
-    input_ids, data, _, _, _ = base
-    prompts, responses = data["prompts"], data["responses"]
-    loss_mask = [torch.cat([torch.zeros_like(p), torch.ones_like(r)]) for p, r in zip(prompts.unbind(), responses.unbind())]
-    tensors = {
-        "input_ids": input_ids,
-        "prompts": prompts,
-        "responses": responses,
-        "loss_mask": _jagged(loss_mask),
-        "temperature": torch.full((input_ids.shape[0],), TEMPERATURE, device=device),
-    }
-    return tensors, tu.get_tensordict(tensors, non_tensor_dict={"calculate_entropy": True})
-
-
-def actor_batch(base, tensors: dict, sampled_log_probs: torch.Tensor, seed: int):
-    """The actor update's micro-batch: `tensors` plus what ppo_loss reads (padded [batch, response] inputs
-    cut back to each response's length) and verl's global-batch info for one data-parallel rank."""
-    from verl.utils import tensordict_utils as tu
-
-    _, data, advantages, _, _ = base
+def actor_batch(rollout, sampled_log_probs: torch.Tensor, seed: int):
+    """The actor update's micro-batch: forward_step's fields plus what ppo_loss reads (padded [batch, response]
+    inputs cut back to each response's length) and verl's global-batch info for one data-parallel rank."""
+    input_ids, data, advantages, _, _ = rollout
     response_lens = data["responses"].offsets().diff().tolist()
     width = sampled_log_probs.shape[1]
     generator = torch.Generator().manual_seed(seed + 11)
@@ -135,35 +94,26 @@ def actor_batch(base, tensors: dict, sampled_log_probs: torch.Tensor, seed: int)
     ref_noise = REF_LOG_PROB_NOISE * torch.randn(sampled_log_probs.shape, generator=generator)
 
     def per_response(padded: torch.Tensor):
-        return _jagged(row[:n] for row, n in zip(padded.float(), response_lens))
+        return jagged(row[:n] for row, n in zip(padded.float(), response_lens))
 
-    fields = {
+    ppo_fields = {
         "response_mask": per_response(torch.ones_like(sampled_log_probs)).long(),
         "old_log_probs": per_response(sampled_log_probs + old_noise.to(sampled_log_probs.device)),
         "ref_log_prob": per_response(sampled_log_probs + ref_noise.to(sampled_log_probs.device)),
         "advantages": per_response(advantages.unsqueeze(1).expand(-1, width)),  # GRPO: one advantage per sequence
     }
-    batch_info = dict(dp_size=1, batch_num_tokens=sum(response_lens), global_batch_size=len(response_lens))
-    return tu.get_tensordict(
-        {**tensors, **fields}, non_tensor_dict={**batch_info, "calculate_entropy": True, "num_micro_batch": 1}
+    return forward_step_batch(
+        input_ids, data["prompts"], data["responses"], TEMPERATURE, extra_fields=ppo_fields,
+        dp_size=1, batch_num_tokens=sum(response_lens), global_batch_size=len(response_lens), num_micro_batch=1,
     )
 
 
-def _kernel_context(mode: LossMode, device: str, cpu_kernel: str):
-    """On the CPU verl's Triton kernel cannot run: the legacy forward gets the portable op (as in e2e_bench)."""
-    if device == "cpu" and not mode.hook:
-        from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
-
-        return portable_legacy_kernel(cpu_kernel)
-    return contextlib.nullcontext()
-
-
-def sample_log_probs(engine, model, data, context) -> torch.Tensor:
+def sample_log_probs(engine, model, data) -> torch.Tensor:
     """The model's log-probs of the responses, [batch, response] padded, through a forward-only forward_step."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     postprocess = functools.partial(engine.postprocess_micro_batch_func, forward_only=True, loss_function=None)
-    with torch.no_grad(), context:
+    with torch.no_grad():
         output, finish = engine.forward_step(iter([data]), model, None, postprocess)
         _, report = finish(output)
     return no_padding_2_padding(report["model_output"]["log_probs"], data).float()
@@ -175,20 +125,21 @@ def sample_log_probs(engine, model, data, context) -> torch.Tensor:
 class LossStep:
     """verl's forward_step with ppo_loss, its postprocess and the backward of the scaled loss."""
 
-    def __init__(self, model, engine, data, loss_function, mode: LossMode, device: str, cpu_kernel: str):
-        from verl_fused_hook.verl_integration.forward_step import response_score_rows
-
+    def __init__(self, model, engine, data, loss_function, mode: Mode, device: str, cpu_kernel: str):
         self.model, self.engine, self.data, self.mode = model, engine, data, mode
         self.loss_function = loss_function
-        self.context = functools.partial(_kernel_context, mode, device, cpu_kernel)
-        self.read_rows = response_score_rows(data, None).values()  # the rows ppo_loss reads
+        # On the CPU verl's Triton kernel cannot run: the legacy forward gets the portable op.
+        self.kernel_context = (
+            contextlib.nullcontext if mode.hook else functools.partial(portable_legacy_kernel_on_cpu, device, cpu_kernel)
+        )
+        self.read_rows = response_rows(data).values()  # the rows ppo_loss reads
 
     def train(self) -> dict:
         """Returns verl's report: {"loss": float, "metrics": {...}, "model_output": detached outputs}."""
         postprocess = functools.partial(
             self.engine.postprocess_micro_batch_func, forward_only=False, loss_function=self.loss_function
         )
-        with self.context():
+        with self.kernel_context():
             output, finish = self.engine.forward_step(iter([self.data]), self.model, self.loss_function, postprocess)
             scaled_loss, report = finish(output)
             scaled_loss.backward()
@@ -209,24 +160,20 @@ def loss_snapshot(step: LossStep, report: dict) -> dict:
         "entropy": outputs["entropy"].values()[step.read_rows].detach().float(),
         "policy_loss": torch.tensor([report["loss"]], dtype=torch.float64),
         "metrics": metric_values(report["metrics"]),
-        "grads": {name: p.grad.detach().clone() for name, p in step.model.named_parameters() if p.grad is not None},
+        "grads": snapshot_gradients(step.model),
     }
 
 
-def _relative(reference: float, value: float) -> float:
-    return abs(value - reference) / abs(reference) if reference != 0 else abs(value)
-
-
 def compare_loss(reference: dict, other: dict) -> dict:
-    """e2e_bench's comparison (log-probs, entropy, loss max_abs, worst gradient) plus the loss's relative error
+    """e2e_thd's comparison (log-probs, entropy, loss max_abs, worst gradient) plus the loss's relative error
     and every metric verl reports: both values and the relative error, and the worst of them."""
-    rows = compare(reference, other)
+    rows = compare_samples(reference, other)
     if reference["metrics"].keys() != other["metrics"].keys():
         raise RuntimeError(f"metric sets differ: {sorted(reference['metrics'].keys() ^ other['metrics'].keys())}")
     loss_ref, loss = float(reference["policy_loss"]), float(other["policy_loss"])
-    rows["loss"], rows["loss_reference"], rows["loss_rel"] = loss, loss_ref, _relative(loss_ref, loss)
+    rows["loss"], rows["loss_reference"], rows["loss_rel"] = loss, loss_ref, relative_scalar(loss_ref, loss)
     rows["metrics"] = {
-        key: {"reference": value, "value": other["metrics"][key], "rel": _relative(value, other["metrics"][key])}
+        key: {"reference": value, "value": other["metrics"][key], "rel": relative_scalar(value, other["metrics"][key])}
         for key, value in reference["metrics"].items()
     }
     worst = max(rows["metrics"], key=lambda key: rows["metrics"][key]["rel"])
@@ -265,8 +212,8 @@ def markdown_table(report: dict) -> str:
                     f"{parity['grads_max_abs']:.3g} ({parity['grads_rel']:.2g})",
                 ]
             lines.append(
-                f"| {label} | {row['mode']} | {row['kernel']} | {_ms(row['train_s'])} | {speed} "
-                f"| {_gib(row['train_peak_bytes'])} | " + " | ".join(cells) + " |"
+                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])} | {speed} "
+                f"| {gib(row['train_peak_bytes'])} | " + " | ".join(cells) + " |"
             )
         floor = size.get("two_pass_rerun")
         if floor is not None:
@@ -278,16 +225,14 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(report: dict, out: Path | None) -> None:
-    write_report(report, out, "e2e_fused_loss", markdown_table)
-
-
 # ---------------------------------------------------------------- main
 
 
 def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock: Clock, args, reference) -> dict:
-    """Parity sample (first warm-up, inside `repeatable()`), further warm-ups, timed steps; returns the sample."""
+    """Parity sample (first warm-up, inside `repeatable()`), further warm-ups, timed steps; returns the sample.
+    The row also counts the micro-batches whose ppo_loss ran inside the op (the plugin's own count)."""
     model = step.model
+    calls_before = counts_of(model).fused_loss_forwards
     free_step_memory(model)
     with repeatable():
         sample = loss_snapshot(step, step.train())
@@ -305,6 +250,7 @@ def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock:
     row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(
         step.train, args.repeats, functools.partial(free_step_memory, model)
     )
+    row["fused_loss_calls"] = counts_of(model).fused_loss_forwards - calls_before
     return sample
 
 
@@ -312,25 +258,12 @@ def run_fused_loss(args) -> dict:
     """Per size: the actor batch (old/ref log-probs from a forward-only step), then every chosen mode."""
     import verl.workers.utils.losses as verl_losses
 
-    from verl_fused_hook_harness.support.determinism import deterministic_steps, prepare_cublas_workspace
-    from verl_fused_hook_harness.support.hf_model import build_gpt_from_hf, load_hf_config
-    from verl_fused_hook.verl_integration import install
-
     device = args.device
-    kernels = {"verl": "verl", "ours": "triton"} if device == "cuda" else {"verl": "torch", "ours": "torch"}
-    install()  # what `import verl` does through the entry point when the package is installed
-    import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
-
+    kernels = kernel_backends(device)
+    hf_config = prepare_process(args)
     config = grpo_actor_config()
     loss_function = functools.partial(verl_losses.ppo_loss, config=config)
-    if device == "cuda":
-        prepare_cublas_workspace()  # before the first GEMM: the parity steps run deterministic
-    init_single_process(device, args.seed)
-    hf_config = load_hf_config(args.hf_config)
-    started = time.time()
-    model = build_gpt_from_hf(hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init).to(device)
-    print(f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
-          f"parameters, {args.dtype}, hidden {hf_config.hidden_size}, vocab {hf_config.vocab_size}", flush=True)
+    model = build_model(args, hf_config)
     modes = [mode for mode in LOSS_MODES if mode.name in args.modes]
     engines = {
         mode.name: loss_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config) for mode in modes
@@ -338,31 +271,21 @@ def run_fused_loss(args) -> dict:
     by_name = {mode.name: mode for mode in modes}
     clock = Clock(device)
     repeatable = functools.partial(deterministic_steps, model) if device == "cuda" else contextlib.nullcontext
-    report = {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "hf_config": str(args.hf_config),
-        "dtype": str(args.dtype),
-        "temperature": TEMPERATURE,
-        "actor_config": dict(
-            loss_mode="vanilla", loss_agg_mode=config.loss_agg_mode, clip_ratio=config.clip_ratio,
-            entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
-            kl_loss_coef=config.kl_loss_coef,
-        ),
-        "warmups": args.warmups,
-        "repeats": args.repeats,
-        "kernels": kernels,
-        "sizes": [],
-    }
+    actor_config = dict(
+        loss_mode="vanilla", loss_agg_mode=config.loss_agg_mode, clip_ratio=config.clip_ratio,
+        entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
+        kl_loss_coef=config.kl_loss_coef,
+    )
+    report = header_with_temperature(args, actor_config=actor_config) | {"kernels": kernels, "sizes": []}
     for tokens in args.sizes:
-        base = make_batch(hf_config.vocab_size, tokens, device, args.seed)
-        entry = {"tokens": tokens, "sequence_lengths": base[4], "modes": []}
+        rollout = e2e_rollout(hf_config.vocab_size, tokens, device, args.seed)
+        entry = {"tokens": tokens, "sequence_lengths": rollout[4], "modes": []}
         report["sizes"].append(entry)
-        two_pass = by_name[TWO_PASS]
-        enable_loss_mode(model, engines[TWO_PASS], two_pass)
-        tensors, forward_data = forward_batch(base, device)
-        sampled = sample_log_probs(engines[TWO_PASS], model, forward_data, contextlib.nullcontext())
-        data = actor_batch(base, tensors, sampled, args.seed)
+        enable_loss_mode(model, engines[TWO_PASS], by_name[TWO_PASS])
+        input_ids, data = rollout[0], rollout[1]
+        forward_data = forward_step_batch(input_ids, data["prompts"], data["responses"], TEMPERATURE)
+        sampled = sample_log_probs(engines[TWO_PASS], model, forward_data)
+        data = actor_batch(rollout, sampled, args.seed)
         del forward_data, sampled
         reference = None
         for mode in modes:
@@ -388,12 +311,11 @@ def run_fused_loss(args) -> dict:
                     f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
                     f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
                 )
-                print(f"[{tokens}] {mode.name:<21} fwd+loss+bwd {_ms(row['train_s'])} peak "
-                      f"{_gib(row['train_peak_bytes'])} loss {row['loss']:.6g}{note}", flush=True)
+                print(f"[{tokens}] {mode.name:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
+                      f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}{note}", flush=True)
         reference = None
         del data
         free_step_memory(model)
-        write_outputs(report, args.out)  # after every size, so a cut-off run keeps what it measured
+        write_report(report, args.out, "e2e_fused_loss", markdown_table)  # after every size: a cut-off run keeps its sizes
     reset_fused_mode(model)
     return report
-

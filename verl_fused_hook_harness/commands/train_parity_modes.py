@@ -7,32 +7,20 @@ and a merged report, read back from JSON, has only the mode names to go by.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ..support.modes import Mode
 
 LEGACY = "legacy"
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    hook: bool
-    backend: str | None
-    score_mask: bool
-    cuda_only: bool = False
-    fused_loss: bool = False  # fused_kernel_options.output_processor_fused_loss: ppo_loss inside the op
-    # The mode whose kernel arithmetic this one shares but for the loss's gradient: its per-step gap to that
-    # mode is reported and bounded next to the gap to legacy.
-    twin: str | None = None
-
+# The hook's backend per kernel: verl's kernel, or "auto" (this package's kernel for the device).
+BACKENDS = {"verl": "verl", "ours": "auto"}
 
 MODES = {
     m.name: m
     for m in (
-        Mode(LEGACY, hook=False, backend=None, score_mask=False),
-        Mode("hook-verl", hook=True, backend="verl", score_mask=False, cuda_only=True),
-        Mode("hook-auto", hook=True, backend="auto", score_mask=False),
-        Mode("hook-auto-mask", hook=True, backend="auto", score_mask=True),
-        Mode("hook-auto-fused-loss", hook=True, backend="auto", score_mask=False, fused_loss=True, twin="hook-auto"),
+        Mode(LEGACY, hook=False, kernel="verl"),
+        Mode("hook-verl", hook=True, kernel="verl", cuda_only=True),
+        Mode("hook-auto", hook=True, kernel="ours"),
+        Mode("hook-auto-mask", hook=True, kernel="ours", score_mask=True),
+        Mode("hook-auto-fused-loss", hook=True, kernel="ours", fused_loss=True, twin="hook-auto"),
     )
 }
 
@@ -46,7 +34,7 @@ def fused_kernel_options(mode: Mode) -> dict:
     """The engine's `fused_kernel_options` for a mode (the environment switch picks hook or legacy)."""
     if not mode.hook:
         return {}
-    options = {"output_processor_backend": mode.backend}
+    options = {"output_processor_backend": BACKENDS[mode.kernel]}
     if mode.fused_loss:
         options["output_processor_fused_loss"] = True
     if not mode.score_mask:

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..support.reports import pyplot
 from .train_parity_modes import LEGACY, MODES, one_kernel_mode, ordered_modes
 
 logger = logging.getLogger(__name__)
@@ -292,14 +293,10 @@ def markdown(report: dict) -> str:
 
 def plot(runs: dict, path: Path) -> bool:
     """Loss and gradient-norm curves; False (and a log line) when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         logger.warning("train-parity: matplotlib is not installed, no %s; `--merge` the report where it is", path.name)
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key, steps in runs.items():
         if "offload-on" in key:

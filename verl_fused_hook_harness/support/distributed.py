@@ -1,8 +1,9 @@
-"""Run a function in N gloo processes on the CPU and hand each rank's result back to the caller.
+"""The harness's one process launcher: a function in N processes (gloo on the CPU, NCCL on GPUs), each rank's
+result handed back to the caller.
 
-Used by the tensor-parallel tests and the A/B script: workers return plain
-Python/tensor objects, which travel back through files in a temporary folder,
-so the parent process can assert on them with ordinary error messages.
+Why one launcher: the tests, `ab-parity` and `train-parity` all start worker processes. Workers return plain
+Python/tensor objects, which travel back through files in a temporary folder, so the parent reports a failing
+rank with that rank's own traceback. `init_single_process` is the one-process counterpart the e2e benchmarks use.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .determinism import prepare_cublas_workspace
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -24,11 +27,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, folder: str, fn: Callable, args: tuple, env: dict) -> None:
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _worker(rank: int, world_size: int, port: int, folder: str, backend: str, fn: Callable, args: tuple, env: dict):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        os.environ["LOCAL_RANK"] = str(rank)
+        prepare_cublas_workspace()  # before the first GEMM: deterministic parity steps need it
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(folder, f"rank{rank}.pt"))
@@ -39,16 +51,16 @@ def _worker(rank: int, world_size: int, port: int, folder: str, fn: Callable, ar
         dist.destroy_process_group()
 
 
-def run_on_gloo(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list[Any]:
-    """Run fn(rank, world_size, *args) in `world_size` spawned processes; return their results by rank.
+def run_in_processes(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", env: dict | None = None) -> list:
+    """fn(rank, world_size, *args) in `world_size` spawned processes on `backend` (NCCL: one GPU per rank);
+    their results by rank.
 
-    fn must be importable at module level (spawn pickles it by name). A failing
-    rank's traceback is raised in the parent as RuntimeError.
-    """
+    fn must be importable at module level (spawn pickles it by name). A failing rank's traceback is raised in
+    the parent as RuntimeError."""
     with tempfile.TemporaryDirectory() as folder:
         context = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), folder, fn, args, dict(env or {})),
+            args=(world_size, free_port(), folder, backend, fn, args, dict(env or {})),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -68,3 +80,18 @@ def run_on_gloo(fn: Callable, world_size: int, *args: Any, env: dict | None = No
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{outcome['error']}")
             results.append(outcome["result"])
         return results
+
+
+def run_on_gloo(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list:
+    """`run_in_processes` on the CPU (gloo)."""
+    return run_in_processes(fn, world_size, *args, backend="gloo", env=env)
+
+
+def init_single_process(device: str, seed: int) -> None:
+    """This process as a one-rank group (NCCL on CUDA, else gloo) with megatron's parallel state at TP=1."""
+    from ..stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only where a model is built
+
+    if device == "cuda" and not dist.is_initialized():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    init_model_parallel(1, seed=seed)

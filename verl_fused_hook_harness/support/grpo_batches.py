@@ -49,7 +49,7 @@ def _lengths(generator, count, bounds):
 
 def rollout(shape: RolloutShape, vocab_size: int, seed: int, step: int) -> dict[str, torch.Tensor]:
     """One step's padded rollout plus GRPO advantages, as plain tensors (the trainer's DataProto fields)."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage  # verl loads in the worker processes only
 
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     prompt_lens = [n for n in _lengths(generator, shape.prompts, shape.prompt_lengths) for _ in range(shape.n)]

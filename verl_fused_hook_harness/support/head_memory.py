@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import torch
 
@@ -52,8 +53,6 @@ class HeadMemoryProbe(contextlib.AbstractContextManager):
         self._saved: list[tuple[object, str, object]] = []
 
     def __enter__(self):
-        import importlib
-
         for module_name, attribute in _CALL_SITES:
             module = importlib.import_module(module_name)
             original = getattr(module, attribute)

@@ -6,7 +6,8 @@ TransformerConfig), with random weights from a fixed seed so that separate
 processes hold identical weights. Layers use Transformer Engine's spec when
 it is importable (as mbridge does) and otherwise the CPU-capable local spec
 (FACTS: the local attention refuses THD batches, so it gets one that honours
-`cu_seqlens`).
+`cu_seqlens`). megatron-core, mbridge and transformers load on first use, so
+the commands importing this module answer `--help` at once.
 """
 
 from __future__ import annotations
@@ -16,28 +17,38 @@ import math
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 
-TINY_QWEN2 = Path(__file__).resolve().parent.parent / "configs" / "tiny_qwen2"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TINY_QWEN2 = CONFIGS / "tiny_qwen2"
+QWEN_7B_2LAYER = CONFIGS / "qwen2_5_7b_2layer"
+QWEN2_5_0_5B = CONFIGS / "qwen2_5_0_5b"
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of this times the TP size
+
+
+def config_folder(path: str | Path) -> str:
+    """The folder of an HF config given as a config.json or a folder; ValueError when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; pass a config.json or a folder holding one")
+    return str(path.parent if path.is_file() else path)
 
 
 def load_hf_config(path: str | Path = TINY_QWEN2):
     """A transformers config from a config.json file or a folder holding one."""
     from transformers import AutoConfig
 
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"hf config: {path} does not exist; pass a config.json or a folder holding one")
-    return AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+    try:
+        folder = config_folder(path)
+    except ValueError as error:
+        raise ValueError(f"hf config: {error}") from None
+    return AutoConfig.from_pretrained(folder)
 
 
 def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
 
 
-def _rope_base(hf_config) -> float:
+def rope_base(hf_config) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
@@ -57,7 +68,7 @@ def build_gpt_from_hf(
     use_transformer_engine: bool | None = None,
     cpu_initialization: bool = True,
     mtp_num_layers: int | None = None,
-) -> GPTModel:
+) -> torch.nn.Module:
     """GPTModel for `hf_config` on the current model-parallel state, weights from `seed`.
 
     tied: override the config's tie_word_embeddings (None keeps it).
@@ -67,7 +78,8 @@ def build_gpt_from_hf(
     mtp_num_layers: that many MTP layers (megatron-core's MTP block after the decoder); None keeps mbridge's.
     """
     from mbridge import AutoBridge
-
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     from ..stand_ins.megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
@@ -101,7 +113,7 @@ def build_gpt_from_hf(
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp_size),
         max_sequence_length=hf_config.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_base=_rope_base(hf_config),
+        rotary_base=rope_base(hf_config),
         share_embeddings_and_output_weights=share,
         mtp_block_spec=mtp_spec,
     )

@@ -5,34 +5,14 @@ all need the same thing: verl's real build step (`_maybe_enable_fused_kernels`,
 with `mtp.enable=True, enable_train=True`), verl's `patch_engine_mtp`, verl's
 `forward_step` (which picks the fused or unfused forward and passes the MTP
 loss mask), a GRPO-style loss and its backward, and megatron's logged MTP
-metrics.
+metrics. verl and megatron-core load on first use.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
-import torch
-
-from verl_fused_hook.switch import ENV_VAR
-from .verl_engine import megatron_engine
+from .verl_engine import build_step, megatron_engine
 
 MTP_METRICS = ("loss_values", "correct_values", "total_values")
-
-
-@contextlib.contextmanager
-def _switch(hook: bool):
-    """VERL_FUSED_USE_OP_HOOK=1 for hook mode, unset for verl as it ships; restored afterwards."""
-    saved = os.environ.pop(ENV_VAR, None)
-    if hook:
-        os.environ[ENV_VAR] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(ENV_VAR, None)
-        if saved is not None:
-            os.environ[ENV_VAR] = saved
 
 
 def build_mtp_engine(model, *, hook: bool, backend: str, model_path, enable_train: bool = True):
@@ -46,30 +26,9 @@ def build_mtp_engine(model, *, hook: bool, backend: str, model_path, enable_trai
         mtp_enable=True,
         mtp_enable_train=enable_train,
     )
-    with _switch(hook):
-        engine._maybe_enable_fused_kernels()
+    build_step(model, engine, "1" if hook else None)
     patch_engine_mtp(engine.module, engine.model_config)
     return engine
-
-
-def mtp_batch(input_ids, prompts, responses, temperature: float):
-    """verl's micro-batch: nested ids, prompts/responses, a loss mask on the response tokens, temperatures."""
-    from verl.utils import tensordict_utils as tu
-
-    loss_mask = torch.nested.as_nested_tensor(
-        [torch.cat([torch.zeros_like(p), torch.ones_like(r)]) for p, r in zip(prompts.unbind(), responses.unbind())],
-        layout=torch.jagged,
-    )
-    return tu.get_tensordict(
-        {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "prompts": prompts,
-            "responses": responses,
-            "temperature": torch.full((input_ids.shape[0],), temperature, device=input_ids.device),
-        },
-        non_tensor_dict={"calculate_entropy": True},
-    )
 
 
 def mtp_forward(engine, model, batch):

@@ -5,15 +5,10 @@ Why: a training-loop comparison should run verl's engine as the trainer does:
 mbridge's conversion, DDP wrapping, the fused-kernel build step, optimizer,
 LR scheduler, checkpoint manager, offload), then `train_batch` /
 `infer_batch`, `lr_scheduler_step`, `save_checkpoint` / `load_checkpoint`.
-Only `_build_megatron_module` is replaced, because verl builds the model
-through mbridge, which hard-codes Transformer Engine's layer spec (FACTS), and
-TE is not installable on the CPU or on the lead's GPU machine. The replacement
-does what verl's build step does with megatron-core's local layer spec: verl's
-own `verl.utils.megatron_utils.get_model` builds the GPTModel from the engine's
-transformer config (through a model provider), sets the TP attributes,
-wraps it in `Float16Module` for bf16 and in Megatron's DDP with verl's DDP
-overrides (`_resolve_override_ddp_config`). The weights are random from a
-seed (verl would load a checkpoint: there is none for a random model).
+Only `_build_megatron_module` is replaced (`stand_ins/local_spec_build.py`):
+verl builds the model through mbridge, which hard-codes Transformer Engine's
+layer spec, and TE is not installable here. verl and megatron-core load on
+first use.
 """
 
 from __future__ import annotations
@@ -21,6 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
+from .grpo_batches import PAD_TOKEN_ID
+from .verl_engine import word_level_tokenizer
 
 # The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
 TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}
@@ -41,53 +40,6 @@ class EngineSetup:
     fused_kernel_options: dict
 
 
-def _model_provider(engine, setup: EngineSetup):
-    """The provider verl's `get_model` calls: a GPTModel on the engine's config with a CPU-capable local spec."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    from .hf_model import _rope_base, padded_vocab_size, transformer_engine_available
-    from ..stand_ins.megatron_cpu import cpu_block_spec
-
-    hf_config = engine.model_config.hf_config
-    config = engine.tf_config
-
-    def provider(pre_process=True, post_process=True, vp_stage=None):
-        if transformer_engine_available():
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
-        else:
-            spec = cpu_block_spec(config)
-        torch.manual_seed(setup.seed)  # identical weights in every mode and process of one TP size
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=padded_vocab_size(hf_config.vocab_size, parallel_state.get_tensor_model_parallel_world_size()),
-            max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            position_embedding_type="rope",
-            rotary_base=_rope_base(hf_config),
-            share_embeddings_and_output_weights=engine.share_embeddings_and_output_weights,
-        )
-
-    return provider
-
-
-def build_local_spec_module(engine, setup: EngineSetup):
-    """Stand-in for `MegatronEngine._build_megatron_module` (see the module docstring): verl's `get_model`."""
-    from verl.utils.megatron_utils import get_model
-
-    return get_model(
-        _model_provider(engine, setup),
-        wrap_with_ddp=not engine.engine_config.forward_only,
-        use_distributed_optimizer=engine.engine_config.use_distributed_optimizer,
-        override_ddp_config=engine._resolve_override_ddp_config(),
-        transformer_config=engine.tf_config,
-    )
-
-
 def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     """A MegatronEngineWithLMHead through verl's __init__ and initialize() (model build replaced, see above).
 
@@ -95,10 +47,6 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
-
-    from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
-    from .grpo_batches import PAD_TOKEN_ID
-    from .verl_engine import word_level_tokenizer
 
     if setup.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"EngineSetup.dtype: {setup.dtype!r}; allowed: bfloat16, float32")
@@ -136,7 +84,9 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     )
     checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])
     engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
-    engine._build_megatron_module = lambda: build_local_spec_module(engine, setup)
+    from ..stand_ins.local_spec_build import use_local_spec_build
+
+    use_local_spec_build(engine, setup.seed)
     with cuda_names_on_cpu():
         engine.initialize()
     return engine

@@ -1,0 +1,94 @@
+"""The methods the op benchmark times: this package's op (each backend), full logits, verl's kernel and the
+peers users pick instead (Liger-Kernel, cut-cross-entropy), and the policy-loss methods (bench_loss.py).
+
+Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None), or a scalar
+loss for the loss methods (marked `fn.returns_loss`). A peer that is not installed is skipped with a line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+
+from verl_fused_hook.ops import log_probs_and_entropy
+
+from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
+from . import bench_loss
+
+ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss")
+
+
+def ours(backend: str):
+    def fn(h, w, labels, temperature, score_mask=None):
+        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend)
+
+    return fn
+
+
+def naive(h, w, labels, temperature, score_mask=None):
+    logits = (h @ w.t()).float() / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def verl_kernel(kernel_dir: str | None):
+    """verl's linear_cross_entropy (from --verl-kernel-dir, else the installed verl's files); None without it."""
+    lce = load_verl_linear_cross_entropy(kernel_dir)
+    if lce is None:
+        return None
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return lce(h, w, labels, float(temperature), "none", None)
+
+    return fn
+
+
+def liger():
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # optional peer
+
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return -loss(w, h / temperature, labels), None
+
+    return fn
+
+
+def cut_cross_entropy():
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        return None
+    from cut_cross_entropy import linear_cross_entropy
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        return -linear_cross_entropy(h / temperature, w, labels, reduction="none"), None
+
+    return fn
+
+
+def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
+    """The named methods that can run here (the floor is measured apart)."""
+    loaders = {
+        "triton": lambda: ours("triton"),
+        "torch": lambda: ours("torch"),
+        "naive": lambda: naive,
+        "verl": lambda: verl_kernel(verl_kernel_dir),
+        "liger": liger,
+        "cce": cut_cross_entropy,
+        "fused_loss": bench_loss.fused_loss_method,
+        "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
+    }
+    methods = {}
+    for name in names:
+        if name == "floor":
+            continue
+        fn = loaders[name]()
+        if fn is None:
+            print(f"# {name}: not installed, skipped", flush=True)
+        else:
+            methods[name] = fn
+    return methods

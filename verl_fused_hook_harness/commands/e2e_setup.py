@@ -1,0 +1,115 @@
+"""What every `e2e-bench` flavour (THD/BSHD modes, `--mtp`, `--fused-loss`) shares: the one process and its
+device, the model from the HF config, the report's header fields, and the clock that times a step and its peak.
+
+Why: each flavour runs one process on one device at TP=1, builds a GPTModel from `--hf-config` and times
+forward+backward steps the same way (CUDA events and `max_memory_allocated` on GPUs; wall time and the tensors'
+peak bytes on the CPU, where timings mean nothing), so their tables read alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..support.determinism import prepare_cublas_workspace
+from ..support.distributed import init_single_process
+from ..support.hf_model import build_gpt_from_hf, load_hf_config
+from ..support.memory import PeakMemory
+from ..support.micro_batches import TEMPERATURE
+from ..support.reports import device_name
+from ..support.verl_engine import prepare_verl_process
+
+
+def prepare_process(args, *, deterministic_parity: bool = True):
+    """This process ready to drive verl's engine (plugin installed, verl's engine imported), as a one-rank
+    group with megatron's parallel state; returns the HF config from `args.hf_config`. With
+    `deterministic_parity` the parity steps can run bitwise repeatable on CUDA."""
+    prepare_verl_process()
+    if args.device == "cuda" and deterministic_parity:
+        prepare_cublas_workspace()  # before the first GEMM: the parity steps run deterministic
+    init_single_process(args.device, args.seed)
+    return load_hf_config(args.hf_config)
+
+
+def build_model(args, hf_config, *, announce: bool = True, **extra):
+    """The GPTModel of `hf_config` on `args.device` (dtype, seed and initialization from `args`)."""
+    started = time.time()
+    model = build_gpt_from_hf(
+        hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init, **extra
+    ).to(args.device)
+    if announce:
+        print(f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
+              f"parameters, {args.dtype}, hidden {hf_config.hidden_size}, vocab {hf_config.vocab_size}", flush=True)
+    return model
+
+
+def report_header(args, **fields) -> dict:
+    """The fields every e2e report starts with; `fields` go after the model's and before the run's settings."""
+    return {
+        "device": device_name(args.device),
+        "torch": torch.__version__,
+        "hf_config": str(args.hf_config),
+        **fields,
+        "warmups": args.warmups,
+        "repeats": args.repeats,
+    }
+
+
+def header_with_temperature(args, **fields) -> dict:
+    """`report_header` for the flavours that report their dtype and temperature first."""
+    return report_header(args, dtype=str(args.dtype), temperature=TEMPERATURE, **fields)
+
+
+class Clock:
+    def __init__(self, device: str):
+        self.device = device
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def measure(self, fn, repeats: int, prepare=None) -> tuple[float, int, int]:
+        """Median seconds of fn() over `repeats`, the largest peak bytes above what was allocated before
+        (after `prepare()`, untimed), and the largest absolute peak (CUDA; 0 on the CPU)."""
+        times, peaks, absolute = [], [], [0]
+        for _ in range(repeats):
+            if prepare is not None:
+                prepare()
+            self.sync()
+            if self.device == "cuda":
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+                peaks.append(torch.cuda.max_memory_allocated() - base)
+                absolute.append(torch.cuda.max_memory_allocated())
+            else:
+                started = time.perf_counter()
+                tracker = PeakMemory()
+                with tracker:
+                    fn()
+                times.append(time.perf_counter() - started)
+                peaks.append(tracker.peak)
+        return statistics.median(times), max(peaks), max(absolute)
+
+
+def free_step_memory(model) -> None:
+    """Drop the last step's gradients and return cached blocks, so every step starts from weights and batch."""
+    for param in model.parameters():
+        param.grad = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def snapshot_gradients(model, *, to_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter gradient by name, detached copies (on the CPU with `to_cpu`, so another mode's peak is
+    not charged for them)."""
+    return {name: (p.grad.detach().cpu() if to_cpu else p.grad.detach().clone())
+            for name, p in model.named_parameters() if p.grad is not None}
