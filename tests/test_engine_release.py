@@ -8,7 +8,7 @@ actor update through `train_batch`), then a release, in rounds:
 - "verl": what train-parity's `_release` does (engine.module/optimizer/lr_scheduler/checkpoint manager = None,
   gc.collect()), measured while the engines are still referenced (as in `_run_steps`) and after they are dropped
   and collected; fp32 (the CPU default) and bf16 (the GPU default);
-- "recipe": `release_engine` below first, which also clears what verl's `register_megatron_training_hooks` put on
+- "recipe": `support.train_engine.release_engines` (train-parity's release), which also clears what verl's `register_megatron_training_hooks` put on
   the model's TransformerConfig (`grad_scale_func` = the optimizer's bound `scale_loss`, ...);
 - hook setup only, "recipe+leak": the recipe with a plugin-like global injected (`call_sites.set_plan` also
   appends each model to a module-level list): proof that the comparison below catches a plugin reference.
@@ -50,34 +50,8 @@ MORE_SETUPS = {"installed": (None, {}), "legacy": ("0", {})}  # plugin installed
 ROUNDS = (("float32", "verl"), ("float32", "recipe"), ("bfloat16", "verl"), ("bfloat16", "recipe"))
 LEAK_ROUND = ("float32", "recipe+leak")
 
-# What verl's `register_megatron_training_hooks` sets on each model chunk's TransformerConfig (all default None).
-TRAINING_HOOK_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
-
-
-def release_engine(engine) -> None:
-    """Release a verl MegatronEngine so that its model, gradients and optimizer state are freed at once.
-
-    The step verl's attribute-dropping misses: the model's TransformerConfig (the engine's `tf_config`, shared
-    by every module of the model) holds `grad_scale_func = optimizer.scale_loss`, so the optimizer (and through
-    its `model_chunks` the DDP, the GPTModel and every buffer) stays reachable from the config, i.e. from the
-    engine and from the model itself. Clearing it (with the other fields the same verl function sets) breaks
-    that path; then nothing but plain Python cycles remain and one collection frees them."""
-    _clear_training_hooks(engine)
-    verl_release(engine)
-
-
-def _clear_training_hooks(engine) -> None:
-    from megatron.core.utils import get_model_config
-
-    configs = [get_model_config(chunk) for chunk in engine.module or ()] + [getattr(engine, "tf_config", None)]
-    for config in configs:
-        for field in TRAINING_HOOK_FIELDS:
-            if config is not None and hasattr(config, field):
-                setattr(config, field, None)
-
-
 def verl_release(*engines) -> None:
-    """What train-parity's `_release` does: drop the engine's attributes, collect."""
+    """What train-parity's release did before release_engines: drop the engine's attributes, collect."""
     for engine in engines:
         engine.module = engine.optimizer = engine.lr_scheduler = None
         engine.checkpoint_mananager = None  # sic: verl's spelling
@@ -225,8 +199,9 @@ def _round(options: dict, dtype: str, release: str) -> dict:
     if release == "verl":
         verl_release(actor, reference)
     else:
-        release_engine(actor)
-        release_engine(reference)
+        from verl_fused_hook_harness.support.train_engine import release_engines
+
+        release_engines(actor, reference)
     held = _survivors(watch, new)  # the engine objects still referenced, as in train_parity._run_steps
     del actor, reference
     gc.collect()
@@ -324,11 +299,11 @@ def test_the_comparison_catches_a_plugin_global_that_keeps_models(measured):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("when", ["held", "dropped"])
 def test_release_recipe_frees_the_engine(measured, setup, dtype, when):
-    """`release_engine` frees the actor and reference at once, even while the engine objects are referenced."""
+    """`release_engines` frees the actor and reference at once, even while the engine objects are referenced."""
     row = measured[setup]["rounds"][f"{dtype}/recipe"]
     survivors = row[when]
     engines = {"actor_engine", "reference_engine"} if when == "held" else set()
-    assert set(survivors["alive"]) == engines, f"{setup} {dtype}: still alive after release_engine: {survivors}"
+    assert set(survivors["alive"]) == engines, f"{setup} {dtype}: still alive after release_engines: {survivors}"
     assert survivors["bytes"] <= row["new_bytes"] // 100, (
         f"{setup} {dtype}: {survivors['bytes']} of the {row['new_bytes']} bytes the engines created survive"
     )

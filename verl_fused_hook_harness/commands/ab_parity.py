@@ -51,7 +51,8 @@ import time
 
 import torch
 
-from verl_fused_hook.switch import ENV_VAR, allowed_backends
+from verl_fused_hook.ops import BACKEND_CHOICES
+from verl_fused_hook.switch import ENV_VAR
 
 from ..support.distributed import backend_for, run_in_processes
 from ..support.hf_model import TINY_QWEN2, config_folder
@@ -131,8 +132,8 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     backend = args.backend or ("verl" if device == "cuda" else "torch")
-    if backend not in allowed_backends():
-        parser.error(f"--backend {backend!r}: allowed {', '.join(allowed_backends())}")
+    if backend not in BACKEND_CHOICES:
+        parser.error(f"--backend {backend!r}: allowed {', '.join(BACKEND_CHOICES)}")
     dtype = args.dtype or ("bf16" if backend == "triton" else "fp32")
     if backend == "triton" and dtype != "bf16":
         parser.error("--backend triton takes bf16 hidden states and weights: use --dtype bf16")

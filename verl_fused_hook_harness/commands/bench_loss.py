@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from verl_fused_hook.ops import log_probs_entropy_and_loss
-from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_name, ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+from verl_fused_hook.verl_integration.loss_support import ppo_loss_name
+from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
 
 SEQUENCE_TOKENS = 2048
 

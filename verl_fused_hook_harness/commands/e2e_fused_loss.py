@@ -26,7 +26,7 @@ import traceback
 import torch
 
 from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
-from verl_fused_hook.verl_integration.ppo_loss import unsupported_reason
+from verl_fused_hook.verl_integration.loss_support import unsupported_reason
 
 from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ..support.compare import relative_scalar

@@ -2,13 +2,15 @@
 GRPO-style loss and backward, what a parity sample keeps of it, how two samples compare, and the table.
 
 The step calls verl's fused engine forward as verl's `forward_step` looks it up (so the plugin's reroute
-applies); the masked mode hands it the rows the loss reads as `score_rows`. On the CPU verl's Triton kernel
+applies); the masked mode hands it the rows the loss reads as the step's `score_rows`. On the CPU verl's Triton kernel
 cannot run: the legacy forward's kernel is the portable op (`stand_ins/legacy_kernel_swap.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+
+from verl_fused_hook.verl_integration.forward_step import HookStep
 
 from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ..support.compare import VALUES, differing_parameters, max_abs, worst_gradient
@@ -55,7 +57,7 @@ class Step:
         return contextlib.nullcontext() if self.mode.hook else portable_legacy_kernel_on_cpu(self.device, self.cpu_kernel)
 
     def forward(self):
-        kwargs = {} if self.score_rows is None else {"score_rows": self.score_rows}
+        kwargs = {} if self.score_rows is None else {"step": HookStep(score_rows=self.score_rows)}
         with self.kernel_context():
             return fused_engine_forward(self.engine, self.model, self.input_ids, TEMPERATURE, **kwargs)
 

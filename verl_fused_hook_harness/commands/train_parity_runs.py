@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import hashlib
 import os
 import time
@@ -29,7 +28,7 @@ from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ..support.determinism import deterministic_steps
 from ..support.distributed import backend_for, run_in_processes
 from ..support.grpo_batches import RolloutShape, packed, rollout
-from ..support.train_engine import EngineSetup, build_engine, load_checkpoint_for_resume
+from ..support.train_engine import EngineSetup, build_engine, load_checkpoint_for_resume, release_engines
 from ..support.verl_engine import prepare_verl_process
 from . import train_parity_report as report_file
 from .train_parity_modes import MODES, Mode, fused_kernel_options
@@ -261,19 +260,9 @@ def run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, loa
                     saving = time.perf_counter()
                     actor.save_checkpoint(plan.checkpoint_dir(mode.name), global_step=step)
                     info["save_s"] = time.perf_counter() - saving
-    release(actor, reference)
+    release_engines(actor, reference)
     info["wall_s"] = time.perf_counter() - started
     return rows, info
-
-
-def release(*engines) -> None:
-    """Free one mode's engines before the next mode builds its own (megatron's parallel state stays)."""
-    for engine in engines:
-        engine.module = engine.optimizer = engine.lr_scheduler = None
-        engine.checkpoint_mananager = None  # sic: verl's spelling
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run_line(key: str, rows: list[dict], info: dict) -> str:

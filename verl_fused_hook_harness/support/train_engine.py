@@ -13,6 +13,7 @@ first use.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +129,36 @@ def load_checkpoint_for_resume(engine, path: str) -> None:
                 raise RuntimeError("load_checkpoint: the optimizer's param groups carry no restored 'step'")
             for param in group["params"]:
                 adam.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+# What verl's `register_megatron_training_hooks` sets on each model chunk's TransformerConfig (all default None).
+TRAINING_HOOK_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def release_engines(*engines) -> None:
+    """Free verl engines (model, gradients, optimizer state) at once, before the next ones are built.
+
+    Dropping the engine's attributes is not enough (docs/benchmarks.md, tests/test_engine_release.py): verl's
+    `register_megatron_training_hooks` puts `grad_scale_func = optimizer.scale_loss` on the model's
+    TransformerConfig, shared by every module, so the optimizer (and through its model chunks the DDP, the
+    GPTModel and every buffer) stays reachable from the config; in fp32, megatron's optimizer shards are
+    autograd views of the parameters, which hides DDP's hooks from the collector. Clearing those config fields
+    first leaves plain Python cycles that one collection frees, in either dtype."""
+    for engine in engines:
+        _drop(engine)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _drop(engine) -> None:
+    """Clear the training hooks on the model's configs, then the engine's references (in a function of its own:
+    a loop variable left on the DDP would keep it alive through the collection)."""
+    from megatron.core.utils import get_model_config
+
+    for config in [get_model_config(chunk) for chunk in engine.module or ()] + [getattr(engine, "tf_config", None)]:
+        for field in TRAINING_HOOK_FIELDS:
+            if config is not None and hasattr(config, field):
+                setattr(config, field, None)
+    engine.module = engine.optimizer = engine.lr_scheduler = None
+    engine.checkpoint_mananager = None  # sic: verl's spelling
