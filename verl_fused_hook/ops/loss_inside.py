@@ -89,7 +89,8 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes):
             continue
         if evaluation is not None and last:
             evaluation.wait_stream(main)
-        d_hidden.index_copy_(0, rows, passes.gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, True, weight_sum))
+        chunk_d_hidden = passes.gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, True, weight_sum)
+        d_hidden.index_copy_(0, rows, chunk_d_hidden.to(d_hidden.dtype))  # portable passes: fp32 for bf16/fp16 inputs
     if want_grads:
         weight_sum.finish()
     if host_copy is not None:
