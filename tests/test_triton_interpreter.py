@@ -35,10 +35,9 @@ def _interpret_on_cpu():
     import torch
 
     from verl_fused_hook.ops import triton_backend
-    from verl_fused_hook.ops import triton_chunk_kernels as chunk_kernels
 
     small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
-    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = chunk_kernels.FORWARD_CONFIG = small
+    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = small
     triton_backend._num_sms = lambda device: 4
     real_addmm = torch.addmm
 
@@ -268,7 +267,7 @@ def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_
     from verl_fused_hook.ops.triton_backend import StoredLogits
     from verl_fused_hook.ops.triton_chunk_kernels import stored_grad_logits
 
-    store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1))
+    store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1), 8)
     rows = torch.zeros(2)
     with pytest.raises(ValueError, match=r"out_dtype: must be a 2-byte float .*torch\.float32"):
         stored_grad_logits(store, torch.zeros(2, dtype=torch.long), *[rows] * 6, torch.float32)

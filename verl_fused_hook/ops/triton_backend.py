@@ -147,11 +147,12 @@ def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
 @dataclass(frozen=True)
 class StoredLogits:
     """Where the forward kernel keeps a chunk's logits for the fused loss's gradient pass: `shifted`,
-    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each FORWARD_CONFIG.block_n-wide
-    tile relative to its own row max, and that max, fp32 [rows, column tiles]."""
+    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each `tile_columns`-wide tile
+    (FORWARD_CONFIG.block_n) relative to its own row max, and that max, fp32 [rows, column tiles]."""
 
     shifted: torch.Tensor
     tile_max: torch.Tensor
+    tile_columns: int
 
 
 def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None):
@@ -336,7 +337,7 @@ class StoredLogitsPasses:
     def statistics(self, block: RowBlock):
         count = block.rows.numel()
         if self.buffer is not None:
-            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count])
+            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count], FORWARD_CONFIG.block_n)
         return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp, self.store)
 
     def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
