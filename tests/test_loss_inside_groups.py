@@ -264,12 +264,15 @@ def test_no_smallest_chunk_in_free_memory_takes_the_two_pass_path(monkeypatch, c
         result, grads = fused(b, loss_fn, loss_name="short of memory")
     assert_matches(result, grads, two_pass_reference(b, loss_fn))
     need = fixed + 128 * cost.row_bytes  # the portable passes' smallest chunk: 128 rows
+
+    def mib(count):
+        return f"{count / 2**20:.1f} MiB"
+
     assert [r.getMessage() for r in caplog.records] == [
         f"log_probs_entropy_and_loss: loss short of memory: too little free GPU memory for a chunk of 128 rows: "
-        f"{need / 2**30:.2f} GiB needed ({128 * cost.row_bytes / 2**30:.2f} for the chunk, 0.00 for the fp32 d_weight "
-        f"accumulator, {fixed / 2**30:.2f} for the gradients, per-row vectors and the 256 MiB margin), "
-        f"{(fixed + 127 * cost.row_bytes) / 2**30:.2f} GiB free on cpu; this call runs the two-pass path (logits "
-        "recomputed in backward)"
+        f"{mib(need)} needed ({mib(128 * cost.row_bytes)} for the chunk, 0.0 MiB for the fp32 d_weight accumulator, "
+        f"{mib(fixed)} for the gradients, per-row vectors and the 256.0 MiB margin), {mib(fixed + 127 * cost.row_bytes)} "
+        "free on cpu; this call runs the two-pass path (logits recomputed in backward)"
     ]
 
 

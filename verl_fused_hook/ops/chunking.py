@@ -131,6 +131,10 @@ def _log_fallback(loss_name: str, reason: str, message: str) -> None:
     _fallbacks_logged.add(key)
 
 
+def _size(count: int) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 1024**2:.1f} MiB"
+
+
 def _round_down(rows: int, multiple: int) -> int:
     return rows // multiple * multiple if rows >= multiple else rows
 
@@ -170,7 +174,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
         else:
             budget = chunk_bytes or cost.budget_bytes
             rows, bound = max(cost.row_multiple, _round_down(budget // cost.stored_row_bytes, cost.row_multiple)), (
-                f"the {budget / GIB:.2f} GiB budget")
+                f"the {_size(budget)} budget")
             one = active * cost.row_bytes <= budget * cost.row_bytes // cost.stored_row_bytes + accumulator
         requested = rows
         available = available_bytes(p.hidden.device)
@@ -179,7 +183,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
             one = one and active * cost.row_bytes <= room
             fit = _round_down(max(0, room - accumulator) // cost.row_bytes, cost.row_multiple)
             if fit < rows:
-                rows, bound = fit, f"free memory ({available / GIB:.2f} GiB)"
+                rows, bound = fit, f"free memory ({_size(available)})"
     every_one, rows, refused, differ = _agree(p, one, rows, groups)
     if refused:
         raise ValueError(groups.error if groups is not None and groups.error else
@@ -196,11 +200,11 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
         elsewhere = available is not None and available >= need
         _log_fallback(loss_name, "memory", (
             f"log_probs_entropy_and_loss: loss {loss_name}: too little free GPU memory for a chunk of {minimal} rows: "
-            f"{need / GIB:.2f} GiB needed ({minimal * cost.row_bytes / GIB:.2f} for the chunk, {accumulator / GIB:.2f} "
-            f"for the fp32 d_weight accumulator, {fixed / GIB:.2f} for the gradients, per-row vectors and the "
-            f"{FREE_MEMORY_MARGIN_BYTES // 1024**2} MiB margin), {(available or 0) / GIB:.2f} GiB free on "
-            f"{p.hidden.device}{' (this rank; another rank of tp_group has less)' if elsewhere else ''}; this call "
-            "runs the two-pass path (logits recomputed in backward)"))
+            f"{_size(need)} needed ({_size(minimal * cost.row_bytes)} for the chunk, {_size(accumulator)} for the fp32 "
+            f"d_weight accumulator, {_size(fixed)} for the gradients, per-row vectors and the "
+            f"{_size(FREE_MEMORY_MARGIN_BYTES)} margin), {_size(available or 0)} free on {p.hidden.device}"
+            f"{' (this rank; another rank of tp_group has less)' if elsewhere else ''}; this call runs the two-pass "
+            "path (logits recomputed in backward)"))
         return ChunkPlan(None)
     rows = min(rows, active)
     if groups is not None and want_grads:
