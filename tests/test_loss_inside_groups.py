@@ -334,6 +334,10 @@ def tp_worker(rank, world_size):
         "no chunk on rank 1": _rank_call(rank, b, gspo(b), plenty if rank == 0 else _rank_room(rank, b, 127),
                                          chunk_rows=1000, row_groups=b.row_groups),
     }
+    # without row groups (a token-separable loss): the same equal chunks of rank 1's 500 rows on both ranks
+    loss_fn, _ = _weighted_sum(b.labels.numel())
+    out["short on rank 1, no groups"] = _rank_call(rank, b, loss_fn, plenty if rank == 0 else _rank_room(rank, b, 500),
+                                                   chunk_rows=1000)
     other = b.row_groups.clone()
     other[b.index[2, 0] :] += 1  # rank 1 splits sequence 2 in two
     other[b.index[2, 0] : b.index[2, 25]] -= 1
@@ -367,6 +371,17 @@ def test_tp2_row_groups_match_the_two_pass_op(tp_ranks, case, ends):
         assert float((d_hidden - want_dh).abs().max()) <= RTOL * float(want_dh.abs().max())
         shard = padded_dw[rank * SHARD : (rank + 1) * SHARD]
         assert float((d_weight - shard).abs().max()) <= RTOL * float(want_dw.abs().max())
+
+
+def test_tp2_ranks_agree_on_chunks_sized_from_their_free_memory(tp_ranks):
+    b = batch()
+    loss_fn, _ = _weighted_sum(b.labels.numel())
+    loss, _, _, _, (want_dh, want_dw) = two_pass_reference(b, loss_fn)
+    for rank, per_rank in enumerate(tp_ranks):
+        ends, got_loss, _, d_hidden, d_weight = per_rank["short on rank 1, no groups"]
+        assert ends == [337, 674, 1010], (rank, ends)
+        torch.testing.assert_close(got_loss, loss, rtol=RTOL, atol=0)
+        assert float((d_hidden - want_dh).abs().max()) <= RTOL * float(want_dh.abs().max())
 
 
 def test_tp2_ranks_must_pass_the_same_row_groups(tp_ranks):

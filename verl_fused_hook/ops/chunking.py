@@ -184,7 +184,10 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
             fit = _round_down(max(0, room - accumulator) // cost.row_bytes, cost.row_multiple)
             if fit < rows:
                 rows, bound = fit, f"free memory ({_size(available)})"
-    every_one, rows, refused, differ = _agree(p, one, rows, groups)
+    every_one, agreed, refused, differ = _agree(p, one, rows, groups)
+    if agreed < rows:
+        bound = "the free memory of another rank of tp_group"
+    rows = agreed
     if refused:
         raise ValueError(groups.error if groups is not None and groups.error else
                          "row_groups: another rank of tp_group refused its row_groups (see its error); every rank "
@@ -217,7 +220,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
                 "chunk_rows keeps such sequences in the fused loss"))
             return ChunkPlan(None)
         spans = _packed(groups.lengths, rows)
-    elif bound.startswith("chunk_rows"):
+    elif rows == chunk_rows:  # as asked (every rank: the same arguments, the same agreed rows)
         spans = [slice(start, min(start + rows, active)) for start in range(0, active, rows)]
     else:
         size = -(-active // -(-active // rows))  # equal chunks
