@@ -69,20 +69,18 @@ class _Gemms:
 
 
 class PortablePasses:
-    """The portable primitives of one call over blocks of `block_rows` scored rows, or over `spans` of them
-    (the loss-inside op's chunks); with `keep`, statistics keep the block's fp32 logits for the gradients of
-    the same block."""
+    """The portable primitives of one call over `spans` of the scored rows (the loss-inside op's chunks), by
+    default tiles of `p.tile_rows` (the two-pass op's); with `keep`, statistics keep the block's fp32 logits for
+    the gradients of the same block."""
 
     overlap_final_evaluation = False  # the loss-inside op evaluates its loss in stream order after the GEMMs
 
-    def __init__(self, p: LogProbProblem, block_rows: int, keep: bool = False, spans: list[slice] | None = None):
-        self.p, self.block_rows, self.keep = p, block_rows, keep
+    def __init__(self, p: LogProbProblem, keep: bool = False, spans: list[slice] | None = None):
+        self.p, self.keep = p, keep
         self.gemms = _Gemms(p.weight, p.valid_columns)
         self.kept_logits = None
-        active = p.active_rows.numel()
-        self.spans = spans if spans is not None else [
-            slice(start, min(start + block_rows, active)) for start in range(0, active, block_rows)
-        ]
+        active, tile = p.active_rows.numel(), p.tile_rows
+        self.spans = spans if spans is not None else [slice(s, min(s + tile, active)) for s in range(0, active, tile)]
         self.block_count = len(self.spans)
 
     def blocks(self):
@@ -117,19 +115,17 @@ class PortablePasses:
         temperature = p.temperature if isinstance(p.temperature, Tensor) else None
         stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
                        temperature=None if temperature is not None else p.temperature)
-        return (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(
-            _rebuilt, stub, self.block_rows
-        )
+        return (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(_rebuilt, stub)
 
 
-def _rebuilt(stub: LogProbProblem, block_rows: int, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
+def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
     temperature = stub.temperature if temperature is None else temperature
     p = replace(stub, hidden=hidden, weight=weight, labels=labels, active_rows=active_rows, temperature=temperature)
-    return PortablePasses(p, block_rows)
+    return PortablePasses(p)
 
 
 def two_pass_passes(p: LogProbProblem) -> PortablePasses:
-    return PortablePasses(p, p.tile_rows)
+    return PortablePasses(p)
 
 
 def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost:
@@ -147,4 +143,4 @@ def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost:
 
 def loss_inside_passes(p: LogProbProblem, keep: bool, spans: list[slice]) -> PortablePasses:
     """The chunks `spans` (chunking.plan_chunks), each block's fp32 logits kept when `keep`."""
-    return PortablePasses(p, 1, keep, spans)
+    return PortablePasses(p, keep, spans)

@@ -11,8 +11,8 @@ come from fixed budgets, not from the token count, so the time per row does not 
 The fp32 d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that
 grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once.
 Loss-inside op (`StoredLogitsPasses`): the chunks chunking.py plans from this backend's
-`loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass overwrites them in place with
-d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
+`loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass
+overwrites them in place with d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
 """
 
 from __future__ import annotations
