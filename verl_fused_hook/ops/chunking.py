@@ -65,13 +65,6 @@ class RowGroups:
         return zlib.crc32(self.lengths.numpy().tobytes()) + 1
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """spans: slices of the scored rows, one per chunk, or None: run the two-pass path."""
-
-    spans: list[slice] | None
-
-
 def available_bytes(device: torch.device) -> int | None:
     """Bytes the call can still allocate on `device`: on CUDA the driver's free memory plus what PyTorch's caching
     allocator holds reserved but unallocated; None elsewhere (no query: the budget alone sizes the chunk).
@@ -153,8 +146,9 @@ def _agree(p: LogProbProblem, one: bool, rows: int, groups: RowGroups | None) ->
 
 
 def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, chunk_rows: int | None,
-                chunk_bytes: int | None, groups: RowGroups | None, loss_name: str) -> ChunkPlan:
-    """The chunks of one call. cost None: the backend runs every scored row in one block (nothing kept).
+                chunk_bytes: int | None, groups: RowGroups | None, loss_name: str) -> list[slice] | None:
+    """The chunks of one call, as slices of its scored rows; None: run the two-pass path. cost None: the backend
+    runs every scored row in one block (nothing kept).
 
     Capacity: `chunk_rows`, else the budget (`chunk_bytes` or the backend's) of stored logits, and on CUDA no
     more than the free memory holds beside the outputs, the per-row vectors, the margin and, with more than one
@@ -196,7 +190,8 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
         raise ValueError("row_groups: every rank of tp_group must pass the same row_groups (as the same rows); "
                          "the ranks' groups of scored rows differ")
     if every_one or active == 0:
-        return ChunkPlan([slice(0, active)] if active else [])
+        logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in one chunk", loss_name, active)
+        return [slice(0, active)] if active else []
     minimal = min(cost.min_rows, active, requested)
     if rows < minimal:
         need = fixed + accumulator + minimal * cost.row_bytes
@@ -208,7 +203,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
             f"{_size(FREE_MEMORY_MARGIN_BYTES)} margin), {_size(available or 0)} free on {p.hidden.device}"
             f"{' (this rank; another rank of tp_group has less)' if elsewhere else ''}; this call runs the two-pass "
             "path (logits recomputed in backward)"))
-        return ChunkPlan(None)
+        return None
     rows = min(rows, active)
     if groups is not None and want_grads:
         longest = int(groups.lengths.argmax())
@@ -218,7 +213,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
                 f"{int(groups.lengths[longest])} scored rows, more than a chunk holds ({rows} rows, set by {bound}); "
                 "this call runs the two-pass path (logits recomputed in backward). A larger chunk_bytes or "
                 "chunk_rows keeps such sequences in the fused loss"))
-            return ChunkPlan(None)
+            return None
         spans = _packed(groups.lengths, rows)
     elif rows == chunk_rows:  # as asked (every rank: the same arguments, the same agreed rows)
         spans = [slice(start, min(start + rows, active)) for start in range(0, active, rows)]
@@ -227,7 +222,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
         spans = [slice(start, min(start + size, active)) for start in range(0, active, size)]
     logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in %d chunks of up to %d rows (set by %s)",
                  loss_name, active, len(spans), max(s.stop - s.start for s in spans), bound)
-    return ChunkPlan(spans)
+    return spans
 
 
 def _packed(lengths: torch.Tensor, capacity: int) -> list[slice]:

@@ -238,13 +238,13 @@ def log_probs_entropy_and_loss(
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         module = resolve_backend(backend, p, driver="log_probs_entropy_and_loss").load()
         groups = None if row_groups is None else row_group_units(row_groups, p)
-        plan = plan_chunks(p, module.loss_inside_cost(p, p.needs_grad), want_grads=p.needs_grad, chunk_rows=chunk_rows,
-                           chunk_bytes=chunk_bytes, groups=groups, loss_name=loss_name)
+        spans = plan_chunks(p, module.loss_inside_cost(p, p.needs_grad), want_grads=p.needs_grad, chunk_rows=chunk_rows,
+                            chunk_bytes=chunk_bytes, groups=groups, loss_name=loss_name)
 
         def make_passes(problem: LogProbProblem, keep: bool):
-            return module.loss_inside_passes(problem, keep, plan.spans)
+            return module.loss_inside_passes(problem, keep, spans)
 
-        if plan.spans is None:
+        if spans is None:
             loss, metrics, log_probs, entropy = two_pass_loss(p, call, module)
         elif not p.needs_grad:
             with torch.no_grad():
