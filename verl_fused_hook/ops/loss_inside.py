@@ -31,7 +31,6 @@ from .problem import LogProbProblem
 from .separability import (
     LossCall,
     LossFunction,
-    LossGradientError,  # noqa: F401  (raised by the backward; its home is separability.py)
     RowGradients,
     check_separable,
     chunk_row_gradients,
