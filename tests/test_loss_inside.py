@@ -113,3 +113,19 @@ def test_an_unavailable_backend_is_named():
     hidden, weight, labels = inputs()
     with pytest.raises(ValueError, match=r"backend='triton' is unavailable here: CUDA is not available"):
         log_probs_entropy_and_loss(hidden, weight, labels, loss_name="x", loss_fn=lambda lp, ent: (lp.sum(), {}), backend="triton")
+
+
+def test_bf16_inputs_through_the_portable_passes():
+    """The portable passes return an fp32 chunk d_hidden for bf16 inputs; it used to meet index_copy_ into the bf16
+    d_hidden and raise. Same result as the two-pass op (both compute in fp32 on the CPU, round once)."""
+    hidden, weight, labels = inputs()
+    hidden, weight = hidden.detach().bfloat16().requires_grad_(True), weight.detach().bfloat16().requires_grad_(True)
+    fused = log_probs_entropy_and_loss(
+        hidden, weight, labels, chunk_rows=7, backend="torch", loss_name="sum", loss_fn=lambda lp, ent: (lp.sum(), {}),
+    )
+    got = torch.autograd.grad(fused.loss, (hidden, weight))
+    lp, _ = log_probs_and_entropy(hidden, weight, labels, backend="torch", tile_rows=7)
+    want = torch.autograd.grad(lp.sum(), (hidden, weight))
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        assert float((g.float() - w.float()).abs().max()) <= 1e-2 * float(w.float().abs().max())

@@ -35,10 +35,9 @@ def _interpret_on_cpu():
     import torch
 
     from verl_fused_hook.ops import triton_backend
-    from verl_fused_hook.ops import triton_chunk_kernels as chunk_kernels
 
     small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
-    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = chunk_kernels.FORWARD_CONFIG = small
+    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = small
     triton_backend._num_sms = lambda device: 4
     real_addmm = torch.addmm
 
@@ -210,6 +209,94 @@ def _interpreted_loss_without_entropy() -> dict:
     }
 
 
+def _gspo_like(lengths, old, advantages):
+    """A sequence-level loss (GSPO's ratio: exp of the mean log-prob difference over the row's sequence, clipped), in
+    the dtype of its inputs; rows are packed sequences of `lengths`."""
+    import torch
+
+    seq = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
+
+    def loss_fn(lp, ent):
+        count = torch.tensor(lengths, dtype=lp.dtype)
+        mean = torch.zeros(len(lengths), dtype=lp.dtype).index_add(0, seq, lp - old.to(lp.dtype)) / count
+        ratio = (lp - lp.detach() + mean.detach()[seq]).clamp(max=10).exp()
+        adv = advantages.to(lp.dtype)
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        return (pg / count[seq]).sum() / len(lengths) - 0.01 * ent.mean(), {}
+
+    return loss_fn
+
+
+def _interpreted_groups_and_memory() -> dict:
+    """Run in the subprocess: the Triton loss-inside passes over chunks of whole row groups (unequal chunks, the kept
+    logits' buffer sized by the largest), over chunks sized from an injected free-memory reading (whole row blocks
+    of the forward kernel), and the two-pass path when not even one row block fits; each against fp64."""
+    import logging
+
+    import torch
+
+    from verl_fused_hook.ops import chunking, log_probs_entropy_and_loss
+    from verl_fused_hook.ops.interface import build_problem
+
+    triton_backend = _interpret_on_cpu()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("verl_fused_hook.ops.chunking").addHandler(handler)
+    lengths = [5, 40, 12, 30, 9, 24]
+    n, h, v = sum(lengths), 32, 150
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(n, h, generator=g).half(), (torch.randn(v, h, generator=g) * 0.5).half()
+    labels = torch.randint(0, v, (n,), generator=g)
+    groups = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
+    with torch.no_grad():  # old log-probs near the current ones: ratios near 1, some clipped
+        lp64 = torch.log_softmax(hidden.double() @ weight.double().t() / 0.8, dim=1).gather(1, labels.unsqueeze(1))
+    old = (lp64.squeeze(1) + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+    advantages = torch.randn(len(lengths), generator=g)[groups]
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    losses = {"gspo-like": _gspo_like(lengths, old, advantages),
+              "weighted sum": lambda lp, ent: ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(lp.dtype)).sum(), {})}
+    references = {}
+    for name, loss_fn in losses.items():
+        hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        log_softmax = torch.log_softmax(hd @ wd.t() / 0.8, dim=1)
+        ref_loss, _ = loss_fn(log_softmax.gather(1, labels.unsqueeze(1)).squeeze(1), -(log_softmax.exp() * log_softmax).sum(1))
+        ref_loss.backward()
+        references[name] = (ref_loss.item(), hd.grad, wd.grad)
+    p = build_problem(hidden, weight, labels, temperature=0.8, tp_group=None, score_mask=None, ignore_index=-100,
+                      vocab_size=None, calculate_entropy=True, tile_rows=None)
+    cost = triton_backend.loss_inside_cost(p, True)
+    fixed = chunking.ROW_VECTOR_BYTES * n + chunking.FREE_MEMORY_MARGIN_BYTES + 2 * (n * h + v * h)
+    accumulator = 4 * v * h
+    results = {}
+    for case, loss_name, available, row_groups in (
+        ("groups", "gspo-like", None, groups),
+        ("free memory", "weighted sum", fixed + accumulator + 47 * cost.row_bytes, None),
+        ("no row block fits", "gspo-like", fixed + accumulator + 15 * cost.row_bytes, groups),
+    ):
+        chunking.available_bytes = lambda device, available=available: available
+        loss_fn, (ref_loss, ref_dh, ref_dw) = losses[loss_name], references[loss_name]
+        calls = []
+
+        def recording(lp, ent):
+            calls.append(int(lp.ne(0).sum()))
+            return loss_fn(lp, ent)
+
+        hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        records.clear()
+        out = log_probs_entropy_and_loss(hid, w, labels, loss_fn=recording, loss_name=loss_name, temperature=0.8,
+                                         chunk_rows=48 if row_groups is not None else None, row_groups=row_groups)
+        out.loss.backward()
+        results[case] = {
+            "chunk_ends": calls[:-1] if out.loss.grad_fn.name().endswith("FusedLogProbEntropyLossBackward") else None,
+            "loss": abs(out.loss.item() - ref_loss) / abs(ref_loss),
+            "d_hidden": _rel(hid.grad, ref_dh),
+            "d_weight": _rel(w.grad, ref_dw),
+            "log": list(records),
+        }
+    return results
+
+
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
@@ -268,7 +355,23 @@ def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_
     from verl_fused_hook.ops.triton_backend import StoredLogits
     from verl_fused_hook.ops.triton_chunk_kernels import stored_grad_logits
 
-    store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1))
+    store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1), 8)
     rows = torch.zeros(2)
     with pytest.raises(ValueError, match=r"out_dtype: must be a 2-byte float .*torch\.float32"):
         stored_grad_logits(store, torch.zeros(2, dtype=torch.long), *[rows] * 6, torch.float32)
+
+
+def test_fused_loss_chunks_of_row_groups_and_free_memory_in_the_interpreter():
+    cases = _run_interpreted("_interpreted_groups_and_memory")
+    # whole groups packed up to 48 rows: (5, 40) (12, 30) (9, 24)
+    assert cases["groups"]["chunk_ends"] == [45, 87, 120], cases["groups"]
+    # 47 rows fit beside the accumulator: whole 16-row blocks of the forward kernel, 32, as four equal chunks of 30
+    assert cases["free memory"]["chunk_ends"] == [30, 60, 90, 120], cases["free memory"]
+    # fewer than one 16-row block fits: the two-pass path (Triton's recomputing passes), said in the log
+    assert cases["no row block fits"]["chunk_ends"] is None
+    assert len(cases["no row block fits"]["log"]) == 1
+    assert "too little free GPU memory for a chunk of 16 rows" in cases["no row block fits"]["log"][0]
+    assert "this call runs the two-pass path" in cases["no row block fits"]["log"][0]
+    for name, case in cases.items():
+        assert case["loss"] <= 1e-4, (name, case)  # fp32 statistics of fp16 inputs against fp64
+        assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, (name, case)

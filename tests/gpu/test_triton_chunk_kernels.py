@@ -57,6 +57,7 @@ def _stored(hidden, weight, label_col, inv_temp, vocab):
     store = StoredLogits(
         torch.full((n, pitch), float("nan"), dtype=torch.float16, device="cuda")[:, :vocab],
         torch.empty(n, -(-vocab // FORWARD_CONFIG.block_n), device="cuda"),
+        FORWARD_CONFIG.block_n,
     )
     stats = local_statistics(p, hidden, weight, label_col.int(), inv_temp, store)
     return stats, store

@@ -13,8 +13,8 @@ from .backends import (
     describe_backends,
 )
 from .interface import check_temperature_values
-from .loss_inside import FusedLossResult, LossGradientError, log_probs_entropy_and_loss
-from .separability import NonFiniteLossGradientError, NonSeparableLossError
+from .loss_inside import FusedLossResult, log_probs_entropy_and_loss
+from .separability import LossGradientError, NonFiniteLossGradientError, NonSeparableLossError
 from .tensor_parallel import TP_HIDDEN_CHOICES
 from .two_pass import log_probs_and_entropy
 

@@ -5,8 +5,10 @@ A backend is a module (imported lazily: a GPU backend must not break CPU imports
 None when it can run or a sentence saying why not, and either
 
 - block primitives, for both drivers: `two_pass_passes(problem)` (gradients recompute the
-  logits) and `loss_inside_passes(problem, keep, chunk_rows, chunk_bytes)` (statistics keep
-  each block's logits for its gradients when `keep`). Passes of one call have `block_count`,
+  logits), `loss_inside_cost(problem, keep)` (a chunking.ChunkCost: the memory a chunk takes, from
+  which chunking.py plans the chunks; None: one block whatever the rows) and
+  `loss_inside_passes(problem, keep, spans)` (over those chunks, statistics keeping each block's
+  logits for its gradients when `keep`). Passes of one call have `block_count`,
   `blocks()` (RowBlocks in order), `statistics(block)` (this shard's Partials of the block),
   `gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden, weight_sum)`
   (d_hidden of the block or None; d_weight added into the WeightGradientSum), and, for the

@@ -8,7 +8,8 @@ those rows (separability.py) turn the same logits, kept by the backend's passes,
 d_logits, and the two gradient GEMMs run right away (three GEMMs). The returned loss's
 backward only scales the stored d_hidden and d_weight by the incoming gradient. A gradient
 reaching the returned log-probs or entropy in backward (a further loss on them) raises
-LossGradientError: it would otherwise be dropped silently.
+LossGradientError: it would otherwise be dropped silently. Where the chunks go, or that the call
+takes the two-pass path instead, is chunking.py's (fallback.py runs that path).
 """
 
 from __future__ import annotations
@@ -22,16 +23,22 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .backends import check_backend_name, resolve_backend
+from .chunking import check_row_groups, plan_chunks, row_group_units
+from .fallback import two_pass_loss
 from .host_evaluation import HostCopy, evaluate_on_host, evaluation_stream
 from .interface import build_problem
 from .problem import LogProbProblem
-from .separability import LossCall, LossFunction, RowGradients, check_separable, chunk_row_gradients, evaluate
+from .separability import (
+    LossCall,
+    LossFunction,
+    RowGradients,
+    check_separable,
+    chunk_row_gradients,
+    evaluate,
+    gradient_reached_outputs,
+)
 from .softmax_math import combine_row_statistics, no_column_partials
 from .weight_gradient import WeightGradientSum
-
-
-class LossGradientError(RuntimeError):
-    """A gradient reached the log-probs or entropy returned next to the fused loss."""
 
 
 @dataclass
@@ -89,7 +96,8 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes):
             continue
         if evaluation is not None and last:
             evaluation.wait_stream(main)
-        d_hidden.index_copy_(0, rows, passes.gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, True, weight_sum))
+        chunk_d_hidden = passes.gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, True, weight_sum)
+        d_hidden.index_copy_(0, rows, chunk_d_hidden.to(d_hidden.dtype))  # portable passes: fp32 for bf16/fp16 inputs
     if want_grads:
         weight_sum.finish()
     if host_copy is not None:
@@ -131,11 +139,7 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_log_probs, grad_entropy):
         for name, grad in (("log-probs", grad_log_probs), ("entropy", grad_entropy)):
             if grad is not None and bool(grad.ne(0).any()):
-                raise LossGradientError(
-                    f"loss {ctx.loss_name}: a gradient reached the {name} returned by log_probs_entropy_and_loss; "
-                    "the fused op only back-propagates its own loss, so a further loss on its outputs would be "
-                    "dropped. Fold that term into loss_fn, or use log_probs_and_entropy"
-                )
+                raise gradient_reached_outputs(ctx.loss_name, name)
         if grad_loss is None:
             return None, None, None, None, None
         grad_hidden = _scaled(ctx.d_hidden, grad_loss) if ctx.needs_input_grad[0] else None
@@ -163,6 +167,7 @@ def log_probs_entropy_and_loss(
     row_gradients: RowGradients | None = None,
     host_loss_fn: LossFunction | None = None,
     chunk_bytes: int | None = None,
+    row_groups: torch.Tensor | None = None,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -175,9 +180,10 @@ def log_probs_entropy_and_loss(
             "auto" takes Triton's passes (logits kept in fp16) where the Triton backend runs, else the
             portable fp32 passes, with a warning once per reason on CUDA.
         chunk_rows: scored rows per chunk (default: a chunk of logits near the backend's budget,
-            triton_backend.STORED_CHUNK_BUDGET_BYTES or torch_backend.PORTABLE_CHUNK_BUDGET_BYTES; with
-            Triton every scored row in one chunk where that fits in the budget plus the fp32 d_weight
-            accumulator).
+            triton_backend.STORED_CHUNK_BUDGET_BYTES or torch_backend.PORTABLE_CHUNK_BUDGET_BYTES; every
+            scored row in one chunk where that costs no more than a budget chunk plus the fp32 d_weight
+            accumulator). On CUDA never more than the free memory holds (chunking.plan_chunks); when not even
+            a smallest chunk fits, the call takes the two-pass path, with a warning.
         row_gradients: optional (rows, their log_probs, their entropy or None) -> (g_lp, g_ent or None),
             the loss's gradients for the given flat rows; spares a whole-batch loss_fn call per chunk.
             Checked like the separability: against autograd of loss_fn after the last chunk.
@@ -187,11 +193,18 @@ def log_probs_entropy_and_loss(
             GEMMs, so none of its synchronizations waits for them; the loss comes back on hidden's device.
             Its gradients are checked against those used, like row_gradients.
         chunk_bytes: the chunk budget in bytes, in place of the backend's (ignored when chunk_rows is given).
+        row_groups: optional integer tensor shaped like labels, each row's group (sequence) id, negative for
+            none: chunk boundaries fall between groups, so the loss's row gradients see every scored row of
+            their group (sequence-level losses: GSPO, geo_mean). A group's scored rows must be contiguous in
+            flattened labels order (ValueError naming row_groups), identical on every TP rank (checked). A
+            group longer than a chunk sends the call to the two-pass path, with a warning.
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (d_hidden as `tp_hidden` says);
     `metrics` come from the final evaluation. Backward raises LossGradientError if a gradient reaches the
     returned log_probs/entropy; the forward raises NonSeparableLossError when loss_fn is not
-    token-separable, NonFiniteLossGradientError when its gradient at a scored row is NaN or infinite.
+    token-separable (per chunk, or per row group), NonFiniteLossGradientError when its gradient at a scored
+    row is NaN or infinite. On the two-pass path (fallback.py) the same holds except that any loss is exact
+    and row_gradients and host_loss_fn are not called.
     """
     if not callable(loss_fn):
         raise ValueError(f"loss_fn: expected a callable (log_probs, entropy) -> (loss, metrics), got {type(loss_fn).__name__}")
@@ -203,6 +216,7 @@ def log_probs_entropy_and_loss(
     if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
         raise ValueError(f"chunk_bytes: expected None or an int >= 1 (bytes), got {chunk_bytes!r}")
     check_backend_name(backend)
+    check_row_groups(row_groups, labels)
     p = build_problem(
         hidden,
         weight,
@@ -222,11 +236,16 @@ def log_probs_entropy_and_loss(
     # fp32 whatever the caller's autocast says, as log_probs_and_entropy (its backward only scales)
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         module = resolve_backend(backend, p, driver="log_probs_entropy_and_loss").load()
+        groups = None if row_groups is None else row_group_units(row_groups, p)
+        spans = plan_chunks(p, module.loss_inside_cost(p, p.needs_grad), want_grads=p.needs_grad, chunk_rows=chunk_rows,
+                            chunk_bytes=chunk_bytes, groups=groups, loss_name=loss_name)
 
         def make_passes(problem: LogProbProblem, keep: bool):
-            return module.loss_inside_passes(problem, keep, chunk_rows, chunk_bytes)
+            return module.loss_inside_passes(problem, keep, spans)
 
-        if not p.needs_grad:
+        if spans is None:
+            loss, metrics, log_probs, entropy = two_pass_loss(p, call, module)
+        elif not p.needs_grad:
             with torch.no_grad():
                 loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, make_passes(p, False))
         else:

@@ -33,6 +33,18 @@ class NonFiniteLossGradientError(RuntimeError):
     """The loss's gradient is NaN or infinite at some scored row: the fused gradient would carry it."""
 
 
+class LossGradientError(RuntimeError):
+    """A gradient reached the log-probs or entropy returned next to the fused loss."""
+
+
+def gradient_reached_outputs(loss_name: str, what: str) -> LossGradientError:
+    return LossGradientError(
+        f"loss {loss_name}: a gradient reached the {what} returned by log_probs_entropy_and_loss; "
+        "the fused op only back-propagates its own loss, so a further loss on its outputs would be "
+        "dropped. Fold that term into loss_fn, or use log_probs_and_entropy"
+    )
+
+
 @dataclass
 class LossCall:
     """One call's loss and what goes with it; `metrics` is filled by the final evaluation."""
@@ -90,20 +102,25 @@ def _source(call: LossCall, used: bool) -> str:
     return "autograd of its host_loss_fn" if call.host_loss_fn is not None else "autograd of the loss"
 
 
+def check_finite(call: LossCall, values: torch.Tensor, rows: torch.Tensor, what: str, source: str) -> None:
+    """NonFiniteLossGradientError when a gradient at a scored row (values: already of `rows`) is NaN/inf."""
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        first = int(rows[(~finite).nonzero()[0, 0]])
+        raise NonFiniteLossGradientError(
+            f"loss {call.loss_name}: its gradient is not finite (NaN/inf) in the {what} of "
+            f"{int((~finite).sum())} scored rows (first: row {first}, from {source}); the fused "
+            "gradients would carry it into hidden and weight. Check the loss for NaN/inf inputs or a log/division "
+            "at 0"
+        )
+
+
 def check_separable(call: LossCall, used: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor, what: str) -> None:
     """NonFiniteLossGradientError when a gradient at a scored row is NaN/inf; NonSeparableLossError when the
     gradients used per chunk differ from those of the final evaluation."""
     used, exact = used.index_select(0, rows), exact.index_select(0, rows)
     for values, was_used in ((exact, False), (used, True)):
-        finite = torch.isfinite(values)
-        if not bool(finite.all()):
-            first = int(rows[(~finite).nonzero()[0, 0]])
-            raise NonFiniteLossGradientError(
-                f"loss {call.loss_name}: its gradient is not finite (NaN/inf) in the {what} of "
-                f"{int((~finite).sum())} scored rows (first: row {first}, from {_source(call, was_used)}); the fused "
-                "gradients would carry it into hidden and weight. Check the loss for NaN/inf inputs or a log/division "
-                "at 0"
-            )
+        check_finite(call, values, rows, what, _source(call, was_used))
     scale = exact.abs().max() if exact.numel() else exact.new_zeros(())
     if not bool(((used - exact).abs() <= SEPARABILITY_RTOL * scale).all()):
         worst = float((used - exact).abs().max())

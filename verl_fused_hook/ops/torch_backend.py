@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .chunking import ChunkCost
 from .problem import LogProbProblem, RowBlock
 from .softmax_math import grad_logits, inverse_temperature, label_columns, partial_statistics
 from .weight_gradient import WeightGradientSum
@@ -21,6 +22,9 @@ from .weight_gradient import WeightGradientSum
 # The loss-inside op's chunk: 4 bytes of fp32 logits per logit plus the passes' temporaries, about three
 # chunks at once; speed here is the GEMMs', so memory decides.
 PORTABLE_CHUNK_BUDGET_BYTES = 2 * 1024**3
+# Below this many rows per chunk (memory short on CUDA) the per-chunk costs (a whole-batch loss_fn call each,
+# without row_gradients) outweigh the GEMM the chunk spares: the two-pass path runs instead.
+PORTABLE_MIN_CHUNK_ROWS = 128
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -31,6 +35,10 @@ def build_unavailable_reason(hidden_size: int, device_type: str) -> str | None:
     return None
 
 
+def _tensor_cores(weight: Tensor) -> bool:
+    return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 class _Gemms:
     """How a block's products run. bf16/fp16 on CUDA: tensor-core GEMMs that accumulate and
     return fp32 (`out_dtype`), with d_logits rounded to the input dtype for the two backward
@@ -38,7 +46,7 @@ class _Gemms:
     operands throughout (an fp32 copy of a low-precision weight shard), exact to fp32 rounding."""
 
     def __init__(self, weight: Tensor, valid_columns: int):
-        self.mixed = weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+        self.mixed = _tensor_cores(weight)
         self.weight = weight[:valid_columns] if self.mixed else weight[:valid_columns].float()
 
     def rows(self, hidden: Tensor, rows: Tensor) -> Tensor:
@@ -61,21 +69,23 @@ class _Gemms:
 
 
 class PortablePasses:
-    """The portable primitives of one call over blocks of `block_rows` scored rows; with `keep`,
-    statistics keep the block's fp32 logits for the gradients of the same block."""
+    """The portable primitives of one call over `spans` of the scored rows (the loss-inside op's chunks), by
+    default tiles of `p.tile_rows` (the two-pass op's); with `keep`, statistics keep the block's fp32 logits for
+    the gradients of the same block."""
 
     overlap_final_evaluation = False  # the loss-inside op evaluates its loss in stream order after the GEMMs
 
-    def __init__(self, p: LogProbProblem, block_rows: int, keep: bool = False):
-        self.p, self.block_rows, self.keep = p, block_rows, keep
+    def __init__(self, p: LogProbProblem, keep: bool = False, spans: list[slice] | None = None):
+        self.p, self.keep = p, keep
         self.gemms = _Gemms(p.weight, p.valid_columns)
         self.kept_logits = None
-        self.block_count = -(-p.active_rows.numel() // block_rows)
+        active, tile = p.active_rows.numel(), p.tile_rows
+        self.spans = spans if spans is not None else [slice(s, min(s + tile, active)) for s in range(0, active, tile)]
+        self.block_count = len(self.spans)
 
     def blocks(self):
         active = self.p.active_rows
-        for start in range(0, active.numel(), self.block_rows):
-            span = slice(start, min(start + self.block_rows, active.numel()))
+        for span in self.spans:
             rows = active[span]
             yield RowBlock(
                 span, rows, self.gemms.rows(self.p.hidden, rows), label_columns(self.p, rows),
@@ -105,22 +115,32 @@ class PortablePasses:
         temperature = p.temperature if isinstance(p.temperature, Tensor) else None
         stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
                        temperature=None if temperature is not None else p.temperature)
-        return (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(
-            _rebuilt, stub, self.block_rows
-        )
+        return (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(_rebuilt, stub)
 
 
-def _rebuilt(stub: LogProbProblem, block_rows: int, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
+def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
     temperature = stub.temperature if temperature is None else temperature
     p = replace(stub, hidden=hidden, weight=weight, labels=labels, active_rows=active_rows, temperature=temperature)
-    return PortablePasses(p, block_rows)
+    return PortablePasses(p)
 
 
 def two_pass_passes(p: LogProbProblem) -> PortablePasses:
-    return PortablePasses(p, p.tile_rows)
+    return PortablePasses(p)
 
 
-def loss_inside_passes(p: LogProbProblem, keep: bool, chunk_rows: int | None, chunk_bytes: int | None) -> PortablePasses:
-    """Chunks of `chunk_rows`, else of fp32 logits near chunk_bytes (default PORTABLE_CHUNK_BUDGET_BYTES)."""
-    budget = chunk_bytes or PORTABLE_CHUNK_BUDGET_BYTES
-    return PortablePasses(p, chunk_rows or max(1, budget // (4 * max(1, p.valid_columns))), keep)
+def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost:
+    """Per scored row: 4 bytes per logit kept (what the budget limits); beside them z and e^(z - m) in the
+    statistics (8 per logit; 4 without keeping, in place), p_j in the gradients (4, and on CUDA the d_logits
+    operand in the input dtype, 2: no more than the statistics'), the row's hidden copy and, with gradients,
+    its fp32 d_hidden and that rounded. Fixed: the fp32 copy of a low-precision weight off the tensor cores."""
+    columns, h = max(1, p.valid_columns), p.hidden.shape[1]
+    mixed = _tensor_cores(p.weight)
+    row_copy = p.hidden.element_size() if mixed else 4
+    transient = (8 if keep else 4) * columns + h * (row_copy + (4 + p.hidden.element_size() if keep else 0)) + 64
+    weight_copy = 0 if mixed or p.weight.dtype == torch.float32 else 4 * p.valid_columns * h
+    return ChunkCost(4 * columns, transient, weight_copy, PORTABLE_MIN_CHUNK_ROWS, 1, PORTABLE_CHUNK_BUDGET_BYTES)
+
+
+def loss_inside_passes(p: LogProbProblem, keep: bool, spans: list[slice]) -> PortablePasses:
+    """The chunks `spans` (chunking.plan_chunks), each block's fp32 logits kept when `keep`."""
+    return PortablePasses(p, keep, spans)

@@ -10,9 +10,9 @@ d_hidden into an fp32 accumulator and of the chunk's d_weight rows. Chunk width 
 come from fixed budgets, not from the token count, so the time per row does not change with N.
 The fp32 d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that
 grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once.
-Loss-inside op (`StoredLogitsPasses`): blocks of rows near the chunk budget; the statistics
-kernel also keeps the logits in fp16, and the gradient pass overwrites them in place with
-d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
+Loss-inside op (`StoredLogitsPasses`): the chunks chunking.py plans from this backend's
+`loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass
+overwrites them in place with d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .chunking import ChunkCost
 from .problem import LogProbProblem, RowBlock
 from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
 from .weight_gradient import WeightGradientSum
@@ -147,11 +148,12 @@ def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
 @dataclass(frozen=True)
 class StoredLogits:
     """Where the forward kernel keeps a chunk's logits for the fused loss's gradient pass: `shifted`,
-    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each FORWARD_CONFIG.block_n-wide
-    tile relative to its own row max, and that max, fp32 [rows, column tiles]."""
+    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each `tile_columns`-wide tile
+    (FORWARD_CONFIG.block_n) relative to its own row max, and that max, fp32 [rows, column tiles]."""
 
     shifted: torch.Tensor
     tile_max: torch.Tensor
+    tile_columns: int
 
 
 def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None):
@@ -293,50 +295,41 @@ def two_pass_passes(p: LogProbProblem) -> RecomputingPasses:
     return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block)
 
 
+def _stored_layout(columns: int) -> tuple[int, int]:
+    """(row pitch of the stored fp16 logits: TMA needs 16-byte aligned rows, column tiles of the forward kernel)."""
+    return -(-columns // 8) * 8, -(-columns // FORWARD_CONFIG.block_n)
+
+
 class StoredLogitsPasses:
-    """Loss-inside primitives. With `keep`, the forward kernel reduces each block's logits to statistics and
-    keeps them in fp16 (`StoredLogits`); the gradient pass overwrites them with d_logits in place
-    (`triton_chunk_kernels`). 2 bytes per logit, one buffer reused by every block. Without `keep` (no
-    gradients) nothing is kept, and every scored row goes through the kernel at once."""
+    """Loss-inside primitives over the chunks `spans`. With `keep`, the forward kernel reduces each chunk's logits
+    to statistics and keeps them in fp16 (`StoredLogits`); the gradient pass overwrites them with d_logits in
+    place (`triton_chunk_kernels`). 2 bytes per logit, one buffer of the largest chunk reused by every chunk.
+    Without `keep` (no gradients) nothing is kept, and the spans are one: every scored row at once."""
 
     # The loss-inside op's final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs
     # (host_evaluation.py; measured on the H200).
     overlap_final_evaluation = True
 
-    def __init__(self, p: LogProbProblem, keep: bool, chunk_rows: int | None, chunk_bytes: int | None):
-        self.p, self.weight = p, tma_ready(p.weight)
+    def __init__(self, p: LogProbProblem, keep: bool, spans: list[slice]):
+        self.p, self.weight, self.spans = p, tma_ready(p.weight), spans
         self.columns = p.valid_columns
-        pitch = -(-self.columns // 8) * 8  # TMA: 16-byte aligned rows
-        tiles = -(-self.columns // FORWARD_CONFIG.block_n)
-        active = max(1, p.active_rows.numel())
+        pitch, tiles = _stored_layout(self.columns)
+        self.block_count = len(spans)
         self.store = self.buffer = self.tile_max = None
-        if not keep:
-            chunk_rows = active
-        elif chunk_rows is None:
-            row_bytes, block = 2 * pitch + 4 * tiles, FORWARD_CONFIG.block_m
-            budget = chunk_bytes or STORED_CHUNK_BUDGET_BYTES
-            # One chunk when it fits in what several would take with their fp32 d_weight accumulator.
-            if active * row_bytes <= budget + 4 * self.columns * p.hidden.shape[1]:
-                fit = active
-            else:
-                fit = max(block, budget // row_bytes // block * block)
-            chunk_rows = -(-active // -(-active // fit))  # equal chunks
-        self.block_rows = chunk_rows = min(chunk_rows, active)
-        self.block_count = -(-p.active_rows.numel() // chunk_rows)
-        if keep:
-            self.buffer = torch.empty(chunk_rows, pitch, dtype=torch.float16, device=p.weight.device)
-            self.tile_max = torch.empty(chunk_rows, tiles, dtype=torch.float32, device=p.weight.device)
+        if keep and spans:
+            rows = max(span.stop - span.start for span in spans)
+            self.buffer = torch.empty(rows, pitch, dtype=torch.float16, device=p.weight.device)
+            self.tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=p.weight.device)
 
     def blocks(self):
         active = self.p.active_rows
-        for start in range(0, active.numel(), self.block_rows):
-            span = slice(start, min(start + self.block_rows, active.numel()))
+        for span in self.spans:
             yield _block(self.p, active[span], span)
 
     def statistics(self, block: RowBlock):
         count = block.rows.numel()
         if self.buffer is not None:
-            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count])
+            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count], FORWARD_CONFIG.block_n)
         return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp, self.store)
 
     def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
@@ -352,7 +345,21 @@ class StoredLogitsPasses:
         return torch.mm(grad_logits, self.weight[: self.columns]) if want_hidden else None
 
 
-def loss_inside_passes(p: LogProbProblem, keep: bool, chunk_rows: int | None, chunk_bytes: int | None) -> StoredLogitsPasses:
-    """Chunks of `chunk_rows`, else of stored logits near chunk_bytes (default STORED_CHUNK_BUDGET_BYTES); every
-    scored row in one chunk where that fits in the budget plus the fp32 d_weight accumulator it spares."""
-    return StoredLogitsPasses(p, keep, chunk_rows, chunk_bytes)
+def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost | None:
+    """Per scored row: the stored logits (2 bytes each, 4 per column tile for its max; what the budget limits),
+    and beside them the row's compacted hidden copy and d_hidden product (input dtype), its partial statistics
+    (at most one split per column tile) and per-row vectors. Fixed: a copy of a weight TMA cannot read.
+    The smallest chunk is one row block of the forward kernel. Without `keep` nothing is kept: None, one block."""
+    if not keep:
+        return None
+    pitch, tiles = _stored_layout(p.valid_columns)
+    h, width = p.hidden.shape[1], p.hidden.element_size()
+    weight_copy = 0 if p.weight.is_contiguous() and p.weight.data_ptr() % 16 == 0 else p.weight.numel() * width
+    block = FORWARD_CONFIG.block_m
+    return ChunkCost(max(1, 2 * pitch + 4 * tiles), 2 * h * width + 16 * tiles + 64, weight_copy, block, block,
+                     STORED_CHUNK_BUDGET_BYTES)
+
+
+def loss_inside_passes(p: LogProbProblem, keep: bool, spans: list[slice]) -> StoredLogitsPasses:
+    """The chunks `spans` (chunking.plan_chunks), each chunk's logits kept in fp16 when `keep`."""
+    return StoredLogitsPasses(p, keep, spans)

@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_backend import FORWARD_CONFIG, StoredLogits
 from .triton_kernels import LOG2E
 
 GRAD_BLOCK = 2048
@@ -49,10 +48,10 @@ def _stored_grad_logits_kernel(
     tl.store(dz_ptr + offsets, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
-def stored_grad_logits(store: StoredLogits, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
+def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
                        out_dtype: torch.dtype) -> torch.Tensor:
     """d_logits [R, C] in out_dtype (2 bytes) of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw
-    logits, written over `store.shifted` and returned as a view of it (same strides); row_max, log_sum,
+    logits, written over `store.shifted` (a triton_backend.StoredLogits, which imports this module) and returned as a view of it (same strides); row_max, log_sum,
     shifted_mean are the global (tensor-parallel merged) statistics, label_col -1 where another rank holds
     the label."""
     shifted = store.shifted
@@ -65,6 +64,6 @@ def stored_grad_logits(store: StoredLogits, label_col, inv_temp, row_max, log_su
         _stored_grad_logits_kernel[(rows, triton.cdiv(columns, GRAD_BLOCK))](
             shifted, dz, shifted.stride(0), store.tile_max, store.tile_max.shape[1],
             label_col.to(torch.int64).contiguous(), *vectors,
-            columns, TILE_N=FORWARD_CONFIG.block_n, BLOCK=GRAD_BLOCK, num_warps=8,
+            columns, TILE_N=store.tile_columns, BLOCK=GRAD_BLOCK, num_warps=8,
         )
     return dz

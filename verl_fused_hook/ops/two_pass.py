@@ -104,17 +104,23 @@ def log_probs_and_entropy(
         module = chosen.load()
         if chosen.whole_problem:
             log_probs, entropy = module.run(problem)
-        elif not problem.needs_grad:
-            with torch.no_grad():
-                log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem))
-            log_probs, entropy = scatter_rows(problem, log_probs), scatter_rows(problem, entropy)
         else:
-            log_probs, entropy = _TwoPass.apply(problem.hidden, problem.weight, problem, module.two_pass_passes)
+            log_probs, entropy = run_passes(problem, module)
     log_probs = log_probs.view(labels.shape)
     entropy = entropy.view(labels.shape) if entropy is not None else None
     if return_label_is_max:
         return log_probs, entropy, problem.label_is_max.view(labels.shape)
     return log_probs, entropy
+
+
+def run_passes(problem: LogProbProblem, module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Full-length fp32 (log_probs, entropy or None) of a built problem through a block backend's two-pass passes,
+    differentiable when the problem needs gradients; the loss-inside op's two-pass path reuses its problem."""
+    if not problem.needs_grad:
+        with torch.no_grad():
+            log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem))
+        return scatter_rows(problem, log_probs), scatter_rows(problem, entropy)
+    return _TwoPass.apply(problem.hidden, problem.weight, problem, module.two_pass_passes)
 
 
 def _statistics(p: LogProbProblem, passes):

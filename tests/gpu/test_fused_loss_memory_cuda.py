@@ -1,0 +1,166 @@
+"""The fused loss on a CUDA GPU short of memory, and with row groups (skipped without CUDA).
+
+Another allocation holds most of the GPU: the chunk of stored logits is sized from what is left (no OOM,
+more chunks, the same result within bf16 rounding), and when not even one row block of the forward kernel
+fits the call takes the two-pass path and says so. Peak memory of each call stays within what was free.
+Row groups: a GSPO-like sequence-level loss over sequences of very different lengths, chunks of whole
+sequences, against the two-pass op plus autograd.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from verl_fused_hook.ops import NonSeparableLossError, chunking, log_probs_and_entropy, log_probs_entropy_and_loss
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+N, H, V = 16384, 2048, 65536  # stored logits of every row: 2.0 GiB (one chunk at the 4 GiB budget); accumulator 0.5 GiB
+GRAD_TOL = 1e-2  # bf16 gradients, chunked against one chunk (the fp32 accumulator adds one rounding's worth)
+
+
+def _inputs(n=N, h=H, v=V, seed=8):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5 * 3).bfloat16()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=g) / n, torch.randn(n, device="cuda", generator=g) / n
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _fixed_and_row(hidden, weight, labels):
+    """What plan_chunks holds back beside the chunk (gradients, per-row vectors, margin), the fp32 d_weight
+    accumulator, and the bytes per row of a chunk, for the backend "auto" picks."""
+    from verl_fused_hook.ops.backends import resolve_backend
+    from verl_fused_hook.ops.interface import build_problem
+
+    p = build_problem(hidden, weight, labels, temperature=1.0, tp_group=None, score_mask=None, ignore_index=-100,
+                      vocab_size=None, calculate_entropy=True, tile_rows=None)
+    cost = resolve_backend("auto", p, driver="log_probs_entropy_and_loss").load().loss_inside_cost(p, True)
+    fixed = (cost.fixed_bytes + chunking.ROW_VECTOR_BYTES * p.num_rows + chunking.FREE_MEMORY_MARGIN_BYTES
+             + hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size())
+    return fixed, 4 * weight.numel(), cost
+
+
+def _run(hidden, weight, labels, g_lp, g_ent, **kwargs):
+    """(chunk sizes, loss, d_hidden, d_weight, peak bytes above what was allocated before the call)."""
+    sizes = []
+
+    def row_gradients(rows, lp, ent):
+        sizes.append(rows.numel())
+        return g_lp[rows], g_ent[rows]
+
+    x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = log_probs_entropy_and_loss(
+        x, w, labels, loss_fn=lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}), loss_name="weighted sum",
+        row_gradients=row_gradients, **kwargs,
+    )
+    d_hidden, d_weight = torch.autograd.grad(result.loss, (x, w))
+    torch.cuda.synchronize()
+    return sizes, result.loss.detach(), d_hidden, d_weight, torch.cuda.max_memory_allocated() - before
+
+
+def _hold_all_but(room: int) -> torch.Tensor:
+    """An allocation that leaves about `room` bytes of what the op can allocate."""
+    torch.cuda.empty_cache()  # no cached fragments: what is free is one piece
+    return torch.empty(max(0, chunking.available_bytes(torch.device("cuda")) - room), dtype=torch.uint8, device="cuda")
+
+
+def test_free_memory_sizes_the_chunk():
+    inputs = _inputs()
+    fixed, accumulator, cost = _fixed_and_row(*inputs[:3])
+    roomy_sizes, loss, d_hidden, d_weight, _ = _run(*inputs)
+    assert roomy_sizes == [N]  # every row in one chunk: 2 GiB of stored logits at the 4 GiB budget
+    hog = _hold_all_but(fixed + accumulator + 2**30)  # 1 GiB for the chunk
+    try:
+        available = chunking.available_bytes(torch.device("cuda"))
+        sizes, short_loss, short_dh, short_dw, peak = _run(*inputs)
+    finally:
+        del hog
+    fit = (available - fixed - accumulator) // cost.row_bytes
+    print(f"free {available / 2**30:.2f} GiB: chunks {sizes} (fit {fit}), peak {peak / 2**30:.2f} GiB")
+    assert len(sizes) >= 2 and max(sizes) <= fit and sum(sizes) == N
+    assert peak <= available  # no OOM, by construction rather than by luck
+    torch.testing.assert_close(short_loss, loss, rtol=1e-6, atol=0)
+    assert _rel(short_dh, d_hidden) < GRAD_TOL and _rel(short_dw, d_weight) < GRAD_TOL
+
+
+def test_no_row_block_in_free_memory_takes_the_two_pass_path(caplog):
+    inputs = _inputs()
+    fixed, accumulator, cost = _fixed_and_row(*inputs[:3])
+    _, loss, d_hidden, d_weight, _ = _run(*inputs)
+    hog = _hold_all_but(fixed + accumulator + 100 * cost.row_bytes)  # less than one 128-row block
+    try:
+        with caplog.at_level(logging.WARNING, logger="verl_fused_hook.ops.chunking"):
+            sizes, short_loss, short_dh, short_dw, _ = _run(*inputs)
+    finally:
+        del hog
+    assert sizes == []  # no chunk: the two-pass path never asks for row gradients
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "too little free GPU memory for a chunk of 128 rows" in messages[0], messages
+    assert "this call runs the two-pass path (logits recomputed in backward)" in messages[0]
+    torch.testing.assert_close(short_loss, loss, rtol=1e-5, atol=0)
+    assert _rel(short_dh, d_hidden) < GRAD_TOL and _rel(short_dw, d_weight) < GRAD_TOL
+
+
+def _gspo_like(lengths, old, advantages):
+    seq = torch.arange(len(lengths), device="cuda").repeat_interleave(torch.tensor(lengths, device="cuda"))
+    count = torch.tensor(lengths, device="cuda", dtype=torch.float32)
+
+    def loss_fn(lp, ent):
+        mean = torch.zeros(len(lengths), device="cuda").index_add(0, seq, lp - old) / count
+        ratio = (lp - lp.detach() + mean.detach()[seq]).clamp(max=10).exp()
+        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+        return (pg / count[seq]).sum() / len(lengths) - 0.01 * ent.mean(), {}
+
+    return loss_fn
+
+
+def test_row_groups_on_cuda():
+    lengths = [300, 9000, 1200, 4000, 100, 2500, 7000, 700]  # 24800 rows
+    n = sum(lengths)
+    hidden, weight, labels, _, _ = _inputs(n=n)
+    groups = torch.arange(len(lengths), device="cuda").repeat_interleave(torch.tensor(lengths, device="cuda"))
+    with torch.no_grad():
+        lp, _ = log_probs_and_entropy(hidden, weight, labels)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    old = lp + 0.3 * torch.randn(n, device="cuda", generator=g)
+    advantages = torch.randn(len(lengths), device="cuda", generator=g)[groups]
+    loss_fn = _gspo_like(lengths, old, advantages)
+    x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    lp, ent = log_probs_and_entropy(x, w, labels)
+    want_loss, _ = loss_fn(lp, ent)
+    want = torch.autograd.grad(want_loss, (x, w))
+    calls = []
+
+    def recording(lp, ent):
+        calls.append(int(lp.ne(0).sum()))
+        return loss_fn(lp, ent)
+
+    _, _, cost = _fixed_and_row(hidden, weight, labels)
+    chunk_bytes = 10000 * cost.stored_row_bytes  # 10000 rows of stored logits: three chunks of whole sequences
+    x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    result = log_probs_entropy_and_loss(x, w, labels, loss_fn=recording, loss_name="gspo-like", chunk_bytes=chunk_bytes,
+                                        row_groups=groups)
+    got = torch.autograd.grad(result.loss, (x, w))
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    assert calls[:-1] == [9300, 17100, 24800], calls  # (300, 9000) (1200, 4000, 100, 2500) (7000, 700)
+    assert all(end in ends for end in calls[:-1])
+    torch.testing.assert_close(result.loss, want_loss.detach(), rtol=1e-4, atol=0)
+    assert _rel(got[0], want[0]) < GRAD_TOL and _rel(got[1], want[1]) < GRAD_TOL
+    with pytest.raises(NonSeparableLossError, match="loss gspo-like: its gradient in the log-prob of a row depends"):
+        log_probs_entropy_and_loss(hidden.detach().requires_grad_(), weight, labels, loss_fn=loss_fn,
+                                   loss_name="gspo-like", chunk_bytes=chunk_bytes)
