@@ -19,8 +19,10 @@ import select
 import sys
 import threading
 
-# This package's own INFO lines (one per engine build), counted apart: the commands report the modes themselves.
-OWN_LOG_LINES = "verl_fused_hook engine log lines"
+# This package's own INFO lines (one per engine build and rank): each message is shown once, its repeats are
+# counted apart.
+OWN_LOG_LINES = "verl_fused_hook log lines repeated"
+OWN_LOG_LINE = re.compile(r"^INFO:.*?verl_fused_hook: (.*)$")
 # (what the notice is, a pattern of its first line). Order matters: the first match names the line.
 KNOWN = (
     ("megatron-core GPTModel deprecation", r"GPTModel IS DEPRECATED"),
@@ -40,7 +42,6 @@ KNOWN = (
     ("verl TransformerConfig dumps", r"^TF config: TransformerConfig\("),
     ("checkpoint progress", r"\[Rank \d+\] (Loaded|Wrote|Checkpoint save|model/dist_ckpt will save)"),
     ("verl optimizer config dumps", r"^optimizer config after override: "),
-    (OWN_LOG_LINES, r"^INFO:.*verl_fused_hook: "),
 )
 # verl's `patch_engine_mtp` prints the model: from a line "[GPTModel(" to the line ")]".
 PRINTED_MODEL = ("verl model prints", re.compile(r"^\[GPTModel\($"), re.compile(r"^\)\]$"))
@@ -50,8 +51,8 @@ WARNING_HEADER = re.compile(r"^\S.*:\d+: \w*Warning: ")
 
 class UpstreamNotices:
     """Within the block, known upstream notices on this process's stdout and stderr (its workers' included)
-    are counted, not printed; on exit one summary line goes to stderr (none when nothing was hidden). This
-package's own INFO lines (one per engine build) are counted apart. Nothing changes when `verbose`."""
+    are counted, not printed; on exit one summary line goes to stderr (none when nothing was hidden). Of this
+package's own INFO lines each message is printed once. Nothing changes when `verbose`."""
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
@@ -61,6 +62,7 @@ package's own INFO lines (one per engine build) are counted apart. Nothing chang
         self._readers: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        self._own_messages: set[str] = set()
 
     def __enter__(self):
         if self.verbose:
@@ -139,6 +141,14 @@ package's own INFO lines (one per engine build) are counted apart. Nothing chang
             state["source_line"] = False
             if line.startswith(" "):
                 return True
+        own = OWN_LOG_LINE.match(line)
+        if own:
+            with self._lock:
+                repeated = own.group(1) in self._own_messages
+                self._own_messages.add(own.group(1))
+            if repeated:
+                self._count(OWN_LOG_LINES)
+            return repeated
         label, start, end = PRINTED_MODEL
         if start.match(line):
             state["block"] = end
