@@ -46,3 +46,13 @@ def test_verbose_changes_nothing(capfd):
     assert "[GPTModel(" in out and "PASS" in out
     assert "Apex is not installed" in err and err.count("verl_fused_hook: MegatronEngineWithLMHead") == 3
     assert "upstream notices" not in err
+
+
+def test_model_prints_of_two_ranks_interleaved_stay_hidden(capfd):
+    """Two ranks print the model at once; a write past the pipe's atomic size lands inside the other's print."""
+    with UpstreamNotices() as notices:
+        os.write(1, b"[GPTModel(\n  (embedding): LanguageModelEmbedding(\n    (word_emb[GPTModel(\n  (embedding): X\n)]\n"
+                    b"eddings): VocabParallelEmbedding()\n  )\n)]\n")
+        print("result", flush=True)
+    out, err = capfd.readouterr()
+    assert out == "result\n" and notices.counts["verl model prints"] == 2

@@ -43,8 +43,9 @@ KNOWN = (
     ("checkpoint progress", r"\[Rank \d+\] (Loaded|Wrote|Checkpoint save|model/dist_ckpt will save)"),
     ("verl optimizer config dumps", r"^optimizer config after override: "),
 )
-# verl's `patch_engine_mtp` prints the model: from a line "[GPTModel(" to the line ")]".
-PRINTED_MODEL = ("verl model prints", re.compile(r"^\[GPTModel\($"), re.compile(r"^\)\]$"))
+# verl's `patch_engine_mtp` prints the model list, "[GPTModel(" to ")]", one per rank. Ranks print at once and
+# writes past the pipe's atomic size interleave, so the markers are counted wherever they appear in a line.
+PRINTED_MODEL, MODEL_START, MODEL_END = "verl model prints", "[GPTModel(", ")]"
 # A Python warning is a header line ("path:line: SomeWarning: message") and the source line, indented.
 WARNING_HEADER = re.compile(r"^\S.*:\d+: \w*Warning: ")
 
@@ -113,7 +114,7 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
     def _pump(self, read_fd: int, out_fd: int) -> None:
         """Pass the pipe's lines on to `out_fd`, less the known notices, until the pipe is closed or, once the
         block has ended, quiet (a process that inherited the pipe may hold it open)."""
-        pending, state = b"", {"block": None, "source_line": False}
+        pending, state = b"", {"open_prints": 0, "source_line": False}
         while True:
             ready, _, _ = select.select([read_fd], [], [], 0.2)
             if not ready:
@@ -133,9 +134,11 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
 
     def _hidden(self, line: str, state: dict) -> bool:
         """Whether `line` is (part of) a known notice; counts each notice once, by its first line."""
-        if state["block"] is not None:
-            if state["block"].match(line):
-                state["block"] = None
+        starts = line.count(MODEL_START)
+        if starts:
+            self._count(PRINTED_MODEL, starts)
+        if state["open_prints"] or starts:
+            state["open_prints"] = max(0, state["open_prints"] + starts - line.count(MODEL_END))
             return True
         if state["source_line"]:
             state["source_line"] = False
@@ -149,11 +152,6 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
             if repeated:
                 self._count(OWN_LOG_LINES)
             return repeated
-        label, start, end = PRINTED_MODEL
-        if start.match(line):
-            state["block"] = end
-            self._count(label)
-            return True
         for label, pattern in self._patterns:
             if pattern.search(line):
                 state["source_line"] = bool(WARNING_HEADER.match(line))
@@ -161,9 +159,9 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
                 return True
         return False
 
-    def _count(self, label: str) -> None:
+    def _count(self, label: str, times: int = 1) -> None:
         with self._lock:
-            self.counts[label] += 1
+            self.counts[label] += times
 
 
 def add_verbose_argument(parser) -> None:
