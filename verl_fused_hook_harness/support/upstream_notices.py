@@ -39,9 +39,11 @@ KNOWN = (
     ("verl MTP patch", r"Applying mtp patch"),
     ("verl fused kernels off (MTP, padding)", r"Fused kernels require remove-padding"),
     ("verl legacy mbridge deprecation", r"legacy mbridge backend selected by `vanilla_mbridge=True` is deprecated"),
-    ("verl TransformerConfig dumps", r"^TF config: TransformerConfig\("),
+    # prints of several ranks interleave on stdout: these patterns do not anchor at the line's start
+    ("verl TransformerConfig dumps", r"TransformerConfig\(tensor_model_parallel_size="),
+    ("megatron-core parameter counts", r"> number of parameters on \(tensor, pipeline\) model parallel rank"),
     ("checkpoint progress", r"\[Rank \d+\] (Loaded|Wrote|Checkpoint save|model/dist_ckpt will save)"),
-    ("verl optimizer config dumps", r"^optimizer config after override: "),
+    ("verl optimizer config dumps", r"optimizer config after override: "),
 )
 # verl's `patch_engine_mtp` prints the model list, "[GPTModel(" to ")]", one per rank. Ranks print at once and
 # writes past the pipe's atomic size interleave, so the markers are counted wherever they appear in a line.
