@@ -62,7 +62,7 @@ def test_the_demo_prints_its_result_not_the_noise(cpu_run):
     printed = (stdout + stderr).splitlines()
     assert len(printed) <= 40, "\n".join(printed)
     (summary,) = [line for line in printed if line.startswith("upstream notices: ")]
-    assert "megatron-core GPTModel deprecation x" in summary and "Apex/TE fallbacks x" in summary
+    assert "megatron GPTModel deprecation x" in summary and "Apex/TE fallbacks x" in summary
     assert summary.endswith("; --verbose shows them")
     assert "GPTModel IS DEPRECATED" not in stdout + stderr and "warnings.warn(" not in stderr
     assert any(line.startswith("PASS: hook and legacy identical") for line in printed)

@@ -25,15 +25,15 @@ OWN_LOG_LINES = "verl_fused_hook log lines repeated"
 OWN_LOG_LINE = re.compile(r"^INFO:.*?verl_fused_hook: (.*)$")
 # (what the notice is, a pattern of its first line). Order matters: the first match names the line.
 KNOWN = (
-    ("megatron-core GPTModel deprecation", r"GPTModel IS DEPRECATED"),
+    ("megatron GPTModel deprecation", r"GPTModel IS DEPRECATED"),
     ("Apex/TE fallbacks", r"Transformer Engine and Apex are not installed|Apex is not installed"),
-    ("verl engines not installed (torchtitan, veomni, automodel)", r"engine is not available: ModuleNotFoundError"),
+    ("verl optional engines missing", r"engine is not available: ModuleNotFoundError"),
     ("verl accelerator probe", r"No supported accelerator detected|\(PlatformCUDA\) is registered but not available"),
-    ("torch: no CUDA runtime", r"No CUDA runtime is found"),
+    ("torch no-CUDA notice", r"No CUDA runtime is found"),
     ("torch deprecations", r"`torch\.distributed\.\w+` is deprecated|is_fx_tracing will return true|deprecating "
      r"ShardedTensor|TypedStorage is deprecated|argument order of load has been changed|torch\.distributed is "
      r"disabled, unavailable or uninitialized|\.grad attribute of a Tensor that is not a leaf"),
-    ("megatron-core configuration notices", r"full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS|set sequence "
+    ("megatron config notices", r"full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS|set sequence "
      r"parallel to false as TP size is 1|full_param_layout not provided|MimoModelConfig is experimental|async save is "
      r"deprecated"),
     ("verl MTP patch", r"Applying mtp patch"),
@@ -41,7 +41,7 @@ KNOWN = (
     ("verl legacy mbridge deprecation", r"legacy mbridge backend selected by `vanilla_mbridge=True` is deprecated"),
     # prints of several ranks interleave on stdout: these patterns do not anchor at the line's start
     ("verl TransformerConfig dumps", r"TransformerConfig\(tensor_model_parallel_size="),
-    ("megatron-core parameter counts", r"> number of parameters on \(tensor, pipeline\) model parallel rank"),
+    ("megatron parameter counts", r"> number of parameters on \(tensor, pipeline\) model parallel rank"),
     ("checkpoint progress", r"\[Rank \d+\] (Loaded|Wrote|Checkpoint save|model/dist_ckpt will save)"),
     ("verl optimizer config dumps", r"optimizer config after override: "),
 )
