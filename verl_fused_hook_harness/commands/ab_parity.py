@@ -35,7 +35,10 @@ path: hook mode against verl as it ships there (fused kernels off, its unfused B
 unfused tolerance (ab_bshd.py).
 
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
-                                  [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N]
+                                  [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N] [--verbose]
+
+Upstream warnings and log lines (megatron-core, verl, torch) are counted, not printed, and summarised in one
+line at the end; `--verbose` prints them, and a line per scenario and mode.
 
 `--mtp-layers N` runs the MTP scenario instead (ab_parity_mtp.py, packed layout): models with N MTP
 layers, hook mode's fused MTP loss against verl's own MTP path (fused kernels off), within the unfused tolerance.
@@ -57,6 +60,7 @@ from verl_fused_hook.switch import ENV_VAR
 from ..support.distributed import backend_for, run_in_processes
 from ..support.hf_model import TINY_QWEN2, config_folder
 from ..support.reports import write_json
+from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ..support.verl_engine import prepare_verl_process
 from . import ab_bshd, ab_thd
 from .ab_parity_mtp import run_mtp_parity
@@ -86,20 +90,23 @@ def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):
         started = time.time()
         if setup.layout == "bshd":
             results[scenario.name] = ab_bshd.run_bshd(scenario, mode, setup)
-            if rank == 0:
-                print(f"[{mode}] {scenario.name} bshd done in {time.time() - started:.1f}s", flush=True)
-            continue
-        results.update(ab_thd.run_scenario(scenario, mode, setup))
-        if rank == 0:
-            print(f"[{mode}] {scenario.name} done in {time.time() - started:.1f}s", flush=True)
+        else:
+            results.update(ab_thd.run_scenario(scenario, mode, setup))
+        if rank == 0 and setup.verbose:
+            layout = " bshd" if setup.layout == "bshd" else ""
+            print(f"[{mode}] {scenario.name}{layout} done in {time.time() - started:.1f}s", flush=True)
     return results
 
 
 def run_mode(mode: str, scenarios, setup: Setup):
     """Every scenario in `mode`, in the processes of one run (gloo on the CPU, NCCL on GPUs); results by rank."""
     world_size = world_size_for(setup.device, scenarios)
-    return run_in_processes(mode_worker, world_size, mode, scenarios, setup,
+    started = time.time()
+    runs = run_in_processes(mode_worker, world_size, mode, scenarios, setup,
                             backend=backend_for(setup.device), env={ENV_VAR: ENV_VALUES[mode]})
+    print(f"[{mode}] {len(scenarios)} scenario(s) done in {time.time() - started:.1f}s (process start-up included)",
+          flush=True)
+    return runs
 
 
 def main(argv=None) -> int:
@@ -122,7 +129,14 @@ def main(argv=None) -> int:
     parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                         help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
                              "(ab_parity_mtp.py); 0 (default): the legacy/hook comparison")
+    add_verbose_argument(parser)
     args = parser.parse_args(argv)
+    with UpstreamNotices(verbose=args.verbose):
+        return run(parser, args)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The checked arguments' runs: the legacy/hook comparison, or the MTP scenario."""
     if args.mtp_layers < 0:
         parser.error(f"--mtp-layers: expected an int >= 0, got {args.mtp_layers}")
     if args.mtp_layers and args.layout == "bshd":
@@ -163,25 +177,31 @@ def main(argv=None) -> int:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
-    setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout)
+    setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout,
+                  verbose=args.verbose)
     if args.mtp_layers:
         return run_mtp_parity(scenarios, setup, args.mtp_layers, rtol, args.json)
+    return run_parity(scenarios, setup, world_size, rtol, args.json)
 
+
+def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path: str | None) -> int:
+    """Both modes' runs of every scenario, the report (printed, and as JSON where asked); exit status."""
+    device, backend, hf_path, dtype = setup.device, setup.backend, setup.hf_path, setup.dtype
     kernel_note = (
         "both modes use the portable op (backend=%s); verl's Triton kernel needs CUDA, so the legacy forward's "
         "kernel was swapped for it" % backend
         if device == "cpu"
         else f"legacy uses verl's Triton kernel; hook uses backend={backend}"
     )
-    if args.layout == "bshd":
+    if setup.layout == "bshd":
         kernel_note = f"padded (BSHD) layout: verl as it ships (fused kernels off, unfused forward) vs hook backend={backend}"
     print(f"A/B parity on {device} ({world_size} processes per mode), model {hf_path} in {dtype}; {kernel_note}",
           flush=True)
     runs = {mode: run_mode(mode, scenarios, setup) for mode in ENV_VALUES}
 
     report = {"device": device, "backend": backend, "dtype": dtype, "one_kernel": setup.one_kernel,
-              "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol, "layout": args.layout}
-    if args.layout == "bshd":
+              "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol, "layout": setup.layout}
+    if setup.layout == "bshd":
         report["scenarios"] = [ab_bshd.evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]
         report["match"] = all(entry["match"] for entry in report["scenarios"])
         ab_bshd.print_bshd_report(report)
@@ -189,8 +209,8 @@ def main(argv=None) -> int:
         report["scenarios"] = [ab_thd.evaluate(scenario, runs, setup.one_kernel, rtol) for scenario in scenarios]
         report["match"] = all(entry["match"] for entry in report["scenarios"])
         ab_thd.print_report(report)
-    if args.json:
-        write_json(report, args.json)
+    if json_path:
+        write_json(report, json_path)
     return 0 if report["match"] else 1
 
 

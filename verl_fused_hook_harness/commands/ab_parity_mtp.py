@@ -68,7 +68,8 @@ def both_sides_worker(rank: int, world_size: int, scenarios, setup, mtp_layers: 
 def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_layers: int):
     started = time.time()
     prepare_verl_process(rank)
-    if rank == 0:
+    progress = rank == 0 and setup.verbose
+    if progress:
         print(f"[{side}] verl's engine imported in {time.time() - started:.1f}s", flush=True)
     if setup.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -76,7 +77,7 @@ def side_worker(rank: int, world_size: int, side: str, scenarios, setup, mtp_lay
     for scenario in scenarios:
         started = time.time()
         results[scenario.name] = run_side(scenario, side, setup, mtp_layers)
-        if rank == 0:
+        if progress:
             print(f"[{side}, mtp_layers={mtp_layers}] {scenario.name} done in {time.time() - started:.1f}s", flush=True)
     return results
 

@@ -61,6 +61,7 @@ class Setup:
     dtype: str  # a key of DTYPES
     seed: int
     layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (ab_bshd.py)
+    verbose: bool = False  # workers print a line per scenario
 
     @property
     def one_kernel(self) -> bool:

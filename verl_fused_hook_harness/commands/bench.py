@@ -18,11 +18,13 @@ layer plus the policy loss (bench_loss.py; they need `import verl`).
     verl-fused-hook bench --out docs/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
     verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
+    verl-fused-hook bench --plot-only docs/benchmarks.json --out docs/benchmarks.png   # redraw, no GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..support.reports import write_json
+from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import bench_loss
 from .bench_methods import ALL_METHODS, load_methods
 from .bench_report import markdown, plot
@@ -250,7 +253,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="N,H,V;N,H,V;... (default: the four standard shapes and five long-context ones)")
@@ -264,11 +267,35 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
     parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
-    parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png")
+    parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png "
+                        "(with --plot-only: the PNG, PREFIX or PREFIX.png)")
+    parser.add_argument("--plot-only", metavar="JSON", default=None,
+                        help="no measuring (no GPU needed): redraw the plot of a finished run's JSON into --out and "
+                        "print its tables")
+    add_verbose_argument(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.plot_only:
+        return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")
+    with UpstreamNotices(verbose=args.verbose):
+        return measure(args, argv)
+
+
+def redraw(json_path: Path, out: Path) -> int:
+    """The plot of a finished run (its JSON) into OUT.png; its tables on stdout."""
+    if not json_path.exists():
+        raise SystemExit(f"--plot-only: {json_path} does not exist")
+    results = json.loads(json_path.read_text())
+    plot(results, out.with_suffix(".png"))
+    print(markdown(results))
+    print(f"plot: {out.with_suffix('.png')}")
+    return 0
+
+
+def measure(args, argv: list[str]) -> int:
+    """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables."""
     names = [m for m in args.methods.split(",") if m]
     unknown = set(names) - set(ALL_METHODS)
     if unknown:
@@ -298,6 +325,7 @@ def main(argv=None) -> None:
     prefix.with_suffix(".md").write_text(table)
     plot(results, prefix.with_suffix(".png"))
     print(table)
+    return 0
 
 
 if __name__ == "__main__":

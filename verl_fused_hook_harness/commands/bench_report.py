@@ -73,41 +73,76 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+RATIO_TICKS = (0.75, 1, 1.25, 1.5, 2, 3, 5, 10, 20, 50)
+
+
+def floor_ratio(row: dict, method: str) -> float | None:
+    """The method's forward+backward time over the 4-GEMM floor measured in the same run, or None."""
+    time, floor = row.get(method, {}).get("fwd_bwd_ms"), row.get("floor", {}).get("fwd_bwd_ms")
+    return time / floor if isinstance(time, float) and isinstance(floor, float) and floor > 0 else None
+
+
+def three_gemm_ratio(row: dict) -> float | None:
+    """The 3-GEMM floor (logits once: a fused loss's lower bound) over the 4-GEMM floor, or None."""
+    floor = row.get("floor", {})
+    three = floor.get("fwd_bwd_3gemm_ms")
+    if three is None and {"gemm_ms", "dx_ms", "dw_ms"} <= floor.keys():  # runs from before the key existed
+        three = floor["gemm_ms"] + floor["dx_ms"] + floor["dw_ms"]
+    return three / floor["fwd_bwd_ms"] if three and floor.get("fwd_bwd_ms") else None
+
+
 def plot(results: dict, path: Path) -> None:
-    """Left: forward+backward time over the 4-GEMM floor against N, one line per method and (H, V): a backward
-    whose speed depends on N shows as a line leaving 1. Right: extra memory against N."""
+    """Per shape, one bar per method of this run (peers included): forward+backward time over the 4-GEMM cuBLAS
+    floor measured in the same run (left, the 3-GEMM floor marked), and the extra memory (right). Methods that
+    failed or ran out of memory at a shape are marked there."""
     plt = pyplot()
     if plt is None:
         raise SystemExit("bench: the plot needs matplotlib (pip install matplotlib)")
-    figure, (ratio_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5))
     shapes = results["shapes"]
     names = [m for m in results["methods"] if m != "floor"]
-    widths = sorted({(row["H"], row["V"]) for row in shapes})
+    labels = [f"{row['N']:,}\nH={row['H']}\nV={row['V']:,}" for row in shapes]
+    width = 0.8 / max(1, len(names))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    markers = "osd^vP*X"
+    figure, (ratio_axis, memory_axis) = plt.subplots(1, 2, figsize=(max(12, 1.6 * len(shapes) * 2), 5.5))
     for index, name in enumerate(names):
-        for w_index, (h, v) in enumerate(widths):
-            rows = sorted((r for r in shapes if (r["H"], r["V"]) == (h, v)), key=lambda r: r["N"])
-            style = dict(color=colors[index % len(colors)], marker=markers[w_index % len(markers)], label=f"{name} H={h} V={v}")
-            ratios = [(r["N"], r[name]["fwd_bwd_ms"] / r["floor"]["fwd_bwd_ms"]) for r in rows
-                      if isinstance(r.get(name, {}).get("fwd_bwd_ms"), float) and "floor" in r]
-            if ratios:
-                ratio_axis.plot(*zip(*ratios), **style)
-            memory = [(r["N"], r[name]["extra_gib"]) for r in rows if isinstance(r.get(name, {}).get("extra_gib"), float)]
-            if memory:
-                memory_axis.plot(*zip(*memory), **style)
-    if not memory_axis.lines:
-        memory_axis.text(0.5, 0.5, "not measured (--quick)", ha="center", va="center", transform=memory_axis.transAxes)
+        offset = (index - (len(names) - 1) / 2) * width
+        color = colors[index % len(colors)]
+        for shape_index, row in enumerate(shapes):
+            x = shape_index + offset
+            ratio = floor_ratio(row, name)
+            memory = row.get(name, {}).get("extra_gib")
+            if ratio is None:
+                ratio_axis.text(x, 1.0, "x", color=color, ha="center", va="bottom", fontsize=8)
+            else:
+                ratio_axis.bar(x, ratio, width, color=color, label=name if shape_index == 0 else None)
+                ratio_axis.text(x, ratio, f"{ratio:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
+            if isinstance(memory, float):
+                memory_axis.bar(x, memory, width, color=color, label=name if shape_index == 0 else None)
+            elif "extra_gib" in row.get(name, {}) or ratio is None:
+                memory_axis.text(x, 0, "x", color=color, ha="center", va="bottom", fontsize=8,
+                                 transform=memory_axis.get_xaxis_transform())
+    for shape_index, row in enumerate(shapes):
+        three = three_gemm_ratio(row)
+        if three:
+            ratio_axis.hlines(three, shape_index - 0.45, shape_index + 0.45, colors="gray", linestyles="dotted")
     ratio_axis.axhline(1.0, color="black", linewidth=0.8)
-    ratio_axis.axhline(1.1, color="gray", linewidth=0.8, linestyle="--")
-    ratio_axis.set_title("forward+backward time / 4-GEMM cuBLAS floor (dashed: 1.10)")
-    memory_axis.set_title("extra memory beyond inputs and returned gradients (GiB)")
+    ratio_axis.set_yscale("log")
+    ratio_axis.minorticks_off()
+    ticks = [t for t in RATIO_TICKS if t <= 1.2 * max([p.get_height() for p in ratio_axis.patches] or [1.0])]
+    ratio_axis.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ratio_axis.set_title("fwd+bwd time / 4-GEMM cuBLAS floor (dotted: 3 GEMMs; x: OOM or failed)", fontsize=10)
+    memory_axis.set_title("extra memory beyond inputs and returned gradients (GiB; x: not measured)", fontsize=10)
+    if memory_axis.patches:
+        memory_axis.set_yscale("log")
+    else:
+        memory_axis.text(0.5, 0.5, "not measured (--quick)", ha="center", va="center", transform=memory_axis.transAxes)
     for axis in (ratio_axis, memory_axis):
-        axis.set_xlabel("N (tokens)")
-        axis.grid(True, which="both", alpha=0.3)
-        if axis.lines:
-            axis.set_xscale("log", base=2)
-            axis.legend(fontsize=7)
-    figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}")
+        axis.set_xticks(range(len(shapes)), labels, fontsize=8)
+        axis.set_xlabel("N (tokens), H, V")
+        axis.grid(True, axis="y", which="both", alpha=0.3)
+        if axis.patches:
+            axis.legend(fontsize=8)
+    figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}: {results.get('command', '')}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -38,6 +38,7 @@ forward over full logits) against hook mode, which keeps fused kernels on (e2e_b
 mode goes through verl's `forward_step`. A mode that runs out of device memory is reported as OOM.
 
 Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
+                                 [--layers N] [--recompute] [--warmups W] [--repeats R] [--verbose]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
 (--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, e2e_bench_mtp.py;
@@ -62,6 +63,7 @@ from ..support.hf_model import QWEN_7B_2LAYER, config_folder
 from ..support.micro_batches import e2e_rollout
 from ..support.modes import kernel_backends
 from ..support.reports import gib, ms, write_report
+from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ..support.verl_engine import megatron_engine, reset_fused_mode
 from . import e2e_bench_mtp, e2e_bshd, e2e_fused_loss
 from .e2e_setup import Clock, build_model, free_step_memory, header_with_temperature, prepare_process
@@ -94,7 +96,7 @@ def run(args) -> dict:
         }
     reference_name, parity_key = REFERENCE[layout], PARITY_KEY[layout]
     clock = Clock(device)
-    report = header_with_temperature(args) | {"kernels": kernels, "layout": layout, "sizes": []}
+    report = header_with_temperature(args, model) | {"kernels": kernels, "layout": layout, "sizes": []}
     modes = [m for m in all_modes if m.name in args.modes]
     # Padded layout: the reference is different arithmetic (unfused), held to a tolerance, so no deterministic mode.
     deterministic = device == "cuda" and layout == "thd"
@@ -189,8 +191,20 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
                         "off vs on (e2e_fused_loss.json/.md)")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="the model's layer count instead of the HF config's (e.g. 28: the Qwen2.5-7B-shaped "
+                        "config at full depth)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="megatron's full activation recompute (recompute_granularity=full, recompute_method="
+                        "uniform, recompute_num_layers=1), as long-context training runs use it")
+    add_verbose_argument(parser)
     args = parser.parse_args(argv)
+    with UpstreamNotices(verbose=args.verbose):
+        return run_command(parser, args)
 
+
+def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The checked arguments' benchmark: the layout's modes, `--mtp` or `--fused-loss`."""
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
@@ -225,6 +239,8 @@ def main(argv=None) -> int:
         parser.error("--mtp: the MTP benchmark runs on the packed layout; drop --layout bshd")
     if args.warmups < 1 or args.repeats < 1:
         parser.error("--warmups and --repeats must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers: expected >= 1, got {args.layers}")
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
     if args.mtp:
         print(e2e_bench_mtp.markdown_table(e2e_bench_mtp.run_mtp(args)))

@@ -34,7 +34,7 @@ from ..support.head_memory import HeadMemoryProbe
 from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, grpo_loss, response_rows, response_values
 from ..support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
 from ..support.reports import gib, ms, write_report
-from .e2e_setup import Clock, build_model, free_step_memory, prepare_process, report_header, snapshot_gradients
+from .e2e_setup import Clock, build_model, free_step_memory, model_fields, prepare_process, report_header, snapshot_gradients
 
 SIDES = ("hook", "verl")  # hook first: verl's side may run out of memory
 
@@ -93,6 +93,7 @@ def compare_sides(verl: dict, hook: dict) -> dict:
 def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
     started = time.time()
     model = build_model(args, hf_config, announce=False, mtp_num_layers=args.mtp)
+    report.setdefault("model", model_fields(model))
     engine = build_mtp_engine(model, hook=side == "hook", backend=args.mtp_backend, model_path=args.hf_config)
     print(f"[{side}] model built in {time.time() - started:.1f}s; fused kernels "
           f"{'on' if engine.engine_config.use_fused_kernels else 'off'}", flush=True)

@@ -276,7 +276,7 @@ def run_fused_loss(args) -> dict:
         entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
         kl_loss_coef=config.kl_loss_coef,
     )
-    report = header_with_temperature(args, actor_config=actor_config) | {"kernels": kernels, "sizes": []}
+    report = header_with_temperature(args, model, actor_config=actor_config) | {"kernels": kernels, "sizes": []}
     for tokens in args.sizes:
         rollout = e2e_rollout(hf_config.vocab_size, tokens, device, args.seed)
         entry = {"tokens": tokens, "sequence_lengths": rollout[4], "modes": []}

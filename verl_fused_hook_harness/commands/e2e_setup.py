@@ -21,6 +21,10 @@ from ..support.micro_batches import TEMPERATURE
 from ..support.reports import device_name
 from ..support.verl_engine import prepare_verl_process
 
+# megatron's full activation recompute as verl's users set it (override_transformer_config): every layer's
+# activations are recomputed in backward, one layer per checkpoint.
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
 
 def prepare_process(args, *, deterministic_parity: bool = True):
     """This process ready to drive verl's engine (plugin installed, verl's engine imported), as a one-rank
@@ -30,36 +34,51 @@ def prepare_process(args, *, deterministic_parity: bool = True):
     if args.device == "cuda" and deterministic_parity:
         prepare_cublas_workspace()  # before the first GEMM: the parity steps run deterministic
     init_single_process(args.device, args.seed)
-    return load_hf_config(args.hf_config)
+    hf_config = load_hf_config(args.hf_config)
+    if args.layers is not None:
+        hf_config.num_hidden_layers = args.layers  # mbridge's conversion reads the layer count from here
+    return hf_config
 
 
 def build_model(args, hf_config, *, announce: bool = True, **extra):
-    """The GPTModel of `hf_config` on `args.device` (dtype, seed and initialization from `args`)."""
+    """The GPTModel of `hf_config` on `args.device` (dtype, seed and initialization from `args`; megatron's full
+    activation recompute with `args.recompute`)."""
     started = time.time()
     model = build_gpt_from_hf(
-        hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init, **extra
+        hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init,
+        transformer_overrides=FULL_RECOMPUTE if args.recompute else None, **extra,
     ).to(args.device)
     if announce:
+        recompute = ", full recompute" if args.recompute else ""
         print(f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
-              f"parameters, {args.dtype}, hidden {hf_config.hidden_size}, vocab {hf_config.vocab_size}", flush=True)
+              f"parameters, {args.dtype}, {model.config.num_layers} layers{recompute}, hidden {hf_config.hidden_size}, "
+              f"vocab {hf_config.vocab_size}", flush=True)
     return model
 
 
-def report_header(args, **fields) -> dict:
-    """The fields every e2e report starts with; `fields` go after the model's and before the run's settings."""
+def model_fields(model) -> dict:
+    """What the report says of the built model: its layer count and recompute settings (its config's fields)."""
+    config = model.config
+    return {"num_layers": config.num_layers, **{key: getattr(config, key) for key in FULL_RECOMPUTE}}
+
+
+def report_header(args, model=None, **fields) -> dict:
+    """The fields every e2e report starts with (the built model's fields where given); `fields` go after the
+    model's and before the run's settings."""
     return {
         "device": device_name(args.device),
         "torch": torch.__version__,
         "hf_config": str(args.hf_config),
+        **({} if model is None else {"model": model_fields(model)}),
         **fields,
         "warmups": args.warmups,
         "repeats": args.repeats,
     }
 
 
-def header_with_temperature(args, **fields) -> dict:
+def header_with_temperature(args, model, **fields) -> dict:
     """`report_header` for the flavours that report their dtype and temperature first."""
-    return report_header(args, dtype=str(args.dtype), temperature=TEMPERATURE, **fields)
+    return report_header(args, model, dtype=str(args.dtype), temperature=TEMPERATURE, **fields)
 
 
 class Clock:

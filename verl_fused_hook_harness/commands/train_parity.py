@@ -78,7 +78,7 @@ across them; checks whose runs are missing are listed as pending.
 Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
          [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
-         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--out DIR]
+         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--out DIR] [--verbose]
        verl-fused-hook train-parity --merge DIR [DIR ...] --out DIR
 Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves; skipped with a log
 line when matplotlib is missing). Checkpoints go to a temporary folder (under $TRAIN_PARITY_CHECKPOINT_DIR when
@@ -98,6 +98,7 @@ import torch
 
 from ..support.grpo_batches import RolloutShape
 from ..support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder
+from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import train_parity_report as report_file
 from .train_parity_modes import MODES
 from .train_parity_runs import Plan, resumed_worker, run_group, uninterrupted_worker
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", nargs="+", metavar="DIR", default=None, help="no training: combine the reports "
                         "in these folders (one configuration, e.g. several device calls) into --out and evaluate "
                         "every identity across them")
+    add_verbose_argument(parser)
     return parser
 
 
@@ -227,7 +229,7 @@ def _finish(report: dict, out: Path) -> int:
 
 
 def merge_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    given = sorted(k for k, v in vars(args).items() if k not in ("merge", "out") and v != parser.get_default(k))
+    given = sorted(k for k, v in vars(args).items() if k not in ("merge", "out", "verbose") and v != parser.get_default(k))
     if given:
         parser.error(f"--merge reads finished reports; {', '.join('--' + k.replace('_', '-') for k in given)} "
                      "apply to training runs only")
@@ -244,8 +246,12 @@ def merge_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.merge is not None:
-        return merge_main(parser, args)
+    with UpstreamNotices(verbose=args.verbose):
+        return merge_main(parser, args) if args.merge is not None else train(parser, args)
+
+
+def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Every run the arguments ask for, the report rewritten after each; exit status from its checks."""
     checkpoint_root = tempfile.mkdtemp(prefix="train_parity_ckpt_", dir=os.environ.get("TRAIN_PARITY_CHECKPOINT_DIR"))
     try:
         plan = plan_from_args(parser, args, checkpoint_root)

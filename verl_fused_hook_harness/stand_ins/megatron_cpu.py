@@ -4,8 +4,10 @@ megatron-core assumes a CUDA device in three places (see shared FACTS):
 `torch.cuda.current_device()` is called unconditionally, the CUDA RNG tracker is
 forked by attention and seeded at start-up, and the local spec's torch norm
 refuses sequence parallelism; under context parallelism RoPE's per-rank slice
-also copies through CUDA. `enable_cpu_megatron()` works around all four;
-nothing here is used by the product at training time.
+also copies through CUDA, and activation recompute (`tensor_parallel.checkpoint`)
+saves and restores the CUDA generator's state. `enable_cpu_megatron()` works
+around all five (on the CPU the CPU generator and the tracker hold every RNG
+state); nothing here is used by the product at training time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ from .bshd_attention import PaddedDotProductAttention
 
 def _cpu_device() -> str:
     return "cpu"
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    """megatron's `_get_cuda_rng_state` on the CPU: there is no CUDA generator (the CPU one is saved apart)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _keep_cpu_rng_state(*args, **kwargs) -> None:
+    """megatron's `_set_cuda_rng_state` on the CPU: nothing to restore."""
 
 
 class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
@@ -70,6 +81,8 @@ def enable_cpu_megatron() -> None:
     if not torch.cuda.is_available():
         torch.cuda.current_device = _cpu_device
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank  # context parallelism
+        megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # activation recompute
+        megatron_random._set_cuda_rng_state = _keep_cpu_rng_state
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -68,6 +68,7 @@ def build_gpt_from_hf(
     use_transformer_engine: bool | None = None,
     cpu_initialization: bool = True,
     mtp_num_layers: int | None = None,
+    transformer_overrides: dict | None = None,
 ) -> torch.nn.Module:
     """GPTModel for `hf_config` on the current model-parallel state, weights from `seed`.
 
@@ -76,6 +77,7 @@ def build_gpt_from_hf(
         every process and every TP size holds identical weights; False initializes in place on the current
         device (megatron's default, much faster for large models; identical weights only for one TP size).
     mtp_num_layers: that many MTP layers (megatron-core's MTP block after the decoder); None keeps mbridge's.
+    transformer_overrides: TransformerConfig fields set on top of mbridge's conversion (e.g. recompute).
     """
     from mbridge import AutoBridge
     from megatron.core import parallel_state
@@ -93,6 +95,7 @@ def build_gpt_from_hf(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False,
+        **(transformer_overrides or {}),
     )
     config = bridge.config
     if mtp_num_layers is not None:
