@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from functools import partial
 
 import pytest
@@ -84,10 +85,15 @@ def batch(engine, sft: bool):
         current = no_padding_2_padding(engine.infer_batch(forward)["model_output"]["log_probs"], forward).float().cpu()
     fields["old_log_probs"] = current + 0.15 * torch.randn(current.shape, generator=generator)
     fields["ref_log_prob"] = current + 0.1 * torch.randn(current.shape, generator=generator)
-    if sft:  # sft_loss reads the loss mask over prompt and response (prompt tokens masked)
-        fields["loss_mask"] = torch.cat([torch.zeros_like(fields["prompts"]), fields["response_mask"]], dim=1)
     data = packed(fields, 1.0, calculate_entropy=not sft, global_batch_size=shape.sequences, **keys)
     data["temperature"] = torch.tensor(TEMPERATURES)
+    if sft:  # sft_loss reads a jagged loss mask over prompt and response, the prompt masked
+        prompt_lengths = fields["attention_mask"][:, : fields["prompts"].shape[1]].sum(dim=1)
+        response_lengths = fields["response_mask"].sum(dim=1)
+        data["loss_mask"] = torch.nested.as_nested_tensor(
+            [torch.cat([torch.zeros(int(p)), torch.ones(int(r))]).long() for p, r in zip(prompt_lengths, response_lengths)],
+            layout=torch.jagged,
+        )
     return data
 
 
@@ -107,16 +113,15 @@ def _update(engine, name: str) -> dict:
     }
 
 
-def _metric(value):
-    """A metric's numbers (verl's Metric objects and lists of per-micro-batch values alike)."""
-    value = getattr(value, "value", value)
-    if isinstance(value, (list, tuple)):
-        return [float(getattr(v, "value", v)) for v in value]
-    return float(value)
+def _metric(value) -> list[float]:
+    """A metric's numbers: a verl Metric's values (one per micro-batch), or a list of plain values."""
+    values = getattr(value, "values", value)
+    return [float(v) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
 def worker(rank: int, world_size: int, names: tuple[str, ...], chunk_gib: float | None) -> dict:
     from verl_fused_hook.verl_integration import install
+    from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
     from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
@@ -125,6 +130,7 @@ def worker(rank: int, world_size: int, names: tuple[str, ...], chunk_gib: float 
     install()
     log = _LogLines()
     logging.getLogger("verl_fused_hook").addHandler(log)
+    logging.getLogger("verl_fused_hook.ops.chunking").setLevel(logging.DEBUG)  # how each call chunked its rows
     init_model_parallel(world_size, seed=SEED)
     chunk = {} if chunk_gib is None else {"output_processor_fused_loss_chunk_gib": chunk_gib}
     variants = {
@@ -133,13 +139,14 @@ def worker(rank: int, world_size: int, names: tuple[str, ...], chunk_gib: float 
         "fused_every_row": {"output_processor_fused_loss": True, "output_processor_score_mask": False, **chunk},
     }
     results = {}
-    for variant, options in variants.items():
-        setup = EngineSetup(hf_path=str(TINY_QWEN2), tp=world_size, dtype="float32", seed=SEED, micro_batch_size=4,
-                            total_steps=1, lr=1e-4, offload=False,
-                            fused_kernel_options={"output_processor_backend": "torch", **options})  # fmt: skip
-        engine = build_engine(setup)
-        for name in names:
-            results[name, variant] = _update(engine, name)
+    with cuda_names_on_cpu():  # stand-in: megatron's schedules and verl's engine name CUDA tensors
+        for variant, options in variants.items():
+            setup = EngineSetup(hf_path=str(TINY_QWEN2), tp=world_size, dtype="float32", seed=SEED, micro_batch_size=4,
+                                total_steps=1, lr=1e-4, offload=False,
+                                fused_kernel_options={"output_processor_backend": "torch", **options})  # fmt: skip
+            engine = build_engine(setup)
+            for name in names:
+                results[name, variant] = _update(engine, name)
     results["log"] = log.lines
     return results
 
@@ -148,7 +155,7 @@ class _LogLines(logging.Handler):
     """The plugin's log lines in a worker, handed back to the test (caplog sees only the test's process)."""
 
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.lines: list[str] = []
 
     def emit(self, record):
@@ -166,6 +173,7 @@ def assert_matches(results: dict, names, rank: int, expect_fused: bool = True) -
             assert got["metrics"].keys() == want["metrics"].keys(), where
             for key, value in want["metrics"].items():
                 assert got["metrics"][key] == pytest.approx(value, rel=RTOL, abs=1e-7), f"{where}: {key}"
+            assert len(want["losses"]) == 2 and (name == "sft" or len(want["metrics"]) >= 2), where  # sft_loss: no metrics
             assert got["grads"].keys() == want["grads"].keys()
             for param, grad in want["grads"].items():
                 scale = float(grad.abs().max())
@@ -181,16 +189,27 @@ def test_token_level_losses_inside_the_op_equal_verls_loss_tp1():
     assert_matches(results, TOKEN_LEVEL, 0)
 
 
-def test_sequence_level_losses_in_chunks_of_whole_sequences_tp1(caplog):
+def chunk_counts(log: list[str], loss_mode: str) -> list[int]:
+    """How many chunks each fused call of `loss_mode` took (the op's debug line)."""
+    pattern = re.compile(rf"loss ppo_loss\(loss_mode={loss_mode}, .*: \d+ scored rows in (\d+) chunks")
+    return [int(match.group(1)) for line in log if (match := pattern.search(line))]
+
+
+def test_sequence_level_losses_in_chunks_of_whole_sequences_tp1():
     names = ("gspo", "geo_mean", "bypass_mode")
     (results,) = run_on_gloo(worker, 1, names, SMALL_CHUNK_GIB)
     assert_matches(results, names, 0)
+    for mode in names:  # every micro-batch of both fused variants spans several chunks, none falls back
+        counts = chunk_counts(results["log"], mode)
+        assert len(counts) == 4 and min(counts) >= 2, (mode, counts)
+    assert not any("more than a chunk holds" in line for line in results["log"])
 
 
 def test_losses_inside_the_op_under_tp2():
     names = ("vanilla", "gspo", "sft")
     for rank, results in enumerate(run_on_gloo(worker, 2, names, SMALL_CHUNK_GIB)):
         assert_matches(results, names, rank)
+        assert min(chunk_counts(results["log"], "gspo")) >= 2, results["log"]
 
 
 def test_a_sequence_longer_than_a_chunk_and_non_separable_losses_take_the_two_pass_path():
