@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference import max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import max_rel, reference_log_probs_entropy
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor, log_probs_and_entropy
 from verl_fused_hook_harness.support.distributed import run_on_gloo
 from verl_fused_hook.verl_integration import log_level_from_env

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from verl_fused_hook_harness.support.memory import PeakMemory, SavedTensorBytes
-from reference import max_abs, max_rel, reference_log_probs_entropy
+from saved_tensors import SavedTensorBytes
+from verl_fused_hook_harness.support.memory import PeakMemory
+from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
 

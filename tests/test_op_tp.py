@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook_harness.support.distributed import run_on_gloo

@@ -10,7 +10,7 @@ tensor_parallel_output_grad=True) followed by the op with "partial": the same bi
 import pytest
 import torch
 import torch.distributed as dist
-from reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
 
 from verl_fused_hook.ops import TP_HIDDEN_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_on_gloo

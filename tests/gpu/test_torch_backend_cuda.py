@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import max_abs, reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 
 pytestmark = [

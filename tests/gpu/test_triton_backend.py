@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from reference import max_abs, reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook.ops.backends import resolve_backend
 from verl_fused_hook.ops.problem import LogProbProblem, default_tile_rows

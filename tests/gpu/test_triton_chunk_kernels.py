@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import reference_log_probs_entropy
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_on_gloo
 
