@@ -18,23 +18,29 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from ..support.hf_model import padded_vocab_size, rope_base, transformer_engine_available
-from .megatron_cpu import cpu_block_spec
+from ..support.layout_weights import set_layout_independent_weights
+from .megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
 
 
-def local_spec_provider(engine, seed: int):
-    """The provider verl's `get_model` calls: a GPTModel on the engine's config with a CPU-capable local spec."""
+def local_spec_provider(engine, seed: int, layout_independent: bool = False):
+    """The provider verl's `get_model` calls: a GPTModel on the engine's config with a CPU-capable local spec.
+
+    layout_independent: weights drawn per global parameter name (support/layout_weights.py), so that every
+    pipeline and expert layout of one TP size holds the same model."""
     hf_config = engine.model_config.hf_config
     config = engine.tf_config
 
     def provider(pre_process=True, post_process=True, vp_stage=None):
         if transformer_engine_available():
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+            mtp_spec = None if not config.mtp_num_layers else get_gpt_mtp_block_spec(config, spec, True, vp_stage)
         else:
-            spec = cpu_block_spec(config)
-        torch.manual_seed(seed)  # identical weights in every mode and process of one TP size
-        return GPTModel(
+            spec, mtp_spec = cpu_block_spec(config, vp_stage), cpu_mtp_block_spec(config, vp_stage)
+        # identical weights in every mode and process of one parallel layout (each model chunk its own seed)
+        torch.manual_seed(seed + 1000 * (vp_stage or 0))
+        model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(hf_config.vocab_size, parallel_state.get_tensor_model_parallel_world_size()),
@@ -44,17 +50,22 @@ def local_spec_provider(engine, seed: int):
             position_embedding_type="rope",
             rotary_base=rope_base(hf_config),
             share_embeddings_and_output_weights=engine.share_embeddings_and_output_weights,
+            mtp_block_spec=mtp_spec,
+            vp_stage=vp_stage,
         )
+        if layout_independent:
+            set_layout_independent_weights(model, seed, vp_stage)
+        return model
 
     return provider
 
 
-def build_on_local_spec(engine, seed: int):
+def build_on_local_spec(engine, seed: int, layout_independent: bool = False):
     """What `engine._build_megatron_module()` returns, built through verl's `get_model` on the local spec."""
     from verl.utils.megatron_utils import get_model  # verl (and TE's spec) load where an engine is built
 
     return get_model(
-        local_spec_provider(engine, seed),
+        local_spec_provider(engine, seed, layout_independent),
         wrap_with_ddp=not engine.engine_config.forward_only,
         use_distributed_optimizer=engine.engine_config.use_distributed_optimizer,
         override_ddp_config=engine._resolve_override_ddp_config(),
@@ -62,6 +73,6 @@ def build_on_local_spec(engine, seed: int):
     )
 
 
-def use_local_spec_build(engine, seed: int) -> None:
+def use_local_spec_build(engine, seed: int, layout_independent: bool = False) -> None:
     """Give `engine` (before its `initialize()`) the local-spec model build in place of verl's mbridge build."""
-    engine._build_megatron_module = lambda: build_on_local_spec(engine, seed)
+    engine._build_megatron_module = lambda: build_on_local_spec(engine, seed, layout_independent)

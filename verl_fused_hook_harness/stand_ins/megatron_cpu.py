@@ -1,6 +1,6 @@
 """Run megatron-core GPTModels on the CPU (tests and the CPU A/B demo only).
 
-megatron-core assumes a CUDA device in three places (see shared FACTS):
+megatron-core assumes a CUDA device in three places (see shared FACTS), and its MoE layer in one more (moe_cpu.py):
 `torch.cuda.current_device()` is called unconditionally, the CUDA RNG tracker is
 forked by attention and seeded at start-up, and the local spec's torch norm
 refuses sequence parallelism; under context parallelism RoPE's per-rank slice
@@ -22,9 +22,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from .bshd_attention import PaddedDotProductAttention
+from .moe_cpu import enable_cpu_moe
 
 
 def _cpu_device() -> str:
@@ -83,6 +84,7 @@ def enable_cpu_megatron() -> None:
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank  # context parallelism
         megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # activation recompute
         megatron_random._set_cuda_rng_state = _keep_cpu_rng_state
+        enable_cpu_moe()
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -100,13 +102,21 @@ def seed_model_parallel_rng(seed: int) -> None:
     tracker.add(megatron_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep_rank + tp_rank + 1)
 
 
-def init_model_parallel(tp_size: int = 1, seed: int = 1234, cp_size: int = 1) -> None:
+def init_model_parallel(
+    tp_size: int = 1, seed: int = 1234, cp_size: int = 1, *, pp_size: int = 1, vpp_size: int | None = None, ep_size: int = 1
+) -> None:
     """Set up megatron's parallel state on an already initialized gloo group (or a one-process one)."""
     enable_cpu_megatron()
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size,
+        expert_model_parallel_size=ep_size,
+    )
     seed_model_parallel_rng(seed)
 
 
@@ -123,8 +133,11 @@ class CpuNorm:
 
 
 def cpu_layer_spec(config: TransformerConfig):
-    """Local layer spec with CPU-ready norms and a core attention that takes THD and padded (BSHD) batches."""
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    """Local layer spec with CPU-ready norms and a core attention that takes THD and padded (BSHD) batches
+    (megatron's MoE layer with sequential experts when the config has experts)."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, normalization=config.normalization, qk_layernorm=config.qk_layernorm
+    )
     spec.submodules.input_layernorm = CpuNorm
     spec.submodules.pre_mlp_layernorm = CpuNorm
     spec.submodules.self_attention.submodules.core_attention = PaddedDotProductAttention
@@ -134,16 +147,21 @@ def cpu_layer_spec(config: TransformerConfig):
     return spec
 
 
-def cpu_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
+def cpu_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage (model chunk `vp_stage` under virtual pipelining); all without PP."""
     layer = cpu_layer_spec(config)
-    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=CpuNorm)
+    layers = get_num_layers_to_build(config, vp_stage) if config.pipeline_model_parallel_size > 1 else config.num_layers
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=CpuNorm)
 
 
-def cpu_mtp_block_spec(config: TransformerConfig):
-    """The MTP block spec for `config.mtp_num_layers` layers with CPU-ready norms (None without MTP)."""
+def cpu_mtp_block_spec(config: TransformerConfig, vp_stage: int | None = None):
+    """The MTP block spec for `config.mtp_num_layers` layers with CPU-ready norms (None without MTP, and on
+    pipeline stages that hold no MTP layer)."""
     if not config.mtp_num_layers:
         return None
-    spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(config), use_transformer_engine=False)
+    spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(config), use_transformer_engine=False, vp_stage=vp_stage)
+    if spec is None:
+        return None
     for layer in spec.layer_specs:
         layer.submodules.enorm = CpuNorm
         layer.submodules.hnorm = CpuNorm

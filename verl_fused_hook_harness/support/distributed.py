@@ -70,16 +70,18 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any, backend: str = "
                 pass
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback is in its result file
-        results = []
+        outcomes = []
         for rank in range(world_size):
             path = os.path.join(folder, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {world_size} died without a result")
-            outcome = torch.load(path, weights_only=False)
-            if not outcome["ok"]:
+            outcomes.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        # a rank's own error first: the ranks stopped after it (terminated by the launcher) leave no result
+        for rank, outcome in enumerate(outcomes):
+            if outcome is not None and not outcome["ok"]:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{outcome['error']}")
-            results.append(outcome["result"])
-        return results
+        for rank, outcome in enumerate(outcomes):
+            if outcome is None:
+                raise RuntimeError(f"rank {rank} of {world_size} died without a result")
+        return [outcome["result"] for outcome in outcomes]
 
 
 def run_on_gloo(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list:

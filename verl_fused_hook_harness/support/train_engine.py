@@ -39,6 +39,17 @@ class EngineSetup:
     lr: float
     offload: bool
     fused_kernel_options: dict
+    # megatron's parallel layout beyond TP (the process group's megatron state must match it)
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    use_fused_kernels: bool = True  # False: verl's unfused path (full logits), the parity tests' reference
+    use_remove_padding: bool = True  # False: verl's padded (BSHD) layout
+    transformer_overrides: dict | None = None  # more of verl's override_transformer_config (e.g. MoE, MTP)
+    mtp: bool = False  # actor_rollout_ref.model.mtp.enable (and enable_train)
+    distributed_optimizer: bool = True  # False: every rank holds its full DP-averaged gradients after a step
+    layout_independent_weights: bool = False  # every PP/EP layout of one TP size holds the same model
 
 
 def build_engine(setup: EngineSetup, *, forward_only: bool = False):
@@ -51,21 +62,28 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
 
     if setup.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"EngineSetup.dtype: {setup.dtype!r}; allowed: bfloat16, float32")
+    from verl.workers.config.model import MtpConfig
+
     model_config = HFModelConfig(
         path=setup.hf_path,
         load_tokenizer=False,
-        use_fused_kernels=True,
+        use_fused_kernels=setup.use_fused_kernels,
         fused_kernel_options=dict(setup.fused_kernel_options),
+        mtp=MtpConfig(enable=setup.mtp, enable_train=setup.mtp),
     )
     model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size, PAD_TOKEN_ID)
     engine_config = McoreEngineConfig(
         use_mbridge=True,
         vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
-        use_fused_kernels=True,
-        use_remove_padding=True,
+        use_fused_kernels=setup.use_fused_kernels,
+        use_remove_padding=setup.use_remove_padding,
         forward_only=forward_only,
         tensor_model_parallel_size=setup.tp,  # with TP > 1 mbridge's conversion turns sequence parallelism on
-        use_distributed_optimizer=True,
+        pipeline_model_parallel_size=setup.pp,
+        virtual_pipeline_model_parallel_size=setup.vpp,
+        context_parallel_size=setup.cp,
+        expert_model_parallel_size=setup.ep,
+        use_distributed_optimizer=setup.distributed_optimizer,
         use_dist_checkpointing=True,
         param_offload=setup.offload,
         optimizer_offload=setup.offload,
@@ -74,7 +92,11 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=setup.micro_batch_size,
         infer_micro_batch_size_per_gpu=setup.micro_batch_size,
-        override_transformer_config={**TRANSFORMER_OVERRIDES, "use_cpu_initialization": not torch.cuda.is_available()},
+        override_transformer_config={
+            **TRANSFORMER_OVERRIDES,
+            "use_cpu_initialization": not torch.cuda.is_available(),
+            **(setup.transformer_overrides or {}),
+        },
     )
     if setup.dtype == "float32":
         object.__setattr__(engine_config, "dtype", "float32")
@@ -87,7 +109,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
     from ..stand_ins.local_spec_build import use_local_spec_build
 
-    use_local_spec_build(engine, setup.seed)
+    use_local_spec_build(engine, setup.seed, setup.layout_independent_weights)
     with cuda_names_on_cpu():
         engine.initialize()
     return engine
