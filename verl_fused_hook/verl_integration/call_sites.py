@@ -20,6 +20,7 @@ from ..ops import backend_unavailable_at_build
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
 from .engine_forward import make_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
+from .parallel_checks import refuse_unsupported_parallelism
 from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
@@ -142,6 +143,8 @@ def _make_build_gate(verl_enable):
                 "%s; but actor_rollout_ref.model.use_fused_kernels is False, so the switch has no effect", plan.log_line(name)
             )
             return verl_enable(self)
+        if plan.mode == HOOK:
+            refuse_unsupported_parallelism(self)
         reasons = verl_disabling_reasons(self)
         lifted = [reason for reason in reasons if plan.mode == HOOK and reason in reasons_hook_mode_lifts(reasons)]
         for model in self.module:
