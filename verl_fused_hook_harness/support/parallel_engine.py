@@ -211,6 +211,21 @@ def gradients(engine) -> dict[str, torch.Tensor]:
     return grads
 
 
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff", "mtp_num_layers", "overlap_p2p_comm", "batch_p2p_comm", "variable_seq_lengths",
+)  # fmt: skip
+
+
+def engine_layout(engine) -> dict:
+    """What verl's engine actually built: its transformer config's parallel and MoE/MTP fields, the model chunks
+    on this rank, and whether fused kernels stayed on."""
+    layout = {name: getattr(engine.tf_config, name, None) for name in LAYOUT_FIELDS}
+    return {**layout, "model_chunks": len(engine.module), "use_fused_kernels": engine.engine_config.use_fused_kernels}
+
+
 def train_batch(engine, data, loss_function) -> tuple[dict, dict[str, torch.Tensor]]:
     """verl's `BaseEngine.train_batch`, line for line, with the gradients read between the backward and the
     optimizer step (megatron's optimizer step leaves DDP's gradient buffers zeroed)."""
@@ -247,6 +262,7 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
         "metrics": {key: _plain(value) for key, value in output.get("metrics", {}).items()},
         "grads": grads,
         "fused_loss_calls": sum(counts_of(chunk).fused_loss_forwards for chunk in engine.module),
+        "layout": engine_layout(engine),
     }
     model_output = output.get("model_output", {})
     for key in ("log_probs", "entropy"):
@@ -269,7 +285,7 @@ class CaseRun:
 
 def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: bool) -> dict:
     """Every case of `runs` on this rank: {case name: {side: result}}, plus the case's reference (computed once
-    per reference layout and data mapping) when `reference`."""
+    per reference layout and data mapping) when `reference` and the case splits the model (PP or EP)."""
     from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from .verl_engine import prepare_verl_process
 
@@ -283,7 +299,7 @@ def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: 
             results[case.name] = {
                 side: run_side(case, side, index, run.fault if side in run.fault_sides else None) for side in run.sides
             }
-            if reference:
+            if reference and (case.pp > 1 or case.ep > 1):  # else the unfused side is already unsplit
                 layout = {k: v for k, v in asdict(case.reference()).items() if k != "name"}
                 # the same on every rank (a reference is a collective run): the layout and the case's data mapping
                 key = json.dumps({**layout, "case_dp": case.dp}, sort_keys=True, default=str)

@@ -1,0 +1,138 @@
+"""The parallel layouts the CPU tests run through verl's engine, launched once per world size for every test file.
+
+Why shared: process start-ups (verl, megatron-core, ray imports) cost most of a
+case's time, so tests/test_pipeline_parallel.py, tests/test_moe.py and
+tests/test_cp_fused_loss.py read one 2-process and one 4-process launch
+(`results(world)`, cached for the pytest session) instead of starting their own.
+
+Also here: the test-only faults injected into a stage hand-off (never a runtime
+switch): functions given each engine of a faulty side after its build, which
+change what a non-first pipeline stage receives.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from verl_fused_hook_harness.support.parallel_compare import differences
+from verl_fused_hook_harness.support.parallel_engine import (
+    HOOK,
+    HOOK_FUSED_LOSS,
+    REFERENCE,
+    SIDES,
+    UNFUSED,
+    CaseRun,
+    ParallelCase,
+    run_launch,
+)
+
+# ---------------------------------------------------------------- test-only faults at the stage hand-off
+
+
+def _on_received_hidden_states(engine, transform) -> None:
+    """Every model chunk that receives hidden states from a previous stage sees transform(them) instead;
+    gradients still flow back to what was received, so the schedule runs as before."""
+    from verl_fused_hook.probe import unwrap_to_gpt
+
+    for chunk in engine.module:
+        gpt = unwrap_to_gpt(chunk)
+        if gpt.pre_process:
+            continue
+        receive = gpt.set_input_tensor
+
+        def set_input_tensor(input_tensor, receive=receive):
+            tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+            receive([None if t is None else transform(t) for t in tensors])
+
+        gpt.set_input_tensor = set_input_tensor
+
+
+def fault_shifted_rows(engine) -> None:
+    """FAULT (tests only): each received row holds its predecessor's hidden state: the last stage scores the
+    wrong rows."""
+    _on_received_hidden_states(engine, lambda hidden: torch.roll(hidden, shifts=1, dims=0))
+
+
+def fault_stale_micro_batch(engine) -> None:
+    """FAULT (tests only): a stage computes on the hidden states it received for the previous micro-batch (cut or
+    zero-padded to this one's rows), the error VPP at PP=2 makes without overlap_p2p_comm."""
+    previous = {}
+
+    def stale(hidden):
+        before = previous.get("hidden")
+        previous["hidden"] = hidden.detach()
+        if before is None:
+            return hidden
+        fitted = torch.zeros_like(hidden)
+        rows = min(hidden.shape[0], before.shape[0])
+        fitted[:rows] = before[:rows]
+        return hidden + (fitted - hidden).detach()
+
+    _on_received_hidden_states(engine, stale)
+
+
+# ---------------------------------------------------------------- the cases
+
+CASES = {
+    case.name: case
+    for case in (
+        # 2 processes
+        ParallelCase("pp2", 2, pp=2),
+        ParallelCase("vpp2", 2, pp=2, vpp=2, layers=4),
+        ParallelCase("pp2_bshd", 2, pp=2, padded=True),
+        ParallelCase("ep2", 2, ep=2, moe=True),
+        ParallelCase("pp2_moe_mtp", 2, pp=2, moe=True, mtp=True),
+        ParallelCase("cp2", 2, cp=2),
+        ParallelCase("cp2_seq_mean", 2, cp=2, loss_agg_mode="seq-mean-token-mean"),
+        # 4 processes
+        ParallelCase("pp4", 4, pp=4, layers=4),
+        ParallelCase("pp2_tp2", 4, pp=2, tp=2),
+        ParallelCase("pp2_cp2", 4, pp=2, cp=2),
+        ParallelCase("ep2_tp2", 4, ep=2, tp=2, moe=True),
+        ParallelCase("tp2_cp2", 4, tp=2, cp=2),
+    )
+}
+FAULTS = {
+    # name: (case, fault, faulty sides)
+    "pp2_shifted_rows_everywhere": (CASES["pp2"], fault_shifted_rows, (UNFUSED, HOOK)),
+    "pp2_shifted_rows_in_hook_mode": (CASES["pp2"], fault_shifted_rows, (HOOK,)),
+    "vpp2_stale_micro_batch_everywhere": (CASES["vpp2"], fault_stale_micro_batch, (UNFUSED, HOOK)),
+}
+SHORT_SIDES = {"cp2_seq_mean": (UNFUSED, HOOK_FUSED_LOSS)}
+
+
+def _runs(world: int) -> list[CaseRun]:
+    runs = [CaseRun(case, SHORT_SIDES.get(name, SIDES)) for name, case in CASES.items() if case.world == world]
+    for name, (case, fault, faulty) in FAULTS.items():
+        if case.world == world:
+            runs.append(CaseRun(replace(case, name=name), (UNFUSED, HOOK), fault, faulty))
+    return runs
+
+
+@functools.cache
+def results(world: int) -> dict:
+    """{case or fault name: [per rank {side: result}]} for every case and fault of `world` processes."""
+    per_rank = run_launch(_runs(world))
+    return {name: [rank[name] for rank in per_rank] for name in per_rank[0]}
+
+
+def case_results(name: str) -> list[dict]:
+    world = CASES[name].world if name in CASES else FAULTS[name][0].world
+    return results(world)[name]
+
+
+def side_differences(name: str, side: str) -> list[str]:
+    """Every rank's differences of `side` from verl's unfused path, prefixed by the rank."""
+    return [f"rank {rank}: {d}" for rank, sides in enumerate(case_results(name)) for d in differences(sides[UNFUSED], sides[side])]
+
+
+def reference_differences(name: str) -> list[str]:
+    """Every rank's differences of verl's unfused path from the unsplit model (the rank's parameters only)."""
+    return [
+        f"rank {rank}: {d}"
+        for rank, sides in enumerate(case_results(name))
+        for d in differences(sides[REFERENCE], sides[UNFUSED], gradients_of_got_only=True)
+    ]
