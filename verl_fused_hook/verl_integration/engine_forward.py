@@ -24,6 +24,7 @@ from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
 from .forward_step import HookStep, current_step
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .model_plan import counts_of, plan_of
+from .cp_loss import context_parallel_options
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
 from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
@@ -83,10 +84,12 @@ def _fused_loss_options(step: HookStep, layout: PackedLayout, labels: torch.Tens
     options = dict(
         loss_fn=ppo_loss_of_rows(request.loss_function, request.data, to_nested, request.dp_group),
         loss_name=request.name,
-        host_loss_fn=ppo_loss_on_host(
-            request.loss_function, request.host_data, to_nested, rows_shape, device, request.dp_group
-        ),
         loss_chunk_bytes=request.chunk_bytes,
+    )
+    if request.cp_rank is not None:  # context parallelism: no collective per chunk (cp_loss.py)
+        return {**options, **context_parallel_options(request, to_nested, rows_shape, device)}
+    options["host_loss_fn"] = ppo_loss_on_host(
+        request.loss_function, request.host_data, to_nested, rows_shape, device, request.dp_group
     )
     if request.config is not None:
         options["row_gradients"] = ppo_row_gradients(request.config, request.data, to_nested, rows_shape, device)

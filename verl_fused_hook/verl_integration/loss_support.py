@@ -112,6 +112,7 @@ class FusedLossRequest:
     name: str
     separability: str  # TOKEN or SEQUENCE: whether the op must keep each sequence's rows in one chunk
     chunk_bytes: int | None = None  # output_processor_fused_loss_chunk_gib (None: the op's default)
+    cp_rank: int | None = None  # this rank's context-parallel rank under CP > 1 (cp_loss.py), else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,22 +151,32 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_b
     if kind is None:
         _log_once(f"verl_fused_hook: output_processor_fused_loss: {name}; two-pass path")
         return None
-    if engine.engine_config.context_parallel_size > 1 or getattr(engine.engine_config, "dynamic_context_parallel", False):
-        # verl's unpacking gathers over the CP group: a collective per chunk that ranks with different
-        # numbers of scored rows would not call in step
-        _log_once("verl_fused_hook: output_processor_fused_loss: context parallelism not fused; two-pass path")
+    cp_rank = None
+    if getattr(engine.engine_config, "dynamic_context_parallel", False):
+        _log_once("verl_fused_hook: output_processor_fused_loss: dynamic context parallelism not fused; two-pass path")
         return None
+    if engine.engine_config.context_parallel_size > 1:
+        if kind == SEQUENCE:  # its row gradients need whole sequences, whose rows every CP rank shares
+            _log_once(
+                f"verl_fused_hook: output_processor_fused_loss: {name} is sequence-level, and context parallelism "
+                "splits every sequence over the CP ranks; two-pass path"
+            )
+            return None
+        from megatron.core import parallel_state
+
+        cp_rank = parallel_state.get_context_parallel_rank()  # cp_loss.py: no collective per chunk
     from verl.utils.device import get_device_id
 
     return FusedLossRequest(
         loss_function=loss_function,
         config=config,
         data=batch.to(get_device_id()),
-        host_data=batch.to("cpu"),
+        host_data=batch.to("cpu") if cp_rank is None else None,  # under CP the final evaluation gathers on the device
         dp_group=engine.get_data_parallel_group(),
         name=name,
         separability=kind,
         chunk_bytes=chunk_bytes,
+        cp_rank=cp_rank,
     )
 
 
