@@ -87,6 +87,8 @@ CASES = {
         ParallelCase("pp2_moe_mtp", 2, pp=2, moe=True, mtp=True),
         ParallelCase("cp2", 2, cp=2),
         ParallelCase("cp2_seq_mean", 2, cp=2, loss_agg_mode="seq-mean-token-mean"),
+        ParallelCase("cp2_dppo_tv", 2, cp=2, loss_mode="dppo_tv"),
+        ParallelCase("cp2_gspo", 2, cp=2, loss_mode="gspo"),
         # 4 processes
         ParallelCase("pp4", 4, pp=4, layers=4),
         ParallelCase("pp2_tp2", 4, pp=2, tp=2),
@@ -101,7 +103,7 @@ FAULTS = {
     "pp2_shifted_rows_in_hook_mode": (CASES["pp2"], fault_shifted_rows, (HOOK,)),
     "vpp2_stale_micro_batch_everywhere": (CASES["vpp2"], fault_stale_micro_batch, (UNFUSED, HOOK)),
 }
-SHORT_SIDES = {"cp2_seq_mean": (UNFUSED, HOOK_FUSED_LOSS)}
+SHORT_SIDES = {name: (UNFUSED, HOOK_FUSED_LOSS) for name in ("cp2_seq_mean", "cp2_dppo_tv", "cp2_gspo")}
 
 
 def _runs(world: int) -> list[CaseRun]:

@@ -59,11 +59,11 @@ def test_the_layout_ran(name):
 @pytest.mark.parametrize("name", PIPELINE_CASES)
 def test_fused_loss_ran_inside_the_op_on_the_last_stage(name):
     """ppo_loss inside the op for every micro-batch on the last stage (none elsewhere, where no loss exists);
-    not in the padded layout or under CP (two-pass path, logged)."""
+    under CP as well (verl_integration/cp_loss.py), in the padded layout not (two-pass path, logged)."""
     case, ranks = CASES[name], case_results(name)
     for rank, sides in enumerate(ranks):
         last = bool(sides[HOOK_FUSED_LOSS]["losses"])
-        expected = MICRO_BATCHES if last and not case.padded and case.cp == 1 else 0
+        expected = MICRO_BATCHES if last and not case.padded else 0
         assert sides[HOOK_FUSED_LOSS]["fused_loss_calls"] == expected, (rank, sides[HOOK_FUSED_LOSS]["fused_loss_calls"])
         assert sides[HOOK]["fused_loss_calls"] == 0
 

@@ -51,6 +51,9 @@ MOE_OVERRIDES = {
     "bias_dropout_fusion": False,
 }
 
+# The fused loss in chunks of a few rows (~10 KiB of logits): every micro-batch runs several chunks, and ranks
+# with different numbers of scored rows (pipeline stages, CP halves) run different numbers of them.
+FUSED_LOSS_CHUNK_GIB = 1e-5
 UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS = "unfused", "hook", "hook-no-mask", "hook-fused-loss"
 SIDES = (UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS)
 REFERENCE = "reference"  # verl's unfused path on the case's reference layout
@@ -72,6 +75,7 @@ class ParallelCase:
     mtp: bool = False
     padded: bool = False  # verl's padded (BSHD) layout: use_remove_padding=False
     loss_agg_mode: str = "token-mean"
+    loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode
     overrides: tuple = ()  # more transformer config overrides, as (key, value) pairs
 
     def __post_init__(self):
@@ -116,6 +120,7 @@ def side_options(side: str) -> dict:
         options["output_processor_score_mask"] = False
     if side == HOOK_FUSED_LOSS:
         options["output_processor_fused_loss"] = True
+        options["output_processor_fused_loss_chunk_gib"] = FUSED_LOSS_CHUNK_GIB
     return dict(switch="1", fused=True, options=options)
 
 
@@ -176,6 +181,7 @@ def ppo_loss_function(case: ParallelCase):
         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
         loss_agg_mode=case.loss_agg_mode, rollout_n=SHAPE.n,
     )  # fmt: skip
+    config = replace(config, policy_loss=replace(config.policy_loss, loss_mode=case.loss_mode))
     return functools.partial(ppo_loss, config=config)
 
 
