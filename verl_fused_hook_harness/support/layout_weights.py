@@ -22,8 +22,14 @@ LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 EXPERT = re.compile(r"^(.*\blocal_experts\.)(\d+)(\..*)$")
 
 
-def global_name(name: str, layer_offset: int, expert_offset: int) -> str:
-    """`name` with its decoder layer and local expert indices made global (MTP layers keep theirs)."""
+TIED = "embedding.word_embeddings.weight"
+
+
+def global_name(name: str, layer_offset: int, expert_offset: int, tied: bool = False) -> str:
+    """`name` with its decoder layer and local expert indices made global (MTP layers keep theirs); with tied
+    embeddings the last stage's copy of the embedding (`output_layer.weight`) is the embedding."""
+    if tied and name == "output_layer.weight":
+        return TIED
     if not name.startswith("mtp."):
         match = LAYER.match(name)
         if match:
@@ -56,7 +62,8 @@ def set_layout_independent_weights(model, seed: int, vp_stage: int | None) -> No
     expert_offset = parallel_state.get_expert_model_parallel_rank() * local_experts
     with torch.no_grad():
         for name, param in model.named_parameters():
-            key = f"{seed}/{global_name(name, layer_offset, expert_offset)}/{_shard_rank(name, param)}"
+            tied = model.share_embeddings_and_output_weights
+            key = f"{seed}/{global_name(name, layer_offset, expert_offset, tied)}/{_shard_rank(name, param)}"
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if param.dim() == 1 and name.endswith("weight"):  # norms: near one

@@ -74,6 +74,7 @@ class ParallelCase:
     moe: bool = False
     mtp: bool = False
     padded: bool = False  # verl's padded (BSHD) layout: use_remove_padding=False
+    tied: bool = False  # tie_word_embeddings: the last stage's output layer shares the first stage's embedding
     loss_agg_mode: str = "token-mean"
     loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode
     overrides: tuple = ()  # more transformer config overrides, as (key, value) pairs
@@ -101,6 +102,7 @@ def hf_config_folder(case: ParallelCase) -> str:
     case's number of layers (written once per content to the temporary folder)."""
     config = json.loads(((TINY_QWEN3_MOE if case.moe else TINY_QWEN2) / "config.json").read_text())
     config["num_hidden_layers"] = case.layers
+    config["tie_word_embeddings"] = case.tied
     if case.mtp:
         config["num_nextn_predict_layers"] = 1  # what verl reads to see MTP layers
     text = json.dumps(config, sort_keys=True)
@@ -203,7 +205,7 @@ def gradients(engine) -> dict[str, torch.Tensor]:
 
     from .layout_weights import global_name
 
-    config = engine.tf_config
+    config, tied = engine.tf_config, engine.share_embeddings_and_output_weights
     local_experts = (config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
     expert_offset = parallel_state.get_expert_model_parallel_rank() * local_experts
     grads = {}
@@ -213,7 +215,7 @@ def gradients(engine) -> dict[str, torch.Tensor]:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
-                grads[global_name(name.replace("module.", ""), offset, expert_offset)] = grad.detach().clone()
+                grads[global_name(name.replace("module.", ""), offset, expert_offset, tied)] = grad.detach().clone()
     return grads
 
 
