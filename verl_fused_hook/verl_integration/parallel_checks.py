@@ -11,6 +11,11 @@ as hidden states of the wrong micro-batch with plausible losses.
   batched p2p swaps the tensors themselves, whatever the lengths
   (tests/test_pipeline_p2p.py). verl's
   unfused path breaks the same way: hook mode refuses rather than inherit it.
+- megatron's EP communication overlap (`overlap_moe_expert_parallel_comm=True`)
+  trains through the combined-1F1B schedule, which calls the forward step with
+  `return_schedule_plan=True`; verl 0.9.1's `MegatronEngine.forward_step` takes no
+  such argument, so verl's training step fails there (TypeError), with or without
+  this plugin: verl's own limit, named at start-up instead.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ def unsupported_parallelism(tf_config) -> str | None:
             "call and swaps the activation's and the gradient's shapes (and with batch_p2p_comm the tensors), so "
             "a stage gets another micro-batch's hidden states; drop those overrides from "
             "override_transformer_config, or use pipeline_model_parallel_size > 2"
+        )
+    if getattr(tf_config, "overlap_moe_expert_parallel_comm", False):
+        return (
+            "overlap_moe_expert_parallel_comm=True trains through megatron-core's combined-1F1B schedule, which "
+            "calls the forward step with return_schedule_plan=True; verl's MegatronEngine.forward_step takes no such "
+            "argument, so verl's training step fails there (TypeError) with or without this plugin; set "
+            "overlap_moe_expert_parallel_comm=False in override_transformer_config"
         )
     return None
 
