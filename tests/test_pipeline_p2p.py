@@ -145,3 +145,23 @@ def test_which_layouts_are_refused(settings, refused):
 
     config = SimpleNamespace(**{"variable_seq_lengths": True, "overlap_p2p_comm": True, "batch_p2p_comm": False, **settings})
     assert (unsupported_parallelism(config) is not None) == refused
+
+
+def test_hook_mode_names_verls_limit_with_ep_communication_overlap():
+    """overlap_moe_expert_parallel_comm trains through megatron's combined-1F1B schedule, which calls the forward
+    step with return_schedule_plan=True; verl's forward_step has no such parameter (verl fails at its first
+    training step, TypeError): hook mode says so at start-up."""
+    import inspect
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel import combined_1f1b
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from verl_fused_hook.verl_integration.parallel_checks import unsupported_parallelism
+
+    assert "return_schedule_plan=True" in inspect.getsource(combined_1f1b)
+    assert "return_schedule_plan" not in inspect.signature(MegatronEngineWithLMHead.forward_step).parameters
+    message = unsupported_parallelism(SimpleNamespace(pipeline_model_parallel_size=1, overlap_moe_expert_parallel_comm=True))
+    for words in ("overlap_moe_expert_parallel_comm=True", "return_schedule_plan=True", "verl's MegatronEngine.forward_step",
+                  "overlap_moe_expert_parallel_comm=False in override_transformer_config"):
+        assert words in message
