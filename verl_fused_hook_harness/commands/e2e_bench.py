@@ -188,6 +188,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
+    parser.add_argument("--policy-loss", choices=("vanilla", "gspo", "sft"), default="vanilla",
+                        help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss "
+                        "(an SFT step)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
                         "off vs on (e2e_fused_loss.json/.md)")
@@ -216,6 +219,8 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.policy_loss != "vanilla" and not args.fused_loss:
+        parser.error("--policy-loss: only with --fused-loss")
     if args.fused_loss and (args.mtp or args.layout == "bshd"):
         parser.error("--fused-loss runs on the packed layout without MTP; drop --mtp / --layout bshd")
     if args.fused_loss:
