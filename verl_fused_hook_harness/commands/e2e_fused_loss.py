@@ -35,7 +35,15 @@ from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch
 from ..support.modes import Mode, kernel_backends
 from ..support.reports import gib, ms, write_report
 from ..support.verl_engine import megatron_engine, reset_fused_mode
-from .e2e_setup import Clock, build_model, free_step_memory, header_with_temperature, prepare_process, snapshot_gradients
+from .e2e_setup import (
+    Clock,
+    build_model,
+    free_step_memory,
+    header_with_temperature,
+    prepare_process,
+    snapshot_gradients,
+    spread,
+)
 from .e2e_thd import compare_samples, enable_mode
 
 LOSS_MODES = (
@@ -237,7 +245,7 @@ def markdown_table(report: dict) -> str:
                     f"{parity['grads_max_abs']:.3g} ({parity['grads_rel']:.2g})",
                 ]
             lines.append(
-                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])} | {speed} "
+                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])}{spread(row.get('train_times_s'))} | {speed} "
                 f"| {gib(row['train_peak_bytes'])} | " + " | ".join(cells) + " |"
             )
         floor = size.get("two_pass_rerun")
@@ -275,6 +283,7 @@ def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock:
     row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(
         step.train, args.repeats, functools.partial(free_step_memory, model)
     )
+    row["train_times_s"] = clock.last_times
     row["fused_loss_calls"] = counts_of(model).fused_loss_forwards - calls_before
     return sample
 
