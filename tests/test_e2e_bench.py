@@ -36,11 +36,17 @@ def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
     assert parity["log_probs"] == parity["entropy"] == parity["policy_loss"] == parity["grads_max_abs"] == 0.0
 
 
-def test_without_the_options_the_config_decides(tmp_path):
-    assert run_on_gloo(_bench_worker, 1, tmp_path)[0] == 0
+def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_written(tmp_path):
+    assert run_on_gloo(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {"num_layers": 2, "recompute_granularity": None, "recompute_method": None,
                                "recompute_num_layers": None}
+    for row in report["sizes"][0]["modes"]:  # every repeat kept: the noise is stated, not only the median
+        assert len(row["train_times_s"]) == len(row["forward_times_s"]) == 2
+        text = (tmp_path / "profile" / f"profile_128_{row['mode']}.txt").read_text()
+        assert f"# {row['mode']}: by device time" in text and f"# {row['mode']}: by host time" in text
+        assert "aten::mm" in text  # the profiler's operator table, not an empty file
+    assert " ±" in (tmp_path / "e2e.md").read_text()
 
 
 def test_layers_must_be_positive(capsys):

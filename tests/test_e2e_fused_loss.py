@@ -15,14 +15,14 @@ RTOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bench_worker(rank, world_size, out):
+def _bench_worker(rank, world_size, out, policy_loss="vanilla"):
     """The benchmark in a fresh process."""
     from verl_fused_hook_harness.commands import e2e_bench
 
     return e2e_bench.main([
         "--fused-loss", "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
         "--modes", "hook+ours+mask,hook+ours+fused-loss", "--sizes", "128", "--warmups", "1", "--repeats", "1",
-        "--out", str(out),
+        "--out", str(out), "--policy-loss", policy_loss,
     ])
 
 
@@ -61,3 +61,19 @@ def test_fused_loss_bench_refuses_other_layouts(capsys):
     with pytest.raises(SystemExit):
         e2e_bench.main(["--fused-loss", "--device", "cpu", "--modes", "hook+ours+mask,hook+verl"])
     assert "allowed with --fused-loss: hook+ours+mask, hook+ours+fused-loss, legacy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "sft"])
+def test_fused_loss_bench_runs_gspo_and_sft_steps_on_cpu(tmp_path, policy_loss):
+    from verl_fused_hook_harness.commands.e2e_fused_loss import PARITY_KEY
+
+    assert run_on_gloo(_bench_worker, 1, tmp_path, policy_loss)[0] == 0
+    report = json.loads((tmp_path / "e2e_fused_loss.json").read_text())
+    assert report["actor_config"] == ({"loss": "sft_loss"} if policy_loss == "sft" else report["actor_config"])
+    assert policy_loss == "sft" or report["actor_config"]["loss_mode"] == "gspo"
+    rows = {row["mode"]: row for row in report["sizes"][0]["modes"]}
+    assert rows["hook+ours+fused-loss"]["fused_loss_calls"] == 2 and rows["hook+ours+mask"]["fused_loss_calls"] == 0
+    parity = rows["hook+ours+fused-loss"][PARITY_KEY]
+    assert parity["loss"] == pytest.approx(parity["loss_reference"], rel=RTOL) and parity["loss_reference"] != 0
+    assert parity["grads_rel"] <= RTOL
+    assert (parity["entropy"] is None) == (policy_loss == "sft")

@@ -516,8 +516,9 @@ def test_fused_loss_entry_is_validated():
 # ---------------------------------------------------------------- the bench's loss methods (run on the GPU by the bench)
 
 
-def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu():
-    """fused_loss and verl_loss compute the same loss and gradients; verl's Triton kernel needs CUDA, so
+@pytest.mark.parametrize("mode", ["vanilla", "gspo"])
+def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu(mode):
+    """fused_loss and verl_loss (and their _gspo twins) compute the same loss and gradients; verl's Triton kernel needs CUDA, so
     verl_loss's kernel is stood in for by the portable op here (a fake of verl's kernel, named so)."""
     from verl_fused_hook_harness.commands import bench, bench_loss
 
@@ -528,7 +529,7 @@ def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu():
     n, h, v = 2 * bench_loss.SEQUENCE_TOKENS, 8, 40
     hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
     labels = torch.randint(0, v, (n,), generator=g)
-    fused, verl = bench_loss.fused_loss_method(), bench_loss.verl_loss_method(fake_verl_kernel)
+    fused, verl = bench_loss.fused_loss_method(mode), bench_loss.verl_loss_method(fake_verl_kernel, mode)
     fused_grads = bench._fwd_bwd(fused, hidden, weight, labels, 0.7, None, None)
     verl_grads = bench._fwd_bwd(verl, hidden, weight, labels, 0.7, None, None)
     for got, want in zip(fused_grads, verl_grads):

@@ -81,6 +81,8 @@ def gspo(b: Batch, entropy_coeff=0.01):
     def loss_fn(log_probs, entropy):
         padded = log_probs.reshape(-1)[b.index] * b.mask
         loss, metrics = compute_policy_loss_gspo(b.old_log_prob, padded, b.advantages, b.mask, "seq-mean-token-mean", config)
+        if entropy is None:
+            return loss, metrics
         bonus = (entropy.reshape(-1)[b.index] * b.mask).sum() / b.mask.sum()
         return loss - entropy_coeff * bonus, metrics
 
@@ -138,6 +140,43 @@ def test_gspo_without_row_groups_is_refused():
     b = batch()
     with pytest.raises(NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"):
         fused(b, gspo(b), chunk_rows=480)
+
+
+def test_row_groups_that_split_a_sequence_are_still_refused():
+    """The looser bound with row groups (rounding of per-group sums, GROUP_SEPARABILITY_RTOL) still catches a
+    sequence whose rows fall in two chunks: here every row is its own group, so chunks cut sequences."""
+    b = batch()
+    every_row = torch.arange(b.row_groups.numel()).view(b.row_groups.shape)
+    with pytest.raises(NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"):
+        fused(b, gspo(b), chunk_rows=480, row_groups=every_row)
+
+
+def test_row_groups_allow_the_rounding_of_group_sums_and_no_more():
+    """Row gradients 1e-5 off (the size of two fp32 summation orders over a long sequence) pass with row groups
+    and are refused without; 1e-2 off is refused with them too."""
+    from verl_fused_hook.ops.separability import GROUP_SEPARABILITY_RTOL, SEPARABILITY_RTOL
+
+    b = batch()
+    loss_fn = gspo(b, entropy_coeff=0.0)
+
+    def row_gradients_off_by(relative):
+        def row_gradients(rows, lp, ent):
+            full_lp = torch.zeros(b.labels.numel())
+            full_lp[rows] = lp
+            with torch.enable_grad():
+                probe = full_lp.requires_grad_(True)
+                (g,) = torch.autograd.grad(loss_fn(probe.view(b.labels.shape), None)[0], probe)
+            return g[rows] * (1 + relative), None
+
+        return row_gradients
+
+    assert SEPARABILITY_RTOL < 1e-5 < GROUP_SEPARABILITY_RTOL < 1e-2
+    groups = dict(row_groups=b.row_groups, chunk_rows=480, calculate_entropy=False)
+    fused(b, loss_fn, row_gradients=row_gradients_off_by(1e-5), **groups)
+    with pytest.raises(NonSeparableLossError, match="row_gradients disagree"):
+        fused(b, loss_fn, row_gradients=row_gradients_off_by(1e-2), **groups)
+    with pytest.raises(NonSeparableLossError, match="row_gradients disagree"):
+        fused(b, loss_fn, row_gradients=row_gradients_off_by(1e-5), chunk_rows=1010, calculate_entropy=False)
 
 
 def test_a_group_longer_than_a_chunk_takes_the_two_pass_path(caplog):

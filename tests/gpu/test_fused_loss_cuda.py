@@ -47,7 +47,7 @@ def test_host_evaluation_gives_the_device_evaluation_on_cuda():
     the loss on the GPU, loss and metrics equal within fp32 rounding of CPU against GPU arithmetic."""
     n, h, v = 4 * bench_loss.SEQUENCE_TOKENS, 512, 32000
     hidden, weight, labels = _inputs(n, h, v)
-    loss_fn, row_gradients, host_loss_fn, name = bench_loss.row_loss(n, "cuda")
+    loss_fn, row_gradients, host_loss_fn, name, _ = bench_loss.row_loss(n, "cuda")
     results = []
     for host in (None, host_loss_fn):
         x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -73,7 +73,7 @@ def test_chunk_bytes_splits_the_rows_on_cuda():
     Triton path, the same loss and gradients as one chunk within bf16 rounding (d_weight adds in fp32)."""
     n, h, v = 4 * bench_loss.SEQUENCE_TOKENS, 512, 32000  # stored logits 0.5 GiB, accumulator 62.5 MiB
     hidden, weight, labels = _inputs(n, h, v)
-    loss_fn, row_gradients, host_loss_fn, name = bench_loss.row_loss(n, "cuda")
+    loss_fn, row_gradients, host_loss_fn, name, _ = bench_loss.row_loss(n, "cuda")
     calls, runs = [], []
 
     def counting_row_gradients(rows, lp, ent):

@@ -90,6 +90,7 @@ def test_free_memory_sizes_the_chunk():
         sizes, short_loss, short_dh, short_dw, peak = _run(*inputs)
     finally:
         del hog
+        torch.cuda.empty_cache()  # hand the held memory back: later tests spawn processes on this GPU
     fit = (available - fixed - accumulator) // cost.row_bytes
     print(f"free {available / 2**30:.2f} GiB: chunks {sizes} (fit {fit}), peak {peak / 2**30:.2f} GiB")
     assert len(sizes) >= 2 and max(sizes) <= fit and sum(sizes) == N
@@ -108,6 +109,7 @@ def test_no_row_block_in_free_memory_takes_the_two_pass_path(caplog):
             sizes, short_loss, short_dh, short_dw, _ = _run(*inputs)
     finally:
         del hog
+        torch.cuda.empty_cache()  # hand the held memory back: later tests spawn processes on this GPU
     assert sizes == []  # no chunk: the two-pass path never asks for row gradients
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "too little free GPU memory for a chunk of 128 rows" in messages[0], messages

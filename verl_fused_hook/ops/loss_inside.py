@@ -231,7 +231,8 @@ def log_probs_entropy_and_loss(
         tp_hidden=tp_hidden,
     )
     call = LossCall(
-        loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn
+        loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn,
+        grouped=row_groups is not None,
     )
     # fp32 whatever the caller's autocast says, as log_probs_and_entropy (its backward only scales)
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):

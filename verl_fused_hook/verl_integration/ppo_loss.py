@@ -143,8 +143,10 @@ def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Te
     def sequence_log_ratio(lp, at, read):
         """Each position's sequence mean of (log_prob - old) * mask, summed per padded row as verl sums it;
         exact for the sequences whose rows are all in this chunk (the others are not read)."""
-        terms = torch.zeros_like(old_log_prob)
-        terms[at[read]] = ((lp - old_log_prob.index_select(0, at)) * mask.index_select(0, at))[read]
+        # index_put_ with accumulate: rows verl does not read add an exact 0 at position 0; no boolean
+        # indexing, so no host synchronization per chunk
+        contribution = (lp - old_log_prob.index_select(0, at)) * mask.index_select(0, at) * read
+        terms = torch.zeros_like(old_log_prob).index_put_((at,), contribution, accumulate=True)
         per_sequence = terms.view(response_mask.shape).sum(dim=-1) / sequence_lengths
         return per_sequence.index_select(0, at // response_mask.shape[-1])
 

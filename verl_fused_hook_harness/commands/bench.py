@@ -272,6 +272,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot-only", metavar="JSON", default=None,
                         help="no measuring (no GPU needed): redraw the plot of a finished run's JSON into --out and "
                         "print its tables")
+    parser.add_argument("--leave-free-gib", type=float, default=None, metavar="G",
+                        help="hold all but G GiB of the GPU's free memory in another allocation while measuring "
+                        "(a job short of memory: the fused loss sizes its chunk from what is free)")
     add_verbose_argument(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -279,8 +282,21 @@ def main(argv=None) -> int:
         return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")
+    if args.leave_free_gib is not None and args.leave_free_gib <= 0:
+        parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):
-        return measure(args, argv)
+        held = hold_memory(args.leave_free_gib)
+        return measure(args, argv, held)
+
+
+def hold_memory(leave_free_gib: float | None) -> torch.Tensor | None:
+    """An allocation of everything free on the GPU but `leave_free_gib` GiB (None: nothing held)."""
+    if leave_free_gib is None:
+        return None
+    free = torch.cuda.mem_get_info()[0]
+    hold = max(0, free - int(leave_free_gib * GIB))
+    print(f"# holding {hold / GIB:.1f} GiB of {free / GIB:.1f} GiB free; {leave_free_gib:g} GiB left", flush=True)
+    return torch.empty(hold, dtype=torch.uint8, device="cuda")
 
 
 def redraw(json_path: Path, out: Path) -> int:
@@ -294,8 +310,9 @@ def redraw(json_path: Path, out: Path) -> int:
     return 0
 
 
-def measure(args, argv: list[str]) -> int:
-    """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables."""
+def measure(args, argv: list[str], held: torch.Tensor | None = None) -> int:
+    """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables
+    (`held`: memory another allocation holds meanwhile, recorded)."""
     names = [m for m in args.methods.split(",") if m]
     unknown = set(names) - set(ALL_METHODS)
     if unknown:
@@ -308,6 +325,7 @@ def measure(args, argv: list[str]) -> int:
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
         "methods": (["floor"] if args.floor else []) + list(methods),
+        "held_gib": None if held is None else held.numel() / GIB,
         "shapes": [],
     }
     if args.accuracy_shape:

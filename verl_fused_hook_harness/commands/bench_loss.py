@@ -4,7 +4,9 @@ fused_loss: `log_probs_entropy_and_loss` with verl's ppo_loss inside the op (log
 verl_loss: verl's Triton kernel for log-probs and entropy, then verl's ppo_loss on them (verl's path).
 Both run the same loss on the same synthetic actor-update batch: sequences of SEQUENCE_TOKENS tokens
 (one prompt token, the rest response), GRPO-like settings (vanilla clipped loss, token-mean over the
-batch's tokens, entropy bonus, low-variance KL to reference log-probs). Needs `import verl`.
+batch's tokens, entropy bonus, low-variance KL to reference log-probs). fused_loss_gspo and verl_loss_gspo
+run GSPO instead (`policy_loss.loss_mode=gspo`, seq-mean-token-mean, the paper's clip range): a sequence-level
+loss, fused in chunks of whole sequences (`row_groups`). Needs `import verl`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,23 @@ import torch
 
 from verl_fused_hook.ops import log_probs_entropy_and_loss
 from verl_fused_hook.verl_integration.loss_support import ppo_loss_name
-from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
 SEQUENCE_TOKENS = 2048
 
 
-def _loss_config():
+LOSS_MODES = {  # policy loss mode: ActorConfig fields
+    "vanilla": dict(loss_agg_mode="token-mean"),
+    "gspo": dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+}
+
+
+def _loss_config(mode: str):
+    import dataclasses
+
     from verl.workers.config import ActorConfig  # verl loads only when a loss method runs (`import verl` starts ray)
 
-    return ActorConfig(
+    config = ActorConfig(
         strategy="megatron",
         ppo_mini_batch_size=1,
         ppo_micro_batch_size_per_gpu=1,
@@ -33,14 +43,15 @@ def _loss_config():
         use_kl_loss=True,
         kl_loss_type="low_var_kl",
         kl_loss_coef=0.001,
-        loss_agg_mode="token-mean",
+        **LOSS_MODES[mode],
     )
+    return dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=mode))
 
 
 @functools.cache
-def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
-    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its host twin, its name) for a synthetic
-    batch of N tokens on `device`, as hook mode builds them."""
+def row_loss(n: int, device: str, mode: str = "vanilla") -> tuple[Callable, Callable, Callable, str, torch.Tensor]:
+    """(loss_fn over N rows -> (loss, metrics), its row_gradients, its host twin, its name, each row's sequence)
+    for a synthetic batch of N tokens on `device` and policy loss `mode`, as hook mode builds them."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
@@ -64,7 +75,7 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
         non_tensor_dict={"dp_size": 1, "batch_num_tokens": sequences * response, "global_batch_size": sequences},
     )
     offsets = torch.arange(sequences + 1, device=device) * length
-    config = _loss_config()
+    config = _loss_config(mode)
     to_nested = functools.partial(torch.nested.nested_tensor_from_jagged, offsets=offsets)
     loss_function = functools.partial(ppo_loss, config=config)
     return (
@@ -72,6 +83,7 @@ def row_loss(n: int, device: str) -> tuple[Callable, Callable, Callable, str]:
         ppo_row_gradients(config, data, to_nested, torch.Size([n]), device),
         ppo_loss_on_host(loss_function, data.to("cpu"), to_nested, torch.Size([n]), device),
         ppo_loss_name(config),
+        row_groups(to_nested, torch.Size([n]), device),
     )
 
 
@@ -80,34 +92,37 @@ def _as_loss_method(fn):
     return fn
 
 
-def fused_loss_method():
+def fused_loss_method(mode: str = "vanilla"):
     def fn(h, w, labels, temperature, score_mask=None):
-        loss_fn, row_gradients, host_loss_fn, name = row_loss(h.shape[0], str(h.device))
+        loss_fn, row_gradients, host_loss_fn, name, groups = row_loss(h.shape[0], str(h.device), mode)
         result = log_probs_entropy_and_loss(
             h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
             row_gradients=row_gradients, host_loss_fn=host_loss_fn,  # chunk_rows: the op's default, as hook mode
+            row_groups=groups if mode == "gspo" else None,
         )
         return result.loss
 
+    fn.loss_mode = mode
     return _as_loss_method(fn)
 
 
-def verl_loss_method(verl_kernel: Callable | None):
+def verl_loss_method(verl_kernel: Callable | None, mode: str = "vanilla"):
     """verl's kernel (bench's `verl` method: (log_probs, entropy)) followed by verl's ppo_loss; None without it."""
     if verl_kernel is None:
         return None
 
     def fn(h, w, labels, temperature, score_mask=None):
-        loss_fn = row_loss(h.shape[0], str(h.device))[0]
+        loss_fn = row_loss(h.shape[0], str(h.device), mode)[0]
         log_probs, entropy = verl_kernel(h, w, labels, temperature, score_mask)
         return loss_fn(log_probs, entropy)[0]
 
+    fn.loss_mode = mode
     return _as_loss_method(fn)
 
 
 def loss_accuracy(fn, hidden, weight, labels, temperature) -> dict:
     """Relative error of a loss method's loss and both gradients against fp64 logits and the same loss."""
-    loss_fn = row_loss(hidden.shape[0], str(hidden.device))[0]
+    loss_fn = row_loss(hidden.shape[0], str(hidden.device), fn.loss_mode)[0]
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
     lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)

@@ -17,7 +17,9 @@ from verl_fused_hook.ops import log_probs_and_entropy
 from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
 from . import bench_loss
 
-ALL_METHODS = ("floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss")
+ALL_METHODS = (
+    "floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss", "fused_loss_gspo", "verl_loss_gspo",
+)  # fmt: skip
 
 
 def ours(backend: str):
@@ -81,6 +83,8 @@ def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
         "cce": cut_cross_entropy,
         "fused_loss": bench_loss.fused_loss_method,
         "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
+        "fused_loss_gspo": lambda: bench_loss.fused_loss_method("gspo"),
+        "verl_loss_gspo": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
     }
     methods = {}
     for name in names:

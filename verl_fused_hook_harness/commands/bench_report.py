@@ -22,7 +22,7 @@ def markdown(results: dict) -> str:
     names = [m for m in results["methods"] if m != "floor"]
     lines = [
         "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients"
-        " (fused_loss, verl_loss: the output layer plus verl's ppo_loss):",
+        " (fused_loss*, verl_loss*: the output layer plus verl's ppo_loss, vanilla or _gspo):",
         "",
         "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
@@ -35,10 +35,12 @@ def markdown(results: dict) -> str:
             mem = r.get("extra_gib")
             cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
-    if {"fused_loss", "verl_loss"} <= set(names):
-        lines += ["", "fused_loss speed-up over verl_loss (verl's kernel + its ppo_loss):", ""]
+    for fused_name, verl_name in (("fused_loss", "verl_loss"), ("fused_loss_gspo", "verl_loss_gspo")):
+        if not {fused_name, verl_name} <= set(names):
+            continue
+        lines += ["", f"{fused_name} speed-up over {verl_name} (verl's kernel + its ppo_loss):", ""]
         for row in results["shapes"]:
-            fused, verl = row.get("fused_loss", {}).get("fwd_bwd_ms"), row.get("verl_loss", {}).get("fwd_bwd_ms")
+            fused, verl = row.get(fused_name, {}).get("fwd_bwd_ms"), row.get(verl_name, {}).get("fwd_bwd_ms")
             if isinstance(fused, float) and isinstance(verl, float):
                 lines.append(f"- {row['N']}, {row['H']}, {row['V']}: {verl / fused:.2f}x")
     lines += ["", "Forward without gradient (ratio to one GEMM):", "",

@@ -154,6 +154,7 @@ def measure_mode(step, row, entry, repeatable, clock, args, reference_name, pari
         step.train()
     prepare = functools.partial(free_step_memory, model)
     row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(step.train, args.repeats, prepare)
+    row["train_times_s"] = clock.last_times
     free_step_memory(model)
 
     def forward_no_grad():
@@ -164,7 +165,31 @@ def measure_mode(step, row, entry, repeatable, clock, args, reference_name, pari
     row["forward_s"], row["forward_peak_bytes"], row["forward_peak_abs_bytes"] = clock.measure(
         forward_no_grad, args.repeats
     )
+    row["forward_times_s"] = clock.last_times
+    if args.profile is not None:
+        profile_step(step, args.profile / f"profile_{entry['tokens']}_{step.mode.name}.txt")
     return sample
+
+
+def profile_step(step, path: Path) -> None:
+    """One forward+backward of `step` under torch's profiler: the operators by device time and by host time,
+    written to `path` (why one mode's step takes longer than another's with the same kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    free_step_memory(step.model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step.train()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    device_sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"# {step.mode.name}: by device time\n{averages.table(sort_by=device_sort, row_limit=40)}\n"
+        f"# {step.mode.name}: by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
+    )
+    free_step_memory(step.model)
 
 
 def main(argv=None) -> int:
@@ -185,9 +210,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-init", action=argparse.BooleanOptionalAction, default=None,
                         help="initialize weights on the CPU (default: on the CPU only when running there)")
     parser.add_argument("--out", type=Path, default=None, help="folder for e2e.json and e2e.md (rewritten after every size)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="also profile one forward+backward per size and mode (torch.profiler): DIR/profile_*.txt")
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
+    parser.add_argument("--policy-loss", choices=("vanilla", "gspo", "sft"), default="vanilla",
+                        help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss "
+                        "(an SFT step)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
                         "off vs on (e2e_fused_loss.json/.md)")
@@ -216,6 +246,8 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.policy_loss != "vanilla" and not args.fused_loss:
+        parser.error("--policy-loss: only with --fused-loss")
     if args.fused_loss and (args.mtp or args.layout == "bshd"):
         parser.error("--fused-loss runs on the packed layout without MTP; drop --mtp / --layout bshd")
     if args.fused_loss:

@@ -35,7 +35,15 @@ from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch
 from ..support.modes import Mode, kernel_backends
 from ..support.reports import gib, ms, write_report
 from ..support.verl_engine import megatron_engine, reset_fused_mode
-from .e2e_setup import Clock, build_model, free_step_memory, header_with_temperature, prepare_process, snapshot_gradients
+from .e2e_setup import (
+    Clock,
+    build_model,
+    free_step_memory,
+    header_with_temperature,
+    prepare_process,
+    snapshot_gradients,
+    spread,
+)
 from .e2e_thd import compare_samples, enable_mode
 
 LOSS_MODES = (
@@ -52,19 +60,41 @@ OLD_LOG_PROB_NOISE = 0.15  # ratios outside the 0.2 clip range on about a fifth 
 REF_LOG_PROB_NOISE = 0.1
 
 
-def grpo_actor_config():
-    """verl's ActorConfig for a GRPO-like update; refused at start-up if the fused loss would not take it."""
+POLICY_LOSSES = ("vanilla", "gspo", "sft")
+# GSPO as its paper trains it: sequence-level ratio, seq-mean-token-mean, a clip range of 3e-4 / 4e-4.
+GSPO_FIELDS = dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+
+
+def grpo_actor_config(policy_loss: str = "vanilla"):
+    """verl's ActorConfig for a GRPO-like update (vanilla clipped loss or GSPO); refused at start-up if the fused
+    loss would not take it."""
     from verl.workers.config import ActorConfig  # verl loads on first use (`import verl` starts ray)
 
     base = ActorConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
-    config = dataclasses.replace(
-        base, loss_agg_mode="token-mean", entropy_coeff=ENTROPY_COEFF, use_kl_loss=True, kl_loss_type="low_var_kl",
-        kl_loss_coef=KL_LOSS_COEF,
-    )
+    fields = dict(loss_agg_mode="token-mean", entropy_coeff=ENTROPY_COEFF, use_kl_loss=True, kl_loss_type="low_var_kl",
+                  kl_loss_coef=KL_LOSS_COEF)
+    config = dataclasses.replace(base, **(fields | (GSPO_FIELDS if policy_loss == "gspo" else {})))
+    config = dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=policy_loss))
     reason = unsupported_reason(config)
     if reason is not None:
         raise RuntimeError(f"the benchmark's ActorConfig would not be fused: {reason}")
     return config
+
+
+def loss_function_and_fields(policy_loss: str):
+    """verl's loss function for the benchmark's `--policy-loss`, and the config fields the report records."""
+    import verl.workers.utils.losses as verl_losses
+
+    if policy_loss == "sft":
+        return functools.partial(verl_losses.sft_loss, config=None), {"loss": "sft_loss"}
+    config = grpo_actor_config(policy_loss)
+    fields = dict(
+        loss_mode=policy_loss, loss_agg_mode=config.loss_agg_mode, clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+        entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
+        kl_loss_coef=config.kl_loss_coef,
+    )
+    return functools.partial(verl_losses.ppo_loss, config=config), fields
 
 
 def loss_engine(model, mode: Mode, backend: str | None, hf_path: str):
@@ -83,9 +113,10 @@ def enable_loss_mode(model, engine, mode: Mode) -> str:
 # ---------------------------------------------------------------- the actor batch
 
 
-def actor_batch(rollout, sampled_log_probs: torch.Tensor, seed: int):
+def actor_batch(rollout, sampled_log_probs: torch.Tensor, seed: int, sft: bool = False):
     """The actor update's micro-batch: forward_step's fields plus what ppo_loss reads (padded [batch, response]
-    inputs cut back to each response's length) and verl's global-batch info for one data-parallel rank."""
+    inputs cut back to each response's length) and verl's global-batch info for one data-parallel rank; for
+    sft_loss the same batch without entropy (its loss mask covers the responses)."""
     input_ids, data, advantages, _, _ = rollout
     response_lens = data["responses"].offsets().diff().tolist()
     width = sampled_log_probs.shape[1]
@@ -105,6 +136,7 @@ def actor_batch(rollout, sampled_log_probs: torch.Tensor, seed: int):
     return forward_step_batch(
         input_ids, data["prompts"], data["responses"], TEMPERATURE, extra_fields=ppo_fields,
         dp_size=1, batch_num_tokens=sum(response_lens), global_batch_size=len(response_lens), num_micro_batch=1,
+        calculate_entropy=not sft,
     )
 
 
@@ -155,9 +187,10 @@ def metric_values(metrics: dict) -> dict[str, float]:
 
 def loss_snapshot(step: LossStep, report: dict) -> dict:
     outputs = report["model_output"]
+    entropy = outputs.get("entropy")  # sft_loss: not computed
     return {
         "log_probs": outputs["log_probs"].values()[step.read_rows].detach().float(),
-        "entropy": outputs["entropy"].values()[step.read_rows].detach().float(),
+        "entropy": None if entropy is None else entropy.values()[step.read_rows].detach().float(),
         "policy_loss": torch.tensor([report["loss"]], dtype=torch.float64),
         "metrics": metric_values(report["metrics"]),
         "grads": snapshot_gradients(step.model),
@@ -176,8 +209,8 @@ def compare_loss(reference: dict, other: dict) -> dict:
         key: {"reference": value, "value": other["metrics"][key], "rel": relative_scalar(value, other["metrics"][key])}
         for key, value in reference["metrics"].items()
     }
-    worst = max(rows["metrics"], key=lambda key: rows["metrics"][key]["rel"])
-    rows["metrics_rel"], rows["worst_metric"] = rows["metrics"][worst]["rel"], worst
+    worst = max(rows["metrics"], key=lambda key: rows["metrics"][key]["rel"], default=None)  # sft_loss: no metrics
+    rows["metrics_rel"], rows["worst_metric"] = (0.0, None) if worst is None else (rows["metrics"][worst]["rel"], worst)
     return rows
 
 
@@ -212,7 +245,7 @@ def markdown_table(report: dict) -> str:
                     f"{parity['grads_max_abs']:.3g} ({parity['grads_rel']:.2g})",
                 ]
             lines.append(
-                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])} | {speed} "
+                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])}{spread(row.get('train_times_s'))} | {speed} "
                 f"| {gib(row['train_peak_bytes'])} | " + " | ".join(cells) + " |"
             )
         floor = size.get("two_pass_rerun")
@@ -250,19 +283,17 @@ def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock:
     row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(
         step.train, args.repeats, functools.partial(free_step_memory, model)
     )
+    row["train_times_s"] = clock.last_times
     row["fused_loss_calls"] = counts_of(model).fused_loss_forwards - calls_before
     return sample
 
 
 def run_fused_loss(args) -> dict:
     """Per size: the actor batch (old/ref log-probs from a forward-only step), then every chosen mode."""
-    import verl.workers.utils.losses as verl_losses
-
     device = args.device
     kernels = kernel_backends(device)
     hf_config = prepare_process(args)
-    config = grpo_actor_config()
-    loss_function = functools.partial(verl_losses.ppo_loss, config=config)
+    loss_function, actor_config = loss_function_and_fields(args.policy_loss)
     model = build_model(args, hf_config)
     modes = [mode for mode in LOSS_MODES if mode.name in args.modes]
     engines = {
@@ -271,11 +302,6 @@ def run_fused_loss(args) -> dict:
     by_name = {mode.name: mode for mode in modes}
     clock = Clock(device)
     repeatable = functools.partial(deterministic_steps, model) if device == "cuda" else contextlib.nullcontext
-    actor_config = dict(
-        loss_mode="vanilla", loss_agg_mode=config.loss_agg_mode, clip_ratio=config.clip_ratio,
-        entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
-        kl_loss_coef=config.kl_loss_coef,
-    )
     report = header_with_temperature(args, model, actor_config=actor_config) | {"kernels": kernels, "sizes": []}
     for tokens in args.sizes:
         rollout = e2e_rollout(hf_config.vocab_size, tokens, device, args.seed)
@@ -285,7 +311,7 @@ def run_fused_loss(args) -> dict:
         input_ids, data = rollout[0], rollout[1]
         forward_data = forward_step_batch(input_ids, data["prompts"], data["responses"], TEMPERATURE)
         sampled = sample_log_probs(engines[TWO_PASS], model, forward_data)
-        data = actor_batch(rollout, sampled, args.seed)
+        data = actor_batch(rollout, sampled, args.seed, sft=args.policy_loss == "sft")
         del forward_data, sampled
         reference = None
         for mode in modes:

@@ -82,8 +82,11 @@ def header_with_temperature(args, model, **fields) -> dict:
 
 
 class Clock:
+    """Times and peaks of repeated steps; `last_times` keeps the last measurement's every repeat (the noise)."""
+
     def __init__(self, device: str):
         self.device = device
+        self.last_times: list[float] = []
 
     def sync(self):
         if self.device == "cuda":
@@ -115,7 +118,15 @@ class Clock:
                     fn()
                 times.append(time.perf_counter() - started)
                 peaks.append(tracker.peak)
+        self.last_times = times
         return statistics.median(times), max(peaks), max(absolute)
+
+
+def spread(times: list[float] | None) -> str:
+    """' ±x%': half the range of the repeats over their median ('' with fewer than two)."""
+    if not times or len(times) < 2:
+        return ""
+    return f" ±{50 * (max(times) - min(times)) / statistics.median(times):.0f}%"
 
 
 def free_step_memory(model) -> None:

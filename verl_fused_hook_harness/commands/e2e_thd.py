@@ -18,7 +18,7 @@ from ..support.micro_batches import TEMPERATURE, grpo_loss, response_rows, respo
 from ..support.modes import Mode
 from ..support.reports import gib, ms
 from ..support.verl_engine import build_step, fused_engine_forward
-from .e2e_setup import snapshot_gradients
+from .e2e_setup import snapshot_gradients, spread
 
 MODES = (
     Mode("legacy", hook=False, kernel="verl"),
@@ -89,7 +89,7 @@ def snapshot(step: Step, output, loss) -> dict:
 
 def compare_samples(reference: dict, other: dict) -> dict:
     """max_abs of log-probs/entropy (rows the loss reads) and loss; worst gradient max_abs and relative error."""
-    rows = {key: max_abs(reference[key], other[key]) for key in VALUES}
+    rows = {key: None if reference[key] is None else max_abs(reference[key], other[key]) for key in VALUES}  # no entropy: sft
     differ = differing_parameters(reference["grads"], other["grads"])
     if differ:
         raise RuntimeError(f"gradient sets differ: {differ}")
@@ -132,8 +132,9 @@ def markdown_table(report: dict) -> str:
                     f"{parity['grads_max_abs']:.3g} ({parity['grads_rel']:.2g})",
                 ]
             lines.append(
-                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])} | {gib(row['train_peak_bytes'])} "
-                f"| {ms(row['forward_s'])} | {gib(row['forward_peak_bytes'])} | " + " | ".join(cells) + " |"
+                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])}{spread(row.get('train_times_s'))} "
+                f"| {gib(row['train_peak_bytes'])} | {ms(row['forward_s'])}{spread(row.get('forward_times_s'))} "
+                f"| {gib(row['forward_peak_bytes'])} | " + " | ".join(cells) + " |"
             )
         floor = size.get("legacy_rerun")
         if floor is not None:

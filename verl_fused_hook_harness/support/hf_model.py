@@ -120,3 +120,14 @@ def build_gpt_from_hf(
         share_embeddings_and_output_weights=share,
         mtp_block_spec=mtp_spec,
     )
+
+
+def word_level_tokenizer(vocab_size: int, pad_token_id: int = 0):
+    """A real transformers tokenizer over ids 0..vocab_size-1 (no files needed)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=f"t{pad_token_id}"))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=f"t{pad_token_id}", unk_token=f"t{pad_token_id}")

@@ -20,7 +20,7 @@ import torch
 
 from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
 from .grpo_batches import PAD_TOKEN_ID
-from .verl_engine import word_level_tokenizer
+from .hf_model import word_level_tokenizer
 
 # The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
 TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}

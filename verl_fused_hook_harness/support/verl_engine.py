@@ -20,7 +20,7 @@ from verl_fused_hook.switch import ENV_VAR
 from verl_fused_hook.verl_integration import install
 from verl_fused_hook.verl_integration.model_plan import VERL_MODE_ATTRIBUTE, set_plan
 
-from .hf_model import TINY_QWEN2
+from .hf_model import TINY_QWEN2, word_level_tokenizer
 
 UNFUSED = "unfused"  # what `build_step` reports when verl's build step turned fused kernels off
 
@@ -33,17 +33,6 @@ def prepare_verl_process(rank: int = 0) -> None:
     if rank != 0:
         logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)  # one log line per engine, not per rank
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401
-
-
-def word_level_tokenizer(vocab_size: int, pad_token_id: int = 0):
-    """A real transformers tokenizer over ids 0..vocab_size-1 (no files needed)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token=f"t{pad_token_id}"))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=f"t{pad_token_id}", unk_token=f"t{pad_token_id}")
 
 
 def megatron_engine(
