@@ -84,9 +84,9 @@ CASES = {
         ParallelCase("vpp2", 2, pp=2, vpp=2, layers=4),
         ParallelCase("pp2_bshd", 2, pp=2, padded=True),
         ParallelCase("pp2_tied", 2, pp=2, tied=True),
-        ParallelCase("ep2", 2, ep=2, moe=True),
-        ParallelCase("pp2_moe_mtp", 2, pp=2, moe=True, mtp=True),
-        ParallelCase("vpp2_moe_mtp", 2, pp=2, vpp=2, layers=4, moe=True, mtp=True),
+        ParallelCase("ep2", 2, ep=2, experts=8),
+        ParallelCase("pp2_moe_mtp", 2, pp=2, experts=8, mtp=True),
+        ParallelCase("vpp2_moe_mtp", 2, pp=2, vpp=2, layers=4, experts=8, mtp=True),
         ParallelCase("cp2", 2, cp=2),
         ParallelCase("cp2_seq_mean", 2, cp=2, loss_agg_mode="seq-mean-token-mean"),
         ParallelCase("cp2_dppo_tv", 2, cp=2, loss_mode="dppo_tv"),
@@ -96,8 +96,8 @@ CASES = {
         ParallelCase("pp2_tp2", 4, pp=2, tp=2),
         ParallelCase("vpp2_tp2", 4, pp=2, vpp=2, tp=2, layers=4),
         ParallelCase("pp2_cp2", 4, pp=2, cp=2),
-        ParallelCase("ep2_tp2", 4, ep=2, tp=2, moe=True),
-        ParallelCase("pp2_ep2", 4, pp=2, ep=2, moe=True),
+        ParallelCase("ep2_tp2", 4, ep=2, tp=2, experts=8),
+        ParallelCase("pp2_ep2", 4, pp=2, ep=2, experts=8),
         ParallelCase("tp2_cp2", 4, tp=2, cp=2),
     )
 }

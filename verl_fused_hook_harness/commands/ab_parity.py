@@ -36,9 +36,14 @@ unfused tolerance (ab_bshd.py).
 
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
                                   [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N] [--verbose]
+                                  [--pp N] [--vpp N] [--ep N] [--moe-experts N]
 
 Upstream warnings and log lines (megatron-core, verl, torch) are counted, not printed, and summarised in one
 line at the end; `--verbose` prints them, and a line per scenario and mode.
+
+`--pp N`, `--vpp N`, `--ep N`, `--moe-experts N` (any of them) run the pipeline/expert comparison instead
+(ab_parallel.py): verl's train_batch through megatron's schedule, legacy vs hook vs verl's unfused path vs the
+same model without the split, in fp32; with `--tp` as well. On the CPU TP x PP x EP gloo processes.
 
 `--mtp-layers N` runs the MTP scenario instead (ab_parity_mtp.py, packed layout): models with N MTP
 layers, hook mode's fused MTP loss against verl's own MTP path (fused kernels off), within the unfused tolerance.
@@ -62,7 +67,7 @@ from ..support.hf_model import TINY_QWEN2, config_folder
 from ..support.reports import write_json
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ..support.verl_engine import prepare_verl_process
-from . import ab_bshd, ab_thd
+from . import ab_bshd, ab_parallel, ab_thd
 from .ab_parity_mtp import run_mtp_parity
 from .ab_scenarios import (
     DTYPES,
@@ -126,6 +131,12 @@ def main(argv=None) -> int:
         "hook vs verl as it ships there (fused kernels off: its unfused forward)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: verl's train_batch through "
+                        "megatron's schedule, legacy vs hook vs verl's unfused path vs the unsplit model (ab_parallel.py)")
+    parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline stage (interleaved schedule)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (data-parallel ranks = EP)")
+    parser.add_argument("--moe-experts", type=int, default=0, metavar="N",
+                        help="an MoE model with N experts, top-2 (default config: the shipped tiny Qwen3-MoE)")
     parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                         help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
                              "(ab_parity_mtp.py); 0 (default): the legacy/hook comparison")
@@ -176,12 +187,25 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if too_big:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
+    if ab_parallel.parallel_flags_given(args):
+        return run_parallel(parser, args, device, backend, hf_path if args.hf_config else None)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout,
                   verbose=args.verbose)
     if args.mtp_layers:
         return run_mtp_parity(scenarios, setup, args.mtp_layers, rtol, args.json)
     return run_parity(scenarios, setup, world_size, rtol, args.json)
+
+
+def run_parallel(parser, args, device: str, backend: str, hf_path: str | None) -> int:
+    """The --pp/--vpp/--ep/--moe-experts comparison (fp32, one process or GPU a rank)."""
+    ab_parallel.check_parallel_args(parser, args, hf_path)
+    if args.dtype not in (None, "fp32"):
+        parser.error("--pp/--vpp/--ep/--moe-experts run in fp32")
+    case = ab_parallel.parallel_case(args, hf_path, backend)
+    if device == "cuda" and case.world > torch.cuda.device_count():
+        parser.error(f"{case.name}: needs {case.world} GPUs, {torch.cuda.device_count()} here")
+    return ab_parallel.run_parallel_parity(case, device, device == "cpu" or backend == "verl", args.json)
 
 
 def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path: str | None) -> int:

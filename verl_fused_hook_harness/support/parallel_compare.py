@@ -67,3 +67,28 @@ def differences(want: dict, got: dict, *, rtol: float = RTOL, gradients_of_got_o
         if error > rtol:
             found.append(f"gradient of {name}: relative error {error:.3g}")
     return found
+
+
+def worst_errors(want: dict, got: dict, *, gradients_of_got_only: bool = False) -> dict[str, float]:
+    """The largest relative error per quantity between two results on one rank (what the reports print):
+    losses, metrics, log_probs, entropy, grads; 0.0 where `got` holds none (a non-last pipeline stage)."""
+    worst = {"losses": 0.0, "metrics": 0.0, "log_probs": 0.0, "entropy": 0.0, "grads": 0.0}
+
+    def scalar(w: float, g: float) -> float:
+        return abs(g - w) / max(abs(w), ABS_FLOOR)
+
+    if got["losses"]:
+        worst["losses"] = max(scalar(w, g) for w, g in zip(want["losses"], got["losses"]))
+    for key in set(got["metrics"]) & set(want["metrics"]):
+        pairs = zip(_flatten(want["metrics"][key]), _flatten(got["metrics"][key]))
+        worst["metrics"] = max([worst["metrics"], *(scalar(w, g) for w, g in pairs)])
+    for key in ("log_probs", "entropy"):
+        if key in got:
+            worst[key] = _tensor_error(want[key], got[key])
+    names = set(got["grads"]) if gradients_of_got_only else set(got["grads"]) | set(want["grads"])
+    for name in names:
+        if name not in want["grads"] or name not in got["grads"]:
+            worst["grads"] = float("inf")
+        else:
+            worst["grads"] = max(worst["grads"], _tensor_error(want["grads"][name], got["grads"][name]))
+    return worst

@@ -19,6 +19,7 @@ worker processes only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -33,7 +34,7 @@ import torch
 from verl_fused_hook.switch import ENV_VAR
 
 from .grpo_batches import RolloutShape, packed, rollout
-from .hf_model import CONFIGS, TINY_QWEN2
+from .hf_model import CONFIGS, TINY_QWEN2, config_folder
 
 TINY_QWEN3_MOE = CONFIGS / "tiny_qwen3_moe"
 SEED = 1234
@@ -55,6 +56,7 @@ MOE_OVERRIDES = {
 # with different numbers of scored rows (pipeline stages, CP halves) run different numbers of them.
 FUSED_LOSS_CHUNK_GIB = 1e-5
 UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS = "unfused", "hook", "hook-no-mask", "hook-fused-loss"
+LEGACY = "legacy"  # verl's legacy fused forward (VERL_FUSED_USE_OP_HOOK=0; on the CPU with the portable kernel)
 SIDES = (UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS)
 REFERENCE = "reference"  # verl's unfused path on the case's reference layout
 
@@ -70,18 +72,24 @@ class ParallelCase:
     vpp: int | None = None
     cp: int = 1
     ep: int = 1
-    layers: int = 2
-    moe: bool = False
+    layers: int | None = 2  # None: the config's own
+    experts: int = 0  # MoE: the number of experts (top-2; the tiny Qwen3-MoE config unless hf_path), 0: dense
     mtp: bool = False
     padded: bool = False  # verl's padded (BSHD) layout: use_remove_padding=False
     tied: bool = False  # tie_word_embeddings: the last stage's output layer shares the first stage's embedding
     loss_agg_mode: str = "token-mean"
     loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode
+    backend: str = "auto"  # the hook sides' output_processor_backend
+    hf_path: str | None = None  # the model's HF config (default: the tiny Qwen2, or the tiny Qwen3-MoE with experts)
     overrides: tuple = ()  # more transformer config overrides, as (key, value) pairs
 
     def __post_init__(self):
         if self.world % (self.tp * self.cp * self.pp) or (self.world // self.pp) % (self.ep * self.tp):
             raise ValueError(f"ParallelCase {self.name}: world {self.world} does not fit tp x cp x pp x ep")
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def dp(self) -> int:
@@ -98,10 +106,15 @@ class ParallelCase:
 
 
 def hf_config_folder(case: ParallelCase) -> str:
-    """A Hugging Face config folder for the case's model: the tiny Qwen2 (dense) or Qwen3-MoE config with the
-    case's number of layers (written once per content to the temporary folder)."""
-    config = json.loads(((TINY_QWEN3_MOE if case.moe else TINY_QWEN2) / "config.json").read_text())
-    config["num_hidden_layers"] = case.layers
+    """A Hugging Face config folder for the case's model: its config (default the tiny Qwen2, or the tiny
+    Qwen3-MoE with experts) with the case's layers, experts and tied embeddings (written once per content to the
+    temporary folder)."""
+    base = Path(config_folder(case.hf_path or (TINY_QWEN3_MOE if case.moe else TINY_QWEN2)))
+    config = json.loads((base / "config.json").read_text())
+    if case.layers is not None:
+        config["num_hidden_layers"] = case.layers
+    if case.experts:
+        config["num_experts"], config["num_experts_per_tok"] = case.experts, min(2, case.experts)
     config["tie_word_embeddings"] = case.tied
     if case.mtp:
         config["num_nextn_predict_layers"] = 1  # what verl reads to see MTP layers
@@ -113,11 +126,13 @@ def hf_config_folder(case: ParallelCase) -> str:
     return str(folder)
 
 
-def side_options(side: str) -> dict:
+def side_options(side: str, backend: str = "auto") -> dict:
     """(environment switch, use_fused_kernels, fused_kernel_options) of one side."""
     if side == UNFUSED:
         return dict(switch=None, fused=False, options={})
-    options = {"output_processor_backend": "auto"}
+    if side == LEGACY:
+        return dict(switch="0", fused=True, options={})
+    options = {"output_processor_backend": backend}
     if side == HOOK_NO_MASK:
         options["output_processor_score_mask"] = False
     if side == HOOK_FUSED_LOSS:
@@ -141,7 +156,7 @@ def build_side_engine(case: ParallelCase, side: str):
     """verl's engine for one side of a case (megatron's parallel state must hold the case's layout)."""
     from .train_engine import EngineSetup, build_engine
 
-    choice = side_options(side)
+    choice = side_options(side, case.backend)
     os.environ.pop(ENV_VAR, None)
     if choice["switch"] is not None:
         os.environ[ENV_VAR] = choice["switch"]
@@ -215,7 +230,7 @@ def gradients(engine) -> dict[str, torch.Tensor]:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
-                grads[global_name(name.replace("module.", ""), offset, expert_offset, tied)] = grad.detach().clone()
+                grads[global_name(name.replace("module.", ""), offset, expert_offset, tied)] = grad.detach().cpu().clone()
     return grads
 
 
@@ -256,15 +271,19 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
 
     from verl_fused_hook.verl_integration.model_plan import counts_of
 
+    from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
     from .train_engine import release_engines
 
-    engine = build_side_engine(case, side)
-    if fault is not None:
-        fault(engine)
-    data = step_batch(case, data_index, engine.model_config.hf_config.vocab_size, engine.get_data_parallel_size(),
-                      side_options(side)["fused"])  # fmt: skip
-    with engine.train_mode():
-        output, grads = train_batch(engine, data, ppo_loss_function(case))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    legacy_kernel = portable_legacy_kernel_on_cpu(device) if side == LEGACY else contextlib.nullcontext()
+    with legacy_kernel:  # verl's Triton kernel needs CUDA: on the CPU legacy computes with the portable op
+        engine = build_side_engine(case, side)
+        if fault is not None:
+            fault(engine)
+        data = step_batch(case, data_index, engine.model_config.hf_config.vocab_size, engine.get_data_parallel_size(),
+                          side_options(side)["fused"])  # fmt: skip
+        with engine.train_mode():
+            output, grads = train_batch(engine, data, ppo_loss_function(case))
     result = {
         "losses": [float(loss) for loss in output.get("loss", [])],
         "metrics": {key: _plain(value) for key, value in output.get("metrics", {}).items()},
@@ -275,7 +294,7 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
     model_output = output.get("model_output", {})
     for key in ("log_probs", "entropy"):
         if key in model_output:
-            result[key] = no_padding_2_padding(model_output[key], data).detach().float().cpu()
+            result[key] = no_padding_2_padding(model_output[key].detach().cpu(), data).float()
     release_engines(engine)
     return result
 
@@ -319,12 +338,12 @@ def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: 
     return results
 
 
-def run_launch(runs: list[CaseRun], *, reference: bool = True) -> list[dict]:
-    """The cases in one set of gloo processes (one world size for all: process start-ups cost most); every
-    rank's results."""
-    from .distributed import run_on_gloo
+def run_launch(runs: list[CaseRun], *, reference: bool = True, device: str = "cpu") -> list[dict]:
+    """The cases in one set of processes (gloo on the CPU, NCCL with one GPU a rank; one world size for all:
+    process start-ups cost most); every rank's results."""
+    from .distributed import backend_for, run_in_processes
 
     worlds = {run.case.world for run in runs}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs one world size, got {sorted(worlds)}")
-    return run_on_gloo(parallel_worker, worlds.pop(), runs, reference)
+    return run_in_processes(parallel_worker, worlds.pop(), runs, reference, backend=backend_for(device))
