@@ -52,7 +52,9 @@ restored param groups afterwards). The LR scheduler is checkpointed
 rollout) is not used: this tool calls the engine methods verl's `TrainingWorker`
 calls.
 
-On the CPU (gloo; any TP size) Triton cannot run: legacy's kernel is swapped for
+On the CPU (gloo; any TP size, and `--pp`/`--ep` for pipeline and expert
+parallelism: one process per TP x PP x EP rank, EP with an MoE config such as
+configs/tiny_qwen3_moe) Triton cannot run: legacy's kernel is swapped for
 the portable op (`stand_ins/legacy_kernel_swap.py`), "auto" is the portable op,
 and megatron-core's optimizer runs on CPU tensors through a named fake
 (`stand_ins/cuda_on_cpu.py`: its CUDA-only scalar placement and type checks);
@@ -75,7 +77,7 @@ invocations of one configuration (say one device call per group of modes, one
 for offload on with `--no-resume`) into --out and evaluates every identity
 across them; checks whose runs are missing are listed as pending.
 
-Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--hf-config PATH] [--steps K]
+Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--pp N] [--ep N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
          [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
          [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--out DIR] [--verbose]
@@ -97,7 +99,7 @@ from pathlib import Path
 import torch
 
 from ..support.grpo_batches import RolloutShape
-from ..support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder
+from ..support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import train_parity_report as report_file
 from .train_parity_modes import MODES
@@ -116,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: gloo processes; CUDA: 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (CPU only: gloo processes)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (CPU only, an MoE --hf-config such as "
+                        "verl_fused_hook_harness/configs/tiny_qwen3_moe; data-parallel ranks = EP)")
     parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: CPU the shipped tiny "
                         "Qwen2, CUDA the shipped Qwen2.5-0.5B-shaped config)")
     parser.add_argument("--steps", type=int, default=None, help="K (even, >= 2; default 20 on CUDA, 4 on the CPU)")
@@ -158,8 +163,11 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         parser.error("--device cuda: no CUDA device here")
     if cuda and args.tp != 1:
         parser.error(f"--tp {args.tp}: on CUDA this command runs on one GPU (TP=1)")
-    if args.tp < 1:
-        parser.error(f"--tp {args.tp}: expected >= 1")
+    for flag, size in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
+        if size < 1:
+            parser.error(f"{flag} {size}: expected >= 1")
+    if cuda and (args.pp > 1 or args.ep > 1):
+        parser.error("--pp/--ep: on CUDA this command runs on one GPU; pipeline and expert parallelism run on the CPU")
     steps = args.steps if args.steps is not None else (20 if cuda else 4)
     if steps < 2 or steps % 2:
         parser.error(f"--steps {steps}: expected an even number >= 2 (the checkpoint is taken after step K/2)")
@@ -188,6 +196,9 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
     micro_batch = args.micro_batch or 5
     if shape.sequences % micro_batch:
         parser.error(f"--micro-batch {micro_batch}: must divide prompts*n = {shape.sequences}")
+    experts = getattr(load_hf_config(hf_path), "num_experts", None) or 0
+    if args.ep > 1 and (not experts or experts % args.ep):
+        parser.error(f"--ep {args.ep}: needs an MoE --hf-config whose experts divide by it (this one has {experts})")
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype or ("bf16" if cuda else "fp32")]
     offload = {"both": (False, True), "off": (False,), "on": (True,)}[args.offload]
     offload_modes = tuple(args.offload_modes.split(",")) if args.offload_modes else modes
@@ -209,6 +220,8 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         checkpoint_root=checkpoint_root,
         out=args.out,
         resume=not args.no_resume,
+        pp=args.pp,
+        ep=args.ep,
     )
     return plan
 
@@ -259,7 +272,7 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if (out / report_file.REPORT_NAME).exists():
             print(f"train-parity: replacing the report in {out} (give another --out to keep it)", flush=True)
         report_file.write(report_file.new_report(plan.configuration()), out)
-        print(f"train-parity on {plan.device}, TP={plan.tp}, {plan.dtype}, {plan.steps} steps, modes "
+        print(f"train-parity on {plan.device}, TP={plan.tp}, PP={plan.pp}, EP={plan.ep}, {plan.dtype}, {plan.steps} steps, modes "
               f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
               f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)", flush=True)
         run_group(uninterrupted_worker, plan)

@@ -59,12 +59,14 @@ _BOUND_TEXT = {
 
 
 def merge_ranks(per_rank: list[dict]) -> dict:
-    """One row per step and run: rank 0's loss and grad norm; the checksum over all ranks' checksums."""
+    """One row per step and run: the loss, grad norm and fused-loss calls of the first rank that has a loss (rank 0;
+    under PP the last stage's first rank); the checksum over all ranks' checksums."""
     merged = {}
     for key, rows in per_rank[0].items():
         merged[key] = []
-        for index, row in enumerate(rows):
+        for index in range(len(rows)):
             ranks = [r[key][index] for r in per_rank]
+            row = next((r for r in ranks if r["loss"] is not None), ranks[0])
             combined = hashlib.sha256("".join(r["param_checksum"] for r in ranks).encode()).hexdigest()
             merged[key].append(row | {"param_checksum": combined, "param_sum": sum(r["param_sum"] for r in ranks),
                                       "peak_bytes": max((r["peak_bytes"] or 0) for r in ranks) or None})

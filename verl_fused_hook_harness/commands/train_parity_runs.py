@@ -58,6 +58,12 @@ class Plan:
     checkpoint_root: str
     out: str  # the report's folder: every finished run is added to it at once
     resume: bool = True  # run the resumed half (fresh processes, the checkpoint of the first offload setting)
+    pp: int = 1  # pipeline-parallel size (CPU: gloo processes)
+    ep: int = 1  # expert-parallel size (an MoE config; data-parallel ranks = EP, each holding the same batch)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.ep
 
     @property
     def checkpoint_step(self) -> int:
@@ -68,8 +74,9 @@ class Plan:
 
     def configuration(self) -> dict:
         """What must agree between two reports for their runs to be compared (train_parity_report)."""
+        layout = {name: size for name, size in (("pp", self.pp), ("ep", self.ep)) if size > 1}  # earlier reports: 1
         return {
-            "device": self.device, "tp": self.tp, "dtype": self.dtype, "steps": self.steps,
+            "device": self.device, "tp": self.tp, **layout, "dtype": self.dtype, "steps": self.steps,
             "hf_config": config_identity(Path(self.hf_path)),
             "shape": asdict(self.shape), "micro_batch": self.micro_batch, "seed": self.seed,
             "checkpoint_step": self.checkpoint_step, "deterministic": self.deterministic,
@@ -115,6 +122,8 @@ def build_engines(plan: Plan, mode: Mode, offload: bool):
         lr=LR,
         offload=offload,
         fused_kernel_options=options,
+        pp=plan.pp,
+        ep=plan.ep,
     )
     actor = build_engine(setup)
     reference = build_engine(replace(setup, offload=False), forward_only=True)
@@ -154,13 +163,24 @@ def engine_keys(plan: Plan) -> dict:
 
 
 def forward_only_log_probs(engine, fields, plan: Plan, *, entropy: bool):
-    """Forward-only log-probs as the trainer computes old/reference log-probs, padded [batch, response]."""
+    """Forward-only log-probs as the trainer computes old/reference log-probs, padded [batch, response]; under
+    PP only the last stage computes them, and every stage gets them (verl's driver hands the next call's batch
+    to every rank)."""
+    from megatron.core import parallel_state
     from verl.workers.utils.padding import no_padding_2_padding
 
     data = packed(fields, TEMPERATURE, calculate_entropy=entropy, compute_loss=False, **engine_keys(plan))
     with engine.eval_mode():
         output = engine.infer_batch(data, loss_function=None)
-    return no_padding_2_padding(output["model_output"]["log_probs"], data).float().cpu()
+    if plan.pp == 1:
+        return no_padding_2_padding(output["model_output"]["log_probs"], data).float().cpu()
+    group = parallel_state.get_pipeline_model_parallel_group()
+    values = torch.zeros(fields["responses"].shape, dtype=torch.float32)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        values = no_padding_2_padding(output["model_output"]["log_probs"], data).float().cpu()
+    values = values.to(plan.device)
+    dist.broadcast(values, dist.get_global_rank(group, group.size() - 1), group=group)
+    return values.cpu()
 
 
 def parameter_checksum(engine) -> tuple[str, float]:
@@ -208,11 +228,11 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started - checksum_seconds  # the step, not our checksum
-    losses = output["loss"]
-    grad_norm = output["metrics"].get("grad_norm")
+    losses = output.get("loss")  # none on the stages before the last
+    grad_norm = output.get("metrics", {}).get("grad_norm")
     return {
         "step": step,
-        "loss": float(sum(losses) if isinstance(losses, list) else losses),
+        "loss": None if losses is None else float(sum(losses) if isinstance(losses, list) else losses),
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "param_checksum": checksum,
         "param_sum": total,
@@ -232,7 +252,7 @@ def prepare_process(plan: Plan, rank: int) -> None:
     if plan.device == "cpu":
         from ..stand_ins.megatron_cpu import init_model_parallel
 
-        init_model_parallel(plan.tp, seed=plan.seed)  # the engine then finds megatron's state set up
+        init_model_parallel(plan.tp, seed=plan.seed, pp_size=plan.pp, ep_size=plan.ep)  # the engine finds it set up
 
 
 def run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, load: bool) -> tuple[list[dict], dict]:
@@ -316,5 +336,6 @@ def resumed_worker(rank: int, world_size: int, plan: Plan) -> None:
 
 
 def run_group(worker, plan: Plan) -> None:
-    """`worker` in fresh processes (gloo on the CPU, one per TP rank; NCCL on one GPU); it records its own runs."""
-    run_in_processes(worker, plan.tp, plan, backend=backend_for(plan.device))
+    """`worker` in fresh processes (gloo on the CPU, one per TP x PP x EP rank; NCCL on one GPU); it records its
+    own runs."""
+    run_in_processes(worker, plan.world, plan, backend=backend_for(plan.device))

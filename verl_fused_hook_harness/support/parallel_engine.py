@@ -41,16 +41,9 @@ SEED = 1234
 TEMPERATURE = 0.9
 SHAPE = RolloutShape(prompts=2, n=4, prompt_lengths=(3, 9), response_lengths=(2, 10))
 MICRO_BATCH = 2  # 8 sequences a rank: 4 micro-batches of 2 packed sequences each
-# MoE as users train it under verl (mbridge's Qwen3-MoE conversion) with the aux loss on; sequential experts
-# (grouped GEMM needs Transformer Engine or the grouped_gemm package) and no torch.compile'd fusions (on the CPU
-# dynamo recompiles them for every new micro-batch length: minutes of a test's time, same numbers).
-MOE_OVERRIDES = {
-    "moe_grouped_gemm": False,
-    "moe_router_load_balancing_type": "aux_loss",
-    "moe_aux_loss_coeff": 0.01,
-    "bias_activation_fusion": False,
-    "bias_dropout_fusion": False,
-}
+# MoE with the load-balancing aux loss on (mbridge's Qwen3-MoE conversion turns it off, verl's RL default);
+# train_engine adds what the local spec needs for MoE.
+MOE_OVERRIDES = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
 
 # The fused loss in chunks of a few rows (~10 KiB of logits): every micro-batch runs several chunks, and ranks
 # with different numbers of scored rows (pipeline stages, CP halves) run different numbers of them.
