@@ -52,20 +52,22 @@ def _communicator(variable_seq_lengths: bool, batch_p2p_comm: bool):
     return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
 
 
-def p2p_worker(rank, world_size):
-    """One call sending both directions, as the interleaved schedule makes it without overlap_p2p_comm."""
+def p2p_worker(rank, world_size, device="cpu"):
+    """One call sending both directions, as the interleaved schedule makes it without overlap_p2p_comm (NCCL
+    with device="cuda": tests/gpu/test_parallel_cuda.py)."""
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     init_model_parallel(1, pp_size=2)
-    forward = torch.full((FORWARD_ROWS[rank], 1, HIDDEN), 10.0 + rank)  # what the next stage should receive
-    backward = torch.full((BACKWARD_ROWS[rank], 1, HIDDEN), 20.0 + rank)  # what the previous stage should receive
+    forward = torch.full((FORWARD_ROWS[rank], 1, HIDDEN), 10.0 + rank, device=device)  # for the next stage
+    backward = torch.full((BACKWARD_ROWS[rank], 1, HIDDEN), 20.0 + rank, device=device)  # for the previous stage
     observed = {}
     with cuda_names_on_cpu():
         shapes = _communicator(True, False)._communicate_shapes(forward, backward, recv_prev=True, recv_next=True)
         observed["shapes"] = shapes
         for batched in (False, True):  # equal shapes: only the order of the tensors can go wrong
-            same = torch.full((6, 1, HIDDEN), 10.0 + rank), torch.full((6, 1, HIDDEN), 20.0 + rank)
+            same = (torch.full((6, 1, HIDDEN), 10.0 + rank, device=device),
+                    torch.full((6, 1, HIDDEN), 20.0 + rank, device=device))  # fmt: skip
             received_prev, received_next, _ = _communicator(False, batched)._communicate(
                 tensor_send_next=same[0], tensor_send_prev=same[1], recv_prev=True, recv_next=True,
                 tensor_shape=(6, 1, HIDDEN),

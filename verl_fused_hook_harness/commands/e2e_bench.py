@@ -37,7 +37,11 @@ ships (switch unset: its build step turns fused kernels off and `forward_step` r
 forward over full logits) against hook mode, which keeps fused kernels on (e2e_bshd.py). Every
 mode goes through verl's `forward_step`. A mode that runs out of device memory is reported as OOM.
 
-Usage: verl-fused-hook e2e-bench [--hf-config PATH] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
+`--moe` benchmarks an MoE-shaped model (Qwen3-30B-A3B shapes, 2 layers, configs/qwen3_30b_a3b_2layer; EP=1):
+the output layer is the same kind of problem (hidden 2048, vocabulary 151936), next to 128 experts per layer
+(megatron-core's MoE layer; without Transformer Engine its experts run one after another).
+
+Usage: verl-fused-hook e2e-bench [--hf-config PATH | --moe] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
                                  [--layers N] [--recompute] [--warmups W] [--repeats R] [--verbose]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
@@ -59,7 +63,7 @@ import torch
 
 from ..support.compare import max_abs
 from ..support.determinism import deterministic_steps
-from ..support.hf_model import QWEN_7B_2LAYER, config_folder
+from ..support.hf_model import QWEN3_30B_A3B_2LAYER, QWEN_7B_2LAYER, config_folder
 from ..support.micro_batches import e2e_rollout
 from ..support.modes import kernel_backends
 from ..support.reports import gib, ms, write_report
@@ -195,8 +199,10 @@ def profile_step(step, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--hf-config", default=str(QWEN_7B_2LAYER), help="HF config.json or folder (default: Qwen2.5-7B shapes, 2 layers)"
+        "--hf-config", default=None, help="HF config.json or folder (default: Qwen2.5-7B shapes, 2 layers)"
     )
+    parser.add_argument("--moe", action="store_true", help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
+                        "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
@@ -241,8 +247,11 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.cpu_init is None:
         args.cpu_init = args.device == "cpu"
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
+    if args.moe and args.hf_config is not None:
+        parser.error("--moe: the MoE model is the shipped Qwen3-30B-A3B-shaped config; drop --hf-config (or give "
+                     "an MoE config with --hf-config alone)")
     try:
-        args.hf_config = config_folder(args.hf_config)
+        args.hf_config = config_folder(args.hf_config or (QWEN3_30B_A3B_2LAYER if args.moe else QWEN_7B_2LAYER))
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]

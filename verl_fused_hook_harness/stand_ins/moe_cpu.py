@@ -18,12 +18,16 @@ dispatcher (the one verl configures, `moe_token_dispatcher_type="alltoall"`):
   sizes), which NCCL does and gloo refuses ("invalid tensor size"). On gloo
   they become an even all-gather of zero-padded splits and an all-reduce of the
   whole tensor, each rank keeping its split: the same values.
-The router moves its weights to `torch.cuda.current_device()`, which
-megatron_cpu.py already answers with "cpu"; the per-step `torch.cuda.stream`
-and `current_stream` calls need `cuda_on_cpu.cuda_names_on_cpu()` around the run.
+- every step it compares `torch.cuda.current_stream()` with that stream and runs
+  its copies under `torch.cuda.stream(...)`: on a machine without CUDA both are
+  given CPU answers (the stream above, a no-op context), process-wide, as
+  megatron_cpu.py answers `torch.cuda.current_device()` with "cpu".
+The router moves its weights to `torch.cuda.current_device()`, already "cpu".
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -53,6 +57,17 @@ class CpuDtohStream:
 
     def record_event(self, event=None) -> CpuEvent:
         return CpuEvent()
+
+
+_CPU_STREAM = CpuDtohStream()
+
+
+def _current_cpu_stream(device=None) -> CpuDtohStream:
+    return _CPU_STREAM
+
+
+def _no_stream(stream=None):
+    return contextlib.nullcontext()
 
 
 def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -100,6 +115,8 @@ def enable_cpu_moe() -> None:
 
     if token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CpuDtohStream()
+    torch.cuda.current_stream = _current_cpu_stream
+    torch.cuda.stream = _no_stream
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     if not getattr(mappings, "_verl_fused_hook_uneven_on_gloo", False):
         mappings._gather_along_first_dim = _gather_uneven_on_gloo(mappings._gather_along_first_dim)

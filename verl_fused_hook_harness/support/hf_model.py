@@ -23,6 +23,16 @@ TINY_QWEN2 = CONFIGS / "tiny_qwen2"
 QWEN_7B_2LAYER = CONFIGS / "qwen2_5_7b_2layer"
 QWEN2_5_0_5B = CONFIGS / "qwen2_5_0_5b"
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of this times the TP size
+QWEN3_30B_A3B_2LAYER = CONFIGS / "qwen3_30b_a3b_2layer"
+# MoE models on the local spec: its experts are sequential (grouped GEMM needs Transformer Engine or the grouped_gemm
+# package, which mbridge's MoE conversions ask for), and no torch.compile'd fusions (on the CPU dynamo recompiles
+# them for every new micro-batch length: minutes per run, same numbers).
+LOCAL_SPEC_MOE_OVERRIDES = {"moe_grouped_gemm": False, "bias_activation_fusion": False, "bias_dropout_fusion": False}
+
+
+def local_spec_overrides(hf_config) -> dict:
+    """What megatron-core's local layer spec needs on top of mbridge's conversion of `hf_config` (MoE models)."""
+    return dict(LOCAL_SPEC_MOE_OVERRIDES) if getattr(hf_config, "num_experts", None) else {}
 
 
 def config_folder(path: str | Path) -> str:
@@ -88,6 +98,8 @@ def build_gpt_from_hf(
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)
     bridge.set_extra_args(
         use_cpu_initialization=cpu_initialization,  # True: one full weight, split per rank
@@ -95,13 +107,11 @@ def build_gpt_from_hf(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False,
-        **(transformer_overrides or {}),
+        **{**({} if use_transformer_engine else local_spec_overrides(hf_config)), **(transformer_overrides or {})},
     )
     config = bridge.config
     if mtp_num_layers is not None:
         config.mtp_num_layers = mtp_num_layers or None
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available()
     spec = bridge._get_transformer_layer_spec() if use_transformer_engine else cpu_block_spec(config)
     if not config.mtp_num_layers:
         mtp_spec = None

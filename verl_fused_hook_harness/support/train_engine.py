@@ -20,14 +20,10 @@ import torch
 
 from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
 from .grpo_batches import PAD_TOKEN_ID
-from .hf_model import word_level_tokenizer
+from .hf_model import local_spec_overrides, transformer_engine_available, word_level_tokenizer
 
 # The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
 TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}
-# MoE models on the local spec: its experts are sequential (grouped GEMM needs Transformer Engine or the grouped_gemm
-# package, which mbridge's MoE conversions ask for), and no torch.compile'd fusions (on the CPU dynamo recompiles
-# them for every new micro-batch length: minutes per run, same numbers).
-LOCAL_SPEC_MOE_OVERRIDES = {"moe_grouped_gemm": False, "bias_activation_fusion": False, "bias_dropout_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         mtp=MtpConfig(enable=setup.mtp, enable_train=setup.mtp),
     )
     model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size, PAD_TOKEN_ID)
-    moe = LOCAL_SPEC_MOE_OVERRIDES if getattr(model_config.hf_config, "num_experts", None) else {}
+    local_spec = {} if transformer_engine_available() else local_spec_overrides(model_config.hf_config)
     engine_config = McoreEngineConfig(
         use_mbridge=True,
         vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
@@ -100,7 +96,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         override_transformer_config={
             **TRANSFORMER_OVERRIDES,
             "use_cpu_initialization": not torch.cuda.is_available(),
-            **moe,
+            **local_spec,
             **(setup.transformer_overrides or {}),
         },
     )
