@@ -16,10 +16,17 @@ from __future__ import annotations
 import pytest
 
 from parallel_cases import CASES, case_results, side_differences
-from verl_fused_hook_harness.support.parallel_engine import HOOK_FUSED_LOSS
+from verl_fused_hook_harness.support.parallel_engine import HOOK, HOOK_FUSED_LOSS, HOOK_NO_MASK
 
 FUSED_CASES = ("cp2", "cp2_seq_mean", "cp2_dppo_tv", "tp2_cp2", "pp2_cp2")
 MICRO_BATCHES = 4
+
+
+@pytest.mark.parametrize("side", (HOOK, HOOK_NO_MASK))
+@pytest.mark.parametrize("name", ("cp2", "tp2_cp2"))
+def test_hook_mode_under_cp_equals_verl_unfused(name, side):
+    """Hook mode itself (the loss in verl's postprocess) at CP=2 and TP=2 x CP=2, with and without the score mask."""
+    assert side_differences(name, side) == []
 
 
 @pytest.mark.parametrize("name", (*FUSED_CASES, "cp2_gspo"))

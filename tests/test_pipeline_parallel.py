@@ -1,5 +1,6 @@
 """Pipeline parallelism through verl's real engine on gloo: PP=2 and PP=4 (1F1B), VPP (2 model chunks per stage,
-interleaved), PP x TP, VPP x TP, PP x CP, padded (BSHD) batches and tied embeddings under PP.
+interleaved), PP x TP, VPP x TP, PP x CP, padded (BSHD) batches under PP, VPP and PP x CP, tied embeddings
+under PP.
 
 Each case runs verl's `train_batch` (`forward_backward_batch` through megatron's
 schedule, DDP, optimizer) on packed GRPO micro-batches of different lengths,
@@ -20,7 +21,8 @@ import pytest
 from parallel_cases import CASES, case_results, reference_differences, side_differences
 from verl_fused_hook_harness.support.parallel_engine import HOOK, HOOK_FUSED_LOSS, HOOK_NO_MASK, REFERENCE, UNFUSED
 
-PIPELINE_CASES = ("pp2", "vpp2", "pp2_bshd", "pp2_tied", "pp4", "pp2_tp2", "vpp2_tp2", "pp2_cp2")
+PIPELINE_CASES = ("pp2", "vpp2", "pp2_bshd", "vpp2_bshd", "pp2_tied", "pp4", "pp2_tp2", "vpp2_tp2", "pp2_cp2",
+                  "pp2_cp2_bshd")
 MICRO_BATCHES = 4
 
 
