@@ -3,8 +3,9 @@
 - megatron-core's p2p facts behind the VPP refusal (tests/test_pipeline_p2p.py) on NCCL: at PP=2 the shape
   exchange hands each rank the peer's gradient shape as recv_prev, and batched p2p swaps the tensors;
 - `verl-fused-hook ab-parity --device cuda` with --pp 2, with --pp 2 --vpp 2 --moe-experts 8, and with --ep 2
-  --moe-experts 8 (fp32, backend verl: verl's Triton kernel on both sides): hook and legacy identical, both within
-  the unfused tolerance of verl's unfused path, which agrees with the unsplit model.
+  --moe-experts 8 (fp32, backend verl: verl's Triton kernel on both sides): hook and legacy identical (dense; MoE
+  within the unfused tolerance: megatron's unpermutation adds with atomics), both within the unfused tolerance of
+  verl's unfused path, which agrees with the unsplit model.
 Run: python -m pytest -q tests/gpu/test_parallel_cuda.py  (on a 2-GPU machine)
 """
 
@@ -52,4 +53,5 @@ def test_ab_parity_parallel_on_cuda(flags, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(path.read_text())
     assert report["match"] and report["one_kernel"]
-    assert all(value == 0.0 for value in report["comparisons"]["hook vs legacy"]["worst"].values())
+    if "--moe-experts" not in flags:  # dense steps run bitwise repeatable; MoE's unpermutation uses atomics
+        assert all(value == 0.0 for value in report["comparisons"]["hook vs legacy"]["worst"].values())

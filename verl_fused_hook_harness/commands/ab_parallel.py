@@ -64,8 +64,10 @@ def parallel_case(args, hf_path: str | None, backend: str) -> ParallelCase:
     )  # fmt: skip
 
 
-def evaluate(per_rank: list[dict], one_kernel: bool, device: str) -> dict:
-    """The worst error per quantity and comparison over every rank, and each comparison's verdict."""
+def evaluate(per_rank: list[dict], one_kernel: bool, repeatable: bool, device: str) -> dict:
+    """The worst error per quantity and comparison over every rank, and each comparison's verdict: hook vs
+    legacy 0 with one kernel in bitwise-repeatable steps, the unfused tolerance with one kernel otherwise (MoE
+    on CUDA), the kernels' accuracy with two."""
     unfused_rtol = UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     split_rtol = UNFUSED_RTOL_CUDA if device == "cuda" else SPLIT_RTOL
     comparisons = {
@@ -83,9 +85,9 @@ def evaluate(per_rank: list[dict], one_kernel: bool, device: str) -> dict:
             if want in sides:
                 for key, value in worst_errors(sides[want], sides[got], gradients_of_got_only=part).items():
                     worst[key] = max(worst[key], value)
-        if label == "hook vs legacy" and one_kernel:
+        if label == "hook vs legacy" and one_kernel and repeatable:
             bound, ok = "0 (one kernel)", all(value == 0.0 for value in worst.values())
-        elif label == "hook vs legacy":
+        elif label == "hook vs legacy" and not one_kernel:
             bound = f"values {TWO_KERNEL_VALUE_TOL:g}, grads {TWO_KERNEL_GRAD_RTOL:g}"
             ok = worst["grads"] <= TWO_KERNEL_GRAD_RTOL and all(worst[k] <= TWO_KERNEL_VALUE_TOL for k in QUANTITIES[:4])
         else:
@@ -100,7 +102,11 @@ def run_parallel_parity(case: ParallelCase, device: str, one_kernel: bool, json_
     kernel = "the portable op on both sides" if device == "cpu" else f"legacy: verl's kernel, hook: backend={case.backend}"
     print(f"A/B parity, {case.name} on {device} ({case.world} processes, DP={case.dp}), fp32; {kernel}", flush=True)
     per_rank = run_launch([CaseRun(case, (LEGACY, HOOK, UNFUSED))], device=device)
-    rows = evaluate([rank[case.name] for rank in per_rank], one_kernel, device)
+    repeatable = device == "cpu" or not case.moe  # support/parallel_engine.repeatable_on_cuda
+    if not repeatable:
+        print("MoE on CUDA: megatron's token unpermutation adds with atomics, so the steps are not bitwise "
+              "repeatable; hook vs legacy is held to the unfused tolerance", flush=True)
+    rows = evaluate([rank[case.name] for rank in per_rank], one_kernel, repeatable, device)
     print(f"\n{'compared':<30}" + "".join(f"{name:>11}" for name in QUANTITIES) + "   bound")
     for label, row in rows.items():
         flag = "" if row["match"] else "   MISMATCH"

@@ -242,6 +242,16 @@ def engine_layout(engine) -> dict:
     return {**layout, "model_chunks": len(engine.module), "use_fused_kernels": engine.engine_config.use_fused_kernels}
 
 
+def repeatable_on_cuda(case: ParallelCase, engine):
+    """Dense models on CUDA: bitwise-repeatable steps (support/determinism.py), so that two sides computing with
+    one kernel compare exactly. MoE models not: megatron's token unpermutation adds with atomics on CUDA."""
+    if not torch.cuda.is_available() or case.moe:
+        return contextlib.nullcontext()
+    from .determinism import deterministic_steps
+
+    return deterministic_steps(*engine.module)
+
+
 def train_batch(engine, data, loss_function) -> tuple[dict, dict[str, torch.Tensor]]:
     """verl's `BaseEngine.train_batch`, line for line, with the gradients read between the backward and the
     optimizer step (megatron's optimizer step leaves DDP's gradient buffers zeroed)."""
@@ -275,7 +285,7 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
             fault(engine)
         data = step_batch(case, data_index, engine.model_config.hf_config.vocab_size, engine.get_data_parallel_size(),
                           side_options(side)["fused"])  # fmt: skip
-        with engine.train_mode():
+        with engine.train_mode(), repeatable_on_cuda(case, engine):
             output, grads = train_batch(engine, data, ppo_loss_function(case))
     result = {
         "losses": [float(loss) for loss in output.get("loss", [])],
