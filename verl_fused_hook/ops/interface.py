@@ -28,8 +28,10 @@ def _tp_layout(tp_group) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def check_temperature_values(field: str, temperature) -> None:
-    """ValueError naming `field` unless `temperature` is a finite number > 0 or a floating tensor of such values."""
+def check_temperature_values(field: str, temperature, *, read_values: bool = True) -> None:
+    """ValueError naming `field` unless `temperature` is a finite number > 0 or a floating tensor of such values.
+    read_values=False: a tensor's values are left to the caller (`bad_temperatures`), which reads them together
+    with its other checks: reading a CUDA tensor's values waits for the GPU."""
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise ValueError(f"{field}: a tensor must be floating point, got {temperature.dtype}")
@@ -37,7 +39,7 @@ def check_temperature_values(field: str, temperature) -> None:
             raise ValueError(f"{field}: a tensor on the meta device holds no values; pass it on the CPU or the model's device")
         if temperature.requires_grad:
             raise ValueError(f"{field}: requires grad, but no gradient flows to the temperature; pass temperature.detach()")
-        if not bool(torch.isfinite(temperature).all()) or not bool((temperature > 0).all()):
+        if read_values and bool(bad_temperatures(temperature)):
             raise ValueError(f"{field}: every value must be finite and > 0")
         return
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -46,12 +48,18 @@ def check_temperature_values(field: str, temperature) -> None:
         raise ValueError(f"{field}: must be finite and > 0, got {temperature}")
 
 
+def bad_temperatures(temperature: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the tensor's device: some value is not finite or not > 0 (not read here)."""
+    return (~torch.isfinite(temperature) | (temperature <= 0)).any()
+
+
 def _check_temperature(temperature, labels: torch.Tensor, device: torch.device) -> float | torch.Tensor:
-    """A float, or an fp32 [N] tensor of per-row temperatures."""
-    check_temperature_values("temperature", temperature)
+    """A float, or an fp32 [N] tensor of per-row temperatures (its values checked by the caller's one read)."""
+    check_temperature_values("temperature", temperature, read_values=False)
     if not isinstance(temperature, torch.Tensor):
         return float(temperature)
     if temperature.dim() == 0:
+        check_temperature_values("temperature", temperature)
         return float(temperature.item())
     if temperature.shape != labels.shape:
         raise ValueError(
@@ -149,19 +157,26 @@ def build_problem(
         raise ValueError(f"vocab_size: must be an int in [1, {padded_vocab}] (V_local * tp size), got {vocab_size!r}")
 
     flat_labels = labels.reshape(-1).long()
-    scored = flat_labels != ignore_index
+    labelled = flat_labels != ignore_index
+    scored = labelled
     if score_mask is not None:
         if score_mask.shape != labels.shape or score_mask.dtype != torch.bool:
             raise ValueError(
                 f"score_mask: must be a bool tensor shaped like labels {tuple(labels.shape)}, got {score_mask.dtype} {tuple(score_mask.shape)}"
             )
         scored = scored & score_mask.reshape(-1).to(scored.device)
-    out_of_range = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
-    if bool(out_of_range.any()):
+    row_temperature = _check_temperature(temperature, labels, hidden.device)
+    # Every check that reads values, in one read (on CUDA one wait for the GPU instead of one per check).
+    out_of_range = labelled & ((flat_labels < 0) | (flat_labels >= vocab_size))
+    flags = [out_of_range.any(), (~labelled).any()]
+    if isinstance(row_temperature, torch.Tensor):
+        flags.append(bad_temperatures(row_temperature))
+    labels_bad, some_ignored, *temperatures_bad = torch.stack(flags).tolist()
+    if labels_bad:
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
-
-    row_temperature = _check_temperature(temperature, labels, hidden.device)
+    if any(temperatures_bad):
+        raise ValueError("temperature: every value must be finite and > 0")
 
     if tp_world_size > 1:  # the collectives come after every check
         check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), int(scored.sum()))
@@ -173,7 +188,12 @@ def build_problem(
         weight=weight,
         labels=flat_labels,
         temperature=row_temperature,
-        active_rows=scored.nonzero().squeeze(1),
+        # every row scored: no nonzero(), which would wait for the GPU again
+        active_rows=(
+            torch.arange(flat_labels.numel(), device=flat_labels.device)
+            if score_mask is None and not some_ignored
+            else scored.nonzero().squeeze(1)
+        ),
         vocab_start=vocab_start,
         valid_columns=max(0, min(local_vocab, vocab_size - vocab_start)),
         tp_group=tp_group if tp_world_size > 1 else None,
