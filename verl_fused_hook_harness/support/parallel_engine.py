@@ -69,7 +69,8 @@ class ParallelCase:
     experts: int = 0  # MoE: the number of experts (top-2; the tiny Qwen3-MoE config unless hf_path), 0: dense
     mtp: bool = False
     padded: bool = False  # verl's padded (BSHD) layout: use_remove_padding=False
-    tied: bool = False  # tie_word_embeddings: the last stage's output layer shares the first stage's embedding
+    tied: bool | None = None  # tie_word_embeddings (None: the config's); tied, the last stage's output layer
+    # shares the first stage's embedding
     loss_agg_mode: str = "token-mean"
     loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode
     backend: str = "auto"  # the hook sides' output_processor_backend
@@ -108,14 +109,17 @@ def hf_config_folder(case: ParallelCase) -> str:
         config["num_hidden_layers"] = case.layers
     if case.experts:
         config["num_experts"], config["num_experts_per_tok"] = case.experts, min(2, case.experts)
-    config["tie_word_embeddings"] = case.tied
+    if case.tied is not None:
+        config["tie_word_embeddings"] = case.tied
     if case.mtp:
         config["num_nextn_predict_layers"] = 1  # what verl reads to see MTP layers
     text = json.dumps(config, sort_keys=True)
     folder = Path(tempfile.gettempdir()) / f"verl_fused_hook_cfg_{zlib.crc32(text.encode()):08x}"
     folder.mkdir(exist_ok=True)
-    if not (folder / "config.json").exists():
-        (folder / "config.json").write_text(text)
+    if not (folder / "config.json").exists():  # every process of a launch may get here at once: write, then rename
+        partial = folder / f"config.json.{os.getpid()}"
+        partial.write_text(text)
+        os.replace(partial, folder / "config.json")
     return str(folder)
 
 
@@ -207,7 +211,8 @@ def _plain(value):
 
 
 def gradients(engine) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient on this rank (DDP's main_grad after verl's step), by its global name."""
+    """Every parameter's gradient on this rank (DDP's main_grad, after the backward and its DP reduction), by its
+    global name."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -313,9 +318,9 @@ class CaseRun:
     fault_sides: tuple[str, ...] = ()
 
 
-def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: bool) -> dict:
-    """Every case of `runs` on this rank: {case name: {side: result}}, plus the case's reference (computed once
-    per reference layout and data mapping) when `reference` and the case splits the model (PP or EP)."""
+def parallel_worker(rank: int, world_size: int, runs: list[CaseRun]) -> dict:
+    """Every case of `runs` on this rank: {case name: {side: result}}, plus the case's reference when the case
+    splits the model (PP or EP; computed once per reference layout and data mapping)."""
     from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from .verl_engine import prepare_verl_process
 
@@ -329,7 +334,7 @@ def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: 
             results[case.name] = {
                 side: run_side(case, side, index, run.fault if side in run.fault_sides else None) for side in run.sides
             }
-            if reference and (case.pp > 1 or case.ep > 1):  # else the unfused side is already unsplit
+            if case.pp > 1 or case.ep > 1:  # else the unfused side is already unsplit
                 layout = {k: v for k, v in asdict(case.reference()).items() if k != "name"}
                 # the same on every rank (a reference is a collective run): the layout and the case's data mapping
                 key = json.dumps({**layout, "case_dp": case.dp}, sort_keys=True, default=str)
@@ -341,7 +346,7 @@ def parallel_worker(rank: int, world_size: int, runs: list[CaseRun], reference: 
     return results
 
 
-def run_launch(runs: list[CaseRun], *, reference: bool = True, device: str = "cpu") -> list[dict]:
+def run_launch(runs: list[CaseRun], *, device: str = "cpu") -> list[dict]:
     """The cases in one set of processes (gloo on the CPU, NCCL with one GPU a rank; one world size for all:
     process start-ups cost most); every rank's results."""
     from .distributed import backend_for, run_in_processes
@@ -349,4 +354,4 @@ def run_launch(runs: list[CaseRun], *, reference: bool = True, device: str = "cp
     worlds = {run.case.world for run in runs}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs one world size, got {sorted(worlds)}")
-    return run_in_processes(parallel_worker, worlds.pop(), runs, reference, backend=backend_for(device))
+    return run_in_processes(parallel_worker, worlds.pop(), runs, backend=backend_for(device))
