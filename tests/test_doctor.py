@@ -40,6 +40,8 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")
     assert done.stdout.rstrip().endswith("doctor: OK (11 checks, 0 warnings)")
+    assert len(done.stdout.splitlines()) == 12  # the checks and the verdict: upstream notices are summarised
+    assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 
 def test_doctor_fails_when_megatron_core_lacks_the_hook():

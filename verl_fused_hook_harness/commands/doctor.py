@@ -15,7 +15,7 @@ status is 1 when something would fail at start-up:
   from the environment and, when given, verl's Hydra config with overrides;
 - op self-check: log-probs, entropy and both gradients against fp64 on the device at hand.
 
-Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [OVERRIDE ...]
+Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [--verbose] [OVERRIDE ...]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.reference import reference_log_probs_entropy, relative_error
+from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # (distribution, oldest supported, what needs it)
@@ -222,16 +223,18 @@ def main(argv=None) -> int:
                                                             "when overrides are given)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides as on verl's command line, e.g. "
                                                      "+actor_rollout_ref.model.fused_kernel_options.output_processor_fused_loss=true")
+    add_verbose_argument(parser)
     args = parser.parse_args(argv)
     if args.hidden_size < 1:
         parser.error(f"--hidden-size: must be >= 1, got {args.hidden_size}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    findings = check_versions()
-    findings.append(check_hook_probe())
-    findings += check_device_and_backends(args.hidden_size, dtype)
-    findings.append(check_entry_point())
-    findings.append(check_plan(args.config_name, args.overrides))
-    findings.append(check_op(dtype))
+    with UpstreamNotices(verbose=args.verbose):
+        findings = check_versions()
+        findings.append(check_hook_probe())
+        findings += check_device_and_backends(args.hidden_size, dtype)
+        findings.append(check_entry_point())
+        findings.append(check_plan(args.config_name, args.overrides))
+        findings.append(check_op(dtype))
     for finding in findings:
         print(finding.line(), flush=True)
     failed = [f.topic for f in findings if f.status == FAIL]
