@@ -9,11 +9,11 @@ and is safe to call more than once.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
 from .lazy_import import when_imported
+from .log_once import log_once
 from .ray_env import LOG_LEVEL_ENV, install_ray_env_forwarding
 
 logger = logging.getLogger(__name__)
@@ -48,26 +48,19 @@ def log_level_from_env(environ=None) -> tuple[str, str | None]:
     return "INFO", f"{LOG_LEVEL_ENV}={raw!r} is not a level; use one of {', '.join(LOG_LEVELS)}; using INFO"
 
 
-@functools.cache  # `import verl` installs us twice (package import and entry point): one line per problem
-def _report_once(level: int, message: str) -> None:
-    logger.log(level, message)
-
-
 def install() -> None:
     """Hook into verl's Megatron engine (and fix mbridge on megatron-core >= 0.18) once they are imported."""
     from ..switch import parse_env
 
     level, level_warning = log_level_from_env()
     logging.getLogger("verl_fused_hook").setLevel(level)
-    if level_warning is not None:
-        _report_once(logging.WARNING, f"verl_fused_hook: {level_warning}")
+    if level_warning is not None:  # once: `import verl` installs us twice (package import and entry point)
+        log_once(logger, f"verl_fused_hook: {level_warning}", logging.WARNING)
     try:
         parse_env()
     except ValueError as error:
         # verl's plugin loader swallows exceptions, so say it now; the engine build raises it again.
-        _report_once(
-            logging.ERROR, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)"
-        )
+        log_once(logger, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)", logging.ERROR)
     when_imported("verl.workers.engine.megatron.transformer_impl", _on_engine_import)
     when_imported("mbridge.core.util", _on_mbridge_import)
     install_ray_env_forwarding()

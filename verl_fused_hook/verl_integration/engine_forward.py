@@ -11,7 +11,6 @@ asks for arrives in one `HookStep` (forward_step.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -27,16 +26,12 @@ from .model_plan import counts_of, plan_of
 from .cp_loss import context_parallel_options
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
 from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
+from .log_once import log_once
 
 logger = logging.getLogger(__name__)
 
 MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 VERL_TEMPERATURE_FLOOR = 1e-8  # verl's floor for non-positive (padding) temperatures
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
 
 
 def sample_temperatures(temperature, batch_size: int) -> float | torch.Tensor:
@@ -152,7 +147,7 @@ def make_engine_forward(vision_model: bool):
             score_mask = layout.score_mask(step.score_rows)
         else:
             if step.layout == BSHD:
-                _log_once(f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included")
+                log_once(logger, f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included")
             score_mask = None
         context = FusedOutputProcessorContext(
             temperature=layout.token_temperature(temperature),

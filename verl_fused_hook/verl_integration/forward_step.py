@@ -33,6 +33,7 @@ from .loss_support import FusedLossRequest, fused_loss_request, fused_result_los
 from .layouts import BSHD, THD
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
+from .log_once import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar(
 
 def current_step() -> HookStep | None:
     return _current_step.get()
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
 
 
 def _reads_response_rows_only(loss_function) -> bool:
@@ -79,16 +75,16 @@ def response_score_rows(batch, loss_function) -> torch.Tensor | None:
     """Jagged bool shaped like batch["input_ids"]: True on the rows verl reads, or None for every row."""
     name = getattr(getattr(loss_function, "func", loss_function), "__name__", repr(loss_function))
     if not _reads_response_rows_only(loss_function):
-        _log_once(f"verl_fused_hook: score_mask off, loss {name} may read every row")
+        log_once(logger, f"verl_fused_hook: score_mask off, loss {name} may read every row")
         return None
     if "prompts" not in batch.keys() or "responses" not in batch.keys():
-        _log_once(f"verl_fused_hook: score_mask off, the batch has no prompts/responses (loss {name})")
+        log_once(logger, f"verl_fused_hook: score_mask off, the batch has no prompts/responses (loss {name})")
         return None
     input_ids = batch["input_ids"]
     offsets = input_ids.offsets()
     prompt_lens, response_lens = (t.to(offsets.device) for t in _prompt_and_response_lengths(batch))
     if not torch.equal(prompt_lens + response_lens, offsets.diff()) or bool((prompt_lens < 1).any()):
-        _log_once("verl_fused_hook: score_mask off, prompt+response lengths do not match input_ids")
+        log_once(logger, "verl_fused_hook: score_mask off, prompt+response lengths do not match input_ids")
         return None
     position = torch.arange(int(offsets[-1]), device=offsets.device) - offsets[:-1].repeat_interleave(offsets.diff())
     start = (prompt_lens - 1).repeat_interleave(offsets.diff())
@@ -116,17 +112,17 @@ def make_forward_step(original):
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
         if not backend_capabilities(plan.backend).row_selection:
-            _log_once(f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row")
+            log_once(logger, f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row")
             rows = None
         elif not plan.score_mask:
-            _log_once(f"verl_fused_hook: score_mask off, {CONFIG_SCORE_MASK_KEY}=false")
+            log_once(logger, f"verl_fused_hook: score_mask off, {CONFIG_SCORE_MASK_KEY}=false")
             rows = None
         else:
             rows = response_score_rows(batch, logits_processor_func)
         layout = _layout_of(self, batch)
         fused = None
         if plan.fused_loss and layout["layout"] == BSHD:
-            _log_once("verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path")
+            log_once(logger, "verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path")
         elif plan.fused_loss:
             # only verl's own postprocess partial says whether this is a training step
             forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)

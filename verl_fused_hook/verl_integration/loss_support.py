@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from .log_once import log_once
+
 logger = logging.getLogger(__name__)
 
 # The model output key that carries the fused (loss, metrics) from the engine forward to verl's postprocess.
@@ -115,11 +117,6 @@ class FusedLossRequest:
     cp_rank: int | None = None  # this rank's context-parallel rank under CP > 1 (cp_loss.py), else None
 
 
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
-
-
 def _bound(loss_function, verl_function) -> dict | None:
     """The keywords `loss_function` binds when it is `functools.partial(verl_function, ...)`, else None."""
     if isinstance(loss_function, functools.partial) and loss_function.func is verl_function and not loss_function.args:
@@ -149,15 +146,15 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_b
         return None
     kind, config, name = _separability_of(loss_function)
     if kind is None:
-        _log_once(f"verl_fused_hook: output_processor_fused_loss: {name}; two-pass path")
+        log_once(logger, f"verl_fused_hook: output_processor_fused_loss: {name}; two-pass path")
         return None
     cp_rank = None
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
-        _log_once("verl_fused_hook: output_processor_fused_loss: dynamic context parallelism not fused; two-pass path")
+        log_once(logger, "verl_fused_hook: output_processor_fused_loss: dynamic context parallelism not fused; two-pass path")
         return None
     if engine.engine_config.context_parallel_size > 1:
         if kind == SEQUENCE:  # its row gradients need whole sequences, whose rows every CP rank shares
-            _log_once(
+            log_once(logger, 
                 f"verl_fused_hook: output_processor_fused_loss: {name} is sequence-level, and context parallelism "
                 "splits every sequence over the CP ranks; two-pass path"
             )

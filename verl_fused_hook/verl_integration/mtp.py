@@ -33,6 +33,7 @@ from ..probe import unwrap_to_gpt
 from ..ops import backend_capabilities
 from ..switch import HOOK
 from .model_plan import in_hook_mode, plan_of
+from .log_once import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,10 @@ def mtp_training_of(model) -> bool:
 def mtp_loss_backend(backend: str) -> str:
     """The op backend for the MTP loss: the plan's, unless it has no label-is-max output (acceptance counts)."""
     if not backend_capabilities(backend).label_is_max:
-        _log_once(f"verl_fused_hook: output_processor_backend={backend} has no label-is-max output; the MTP loss uses "
+        log_once(logger, f"verl_fused_hook: output_processor_backend={backend} has no label-is-max output; the MTP loss uses "
                   "backend auto")
         return "auto"
     return backend
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
 
 
 @contextlib.contextmanager

@@ -12,18 +12,14 @@ Which losses qualify is loss_support.py's table.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Callable
 
 import torch
 
+from .log_once import log_once
+
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info(message)
 
 
 def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], torch.Tensor], dp_group=None):
@@ -49,7 +45,7 @@ def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor
     """
     ids = to_nested(torch.arange(row_shape.numel(), dtype=torch.float64, device=device).view(row_shape))
     if getattr(ids, "_lengths", None) is not None:
-        _log_once(
+        log_once(logger, 
             "verl_fused_hook: output_processor_fused_loss: verl's unpacking gave a jagged tensor with holes; "
             "ppo_loss's final evaluation stays on the device (slower, same values)"
         )
