@@ -46,6 +46,9 @@ def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_wri
         text = (tmp_path / "profile" / f"profile_128_{row['mode']}.txt").read_text()
         assert f"# {row['mode']}: by device time" in text and f"# {row['mode']}: by host time" in text
         assert "aten::mm" in text  # the profiler's operator table, not an empty file
+        no_grad = (tmp_path / "profile" / f"profile_128_{row['mode']}_no_grad.txt").read_text()
+        assert f"# {row['mode']}: by device time" in no_grad and "aten::mm" in no_grad
+        assert "backward" not in no_grad.lower()  # the forward alone
     assert " ±" in (tmp_path / "e2e.md").read_text()
 
 
@@ -55,3 +58,35 @@ def test_layers_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         e2e_bench.main(["--device", "cpu", "--layers", "0"])
     assert "--layers: expected >= 1, got 0" in capsys.readouterr().err
+
+
+def test_timed_repeats_run_in_rounds_over_the_modes():
+    """A drift in the machine's speed must not favour the mode timed first: repeats go A, B, A, B, ..."""
+    import torch
+
+    from verl_fused_hook_harness.commands.e2e_bench import time_in_rounds
+    from verl_fused_hook_harness.commands.e2e_setup import Clock
+    from verl_fused_hook_harness.support.modes import Mode
+
+    calls = []
+
+    class RecordingStep:  # stands in for e2e_thd.Step: records which mode ran and whether gradients were on
+        def __init__(self, name):
+            self.name = name
+
+        def train(self):
+            calls.append((self.name, "train", torch.is_grad_enabled()))
+
+        def forward(self):
+            calls.append((self.name, "forward", torch.is_grad_enabled()))
+
+    modes = [Mode("a", hook=False, kernel="verl"), Mode("b", hook=True, kernel="ours")]
+    primed = [(mode, RecordingStep(mode.name), {"mode": mode.name}) for mode in modes]
+    enabled = []
+    time_in_rounds(primed, torch.nn.Linear(1, 1), {"a": "engine a", "b": "engine b"},
+                   lambda model, engine, mode: enabled.append(engine), Clock("cpu"), 3, 128)
+    assert calls == [("a", "train", True), ("b", "train", True)] * 3 + [("a", "forward", False), ("b", "forward", False)] * 3
+    assert enabled == ["engine a", "engine b"] * 6  # each timed step runs in its own mode
+    for _, _, row in primed:
+        assert len(row["train_times_s"]) == len(row["forward_times_s"]) == 3
+        assert row["train_s"] >= 0 and row["forward_peak_bytes"] >= 0

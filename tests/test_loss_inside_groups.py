@@ -315,6 +315,30 @@ def test_no_smallest_chunk_in_free_memory_takes_the_two_pass_path(monkeypatch, c
     ]
 
 
+def test_buffers_the_allocator_cannot_give_send_the_call_to_the_two_pass_path(monkeypatch, caplog):
+    """Free memory counted but in pieces (a fragmented cache): the kept-logits buffer's allocation fails before any
+    work, and the call runs the two-pass path with a warning instead of going out of memory halfway."""
+    from verl_fused_hook.ops import torch_backend
+
+    def no_memory(p, keep, spans):  # stands in for the allocator's refusal, which only a GPU gives
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.")
+
+    monkeypatch.setattr(torch_backend, "loss_inside_passes", no_memory)
+    b = batch()
+    loss_fn, row_gradients = _weighted_sum(b.labels.numel())
+    asked = []
+    with caplog.at_level(logging.WARNING, logger="verl_fused_hook.ops.chunking"):
+        result, grads = fused(b, loss_fn, loss_name="fragmented",
+                              row_gradients=lambda rows, lp, ent: asked.append(rows) or row_gradients(rows, lp, ent))
+    assert asked == []  # no chunk ran: the two-pass path never asks for row gradients
+    assert_matches(result, grads, two_pass_reference(b, loss_fn))
+    assert [r.getMessage() for r in caplog.records] == [
+        "log_probs_entropy_and_loss: loss fragmented: the chunk of kept logits or the fp32 d_weight accumulator could "
+        "not be allocated (CUDA out of memory. Tried to allocate 2.32 GiB.); this call runs the two-pass path (logits "
+        "recomputed in backward)"
+    ]
+
+
 def test_chunks_from_free_memory_still_respect_row_groups(monkeypatch):
     b = batch()
     cost, fixed, _ = _cost_and_fixed(b)

@@ -99,6 +99,60 @@ def test_free_memory_sizes_the_chunk():
     assert _rel(short_dh, d_hidden) < GRAD_TOL and _rel(short_dw, d_weight) < GRAD_TOL
 
 
+def _strand(size: int) -> torch.Tensor:
+    """A new cached segment of `size` bytes split by a small allocation: the rest of it is free but not releasable
+    ("inactive split"), usable only by requests that fit it. Returns the small allocation, sized just above every
+    free piece already cached, so that the allocator's best fit takes it from the new segment."""
+    torch.cuda.empty_cache()  # only pieces of segments in use stay cached
+    pieces = [block["size"] for segment in torch.cuda.memory_snapshot() for block in segment["blocks"]
+              if block["state"] == "inactive"]
+    kept = max(pieces, default=0) + 2 * 2**20
+    assert kept <= size // 4, f"the cache already holds a free piece of {max(pieces)} bytes"
+    segment = torch.empty(size, dtype=torch.uint8, device="cuda")
+    del segment
+    return torch.empty(kept, dtype=torch.uint8, device="cuda")
+
+
+def test_stranded_cache_pieces_are_not_counted_as_free():
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = chunking.available_bytes(device)
+    stranded_before = torch.cuda.memory_stats(device)["inactive_split_bytes.all.current"]
+    piece = _strand(2**30)
+    try:
+        stranded = torch.cuda.memory_stats(device)["inactive_split_bytes.all.current"] - stranded_before
+        after = chunking.available_bytes(device)
+        kept = piece.numel()
+    finally:
+        del piece
+        torch.cuda.empty_cache()
+    assert abs(stranded - (2**30 - kept)) <= 2**20  # the segment's free rest
+    assert abs((before - after) - 2**30) <= 2 * 2**20  # the whole segment is gone from what a chunk can get
+
+
+def test_a_fragmented_cache_sizes_the_chunk_without_running_out_of_memory(caplog):
+    """Room for a 1.5 GiB chunk, of which 1 GiB is a stranded cache piece: counting it would plan a chunk the
+    allocator cannot give; the plan counts what can be allocated and every chunk runs."""
+    inputs = _inputs()
+    fixed, accumulator, cost = _fixed_and_row(*inputs[:3])
+    _, loss, d_hidden, d_weight, _ = _run(*inputs)
+    hog = _hold_all_but(fixed + accumulator + 3 * 2**29)
+    piece = _strand(2**30)
+    try:
+        available = chunking.available_bytes(torch.device("cuda"))
+        with caplog.at_level(logging.WARNING, logger="verl_fused_hook.ops.chunking"):
+            sizes, short_loss, short_dh, short_dw, peak = _run(*inputs)
+    finally:
+        del hog, piece
+        torch.cuda.empty_cache()
+    fit = (available - fixed - accumulator) // cost.row_bytes
+    print(f"counted {available / 2**30:.2f} GiB: chunks {sizes} (fit {fit}), peak {peak / 2**30:.2f} GiB")
+    assert [r.getMessage() for r in caplog.records] == []  # neither out of memory nor a fallback
+    assert len(sizes) >= 2 and max(sizes) <= fit and sum(sizes) == N
+    torch.testing.assert_close(short_loss, loss, rtol=1e-6, atol=0)
+    assert _rel(short_dh, d_hidden) < GRAD_TOL and _rel(short_dw, d_weight) < GRAD_TOL
+
+
 def test_no_row_block_in_free_memory_takes_the_two_pass_path(caplog):
     inputs = _inputs()
     fixed, accumulator, cost = _fixed_and_row(*inputs[:3])

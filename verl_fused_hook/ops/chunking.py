@@ -5,7 +5,8 @@ the chunk is sized from the budget and, on CUDA, from the memory free at the cal
 two-pass op must not run out of memory because the loss is inside. A sequence-level loss (GSPO, geo_mean)
 differentiates a row correctly only once its whole sequence is computed, so with `row_groups` chunk
 boundaries fall between groups. When neither works (no chunk of the smallest size fits, or a group is longer
-than a chunk) the call takes the two-pass path, with a warning once per loss and reason. Under tensor
+than a chunk; or, loss_inside.py, the planned buffers cannot be allocated) the call takes the two-pass path, with
+a warning once per loss and reason. Under tensor
 parallelism every rank must walk the same chunks: one MIN all-reduce per call agrees on them.
 """
 
@@ -66,13 +67,17 @@ class RowGroups:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Bytes the call can still allocate on `device`: on CUDA the driver's free memory plus what PyTorch's caching
-    allocator holds reserved but unallocated; None elsewhere (no query: the budget alone sizes the chunk).
-    Tests replace this function to simulate a GPU short of memory."""
+    """Bytes the call can still allocate on `device` in large pieces: on CUDA the driver's free memory plus the
+    cached blocks PyTorch's caching allocator can hand back to it (reserved, unallocated, and not a free piece of a
+    segment still partly in use: such "inactive split" memory serves only requests that fit the piece, and a chunk
+    of stored logits or the fp32 d_weight accumulator is gigabytes); None elsewhere (no query: the budget alone
+    sizes the chunk). Tests replace this function to simulate a GPU short of memory."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    stranded = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+    return free + max(0, cached - stranded)
 
 
 def check_row_groups(row_groups, labels: torch.Tensor) -> None:
@@ -117,7 +122,7 @@ def row_group_units(row_groups: torch.Tensor, p: LogProbProblem) -> RowGroups:
 _fallbacks_logged: set[tuple[str, str]] = set()
 
 
-def _log_fallback(loss_name: str, reason: str, message: str) -> None:
+def log_fallback(loss_name: str, reason: str, message: str) -> None:
     """A warning the first time a loss falls back for a reason; later calls at debug level."""
     key = (loss_name, reason)
     logger.log(logging.DEBUG if key in _fallbacks_logged else logging.WARNING, message)
@@ -196,7 +201,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     if rows < minimal:
         need = fixed + accumulator + minimal * cost.row_bytes
         elsewhere = available is not None and available >= need
-        _log_fallback(loss_name, "memory", (
+        log_fallback(loss_name, "memory", (
             f"log_probs_entropy_and_loss: loss {loss_name}: too little free GPU memory for a chunk of {minimal} rows: "
             f"{_size(need)} needed ({_size(minimal * cost.row_bytes)} for the chunk, {_size(accumulator)} for the fp32 "
             f"d_weight accumulator, {_size(fixed)} for the gradients, per-row vectors and the "
@@ -208,7 +213,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     if groups is not None and want_grads:
         longest = int(groups.lengths.argmax())
         if int(groups.lengths[longest]) > rows:
-            _log_fallback(loss_name, "group", (
+            log_fallback(loss_name, "group", (
                 f"log_probs_entropy_and_loss: loss {loss_name}: row group {int(groups.groups[longest])} has "
                 f"{int(groups.lengths[longest])} scored rows, more than a chunk holds ({rows} rows, set by {bound}); "
                 "this call runs the two-pass path (logits recomputed in backward). A larger chunk_bytes or "

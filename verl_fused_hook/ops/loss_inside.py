@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .backends import check_backend_name, resolve_backend
-from .chunking import check_row_groups, plan_chunks, row_group_units
+from .chunking import check_row_groups, log_fallback, plan_chunks, row_group_units
 from .fallback import two_pass_loss
 from .host_evaluation import HostCopy, evaluate_on_host, evaluation_stream
 from .interface import build_problem
@@ -52,8 +52,9 @@ class FusedLossResult:
     entropy: torch.Tensor | None
 
 
-def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes):
-    """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients.
+def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accumulator: torch.Tensor | None = None):
+    """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients
+    (`accumulator`: the fp32 d_weight sum's buffer, from `_workspace`).
     Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
     device, n = p.hidden.device, p.num_rows
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
@@ -65,7 +66,7 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes):
     if want_grads:
         d_weight = torch.empty_like(p.weight)
         d_weight[p.valid_columns :].zero_()
-        weight_sum = WeightGradientSum(d_weight[: p.valid_columns], passes.block_count)
+        weight_sum = WeightGradientSum(d_weight[: p.valid_columns], passes.block_count, accumulator)
     # The final evaluation should overlap the last chunk's gradient GEMMs (host_evaluation.py): on host copies
     # taken ahead of those GEMMs with host_loss_fn, else (CUDA, where the backend's GEMMs leave room for it) on
     # a high-priority stream that waits only for the last chunk's statistics.
@@ -118,6 +119,25 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes):
     return loss, metrics, log_probs, entropy, d_hidden, d_weight
 
 
+def _workspace(p: LogProbProblem, module, spans: list[slice], loss_name: str):
+    """(the backend's passes with their buffer of kept logits, the fp32 d_weight accumulator or None), allocated
+    before any work; None, with a warning, when the allocator cannot give them (the free memory counted was there,
+    in pieces too small): the call then takes the two-pass path instead of running out of memory halfway."""
+    passes = accumulator = None
+    try:
+        passes = module.loss_inside_passes(p, True, spans)
+        if passes.block_count > 1 and p.weight.dtype != torch.float32:
+            accumulator = torch.empty(p.valid_columns, p.weight.shape[1], dtype=torch.float32, device=p.weight.device)
+        return passes, accumulator
+    except torch.OutOfMemoryError as error:
+        del passes, accumulator
+        log_fallback(loss_name, "allocation", (
+            f"log_probs_entropy_and_loss: loss {loss_name}: the chunk of kept logits or the fp32 d_weight accumulator "
+            f"could not be allocated ({' '.join(str(error).split())[:240]}); this call runs the two-pass path "
+            "(logits recomputed in backward)"))
+        return None
+
+
 def _scaled(gradient: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if bool(scale == 1):
         return gradient
@@ -128,8 +148,8 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
     """Forward does all the work; backward scales the stored input gradients by d(result)/d(loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, p: LogProbProblem, call: LossCall, make_passes):
-        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, make_passes(p, True))
+    def forward(ctx, hidden, weight, p: LogProbProblem, call: LossCall, workspace):
+        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, *workspace)
         ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
         ctx.set_materialize_grads(False)
         return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
@@ -241,16 +261,14 @@ def log_probs_entropy_and_loss(
         spans = plan_chunks(p, module.loss_inside_cost(p, p.needs_grad), want_grads=p.needs_grad, chunk_rows=chunk_rows,
                             chunk_bytes=chunk_bytes, groups=groups, loss_name=loss_name)
 
-        def make_passes(problem: LogProbProblem, keep: bool):
-            return module.loss_inside_passes(problem, keep, spans)
-
-        if spans is None:
+        workspace = _workspace(p, module, spans, loss_name) if spans is not None and p.needs_grad else None
+        if spans is None or (p.needs_grad and workspace is None):
             loss, metrics, log_probs, entropy = two_pass_loss(p, call, module)
         elif not p.needs_grad:
             with torch.no_grad():
-                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, make_passes(p, False))
+                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, module.loss_inside_passes(p, False, spans))
         else:
-            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, make_passes)
+            loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, workspace)
             metrics = call.metrics
             entropy = entropy if p.calculate_entropy else None
     return FusedLossResult(

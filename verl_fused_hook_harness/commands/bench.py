@@ -24,6 +24,7 @@ layer plus the policy loss (bench_loss.py; they need `import verl`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -32,9 +33,12 @@ from typing import Callable
 
 import torch
 
+from verl_fused_hook.ops.chunking import available_bytes
+
 from ..support.reports import write_json
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import bench_loss
+from .bench_memory import ChunkPlans, hold_memory
 from .bench_methods import ALL_METHODS, load_methods
 from .bench_report import markdown, plot
 
@@ -115,12 +119,20 @@ def _floor_chunk_ms(hidden, weight, rows, warmup, repeats) -> dict:
     return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw}
 
 
+def floor_chunk_bytes(weight: torch.Tensor) -> int:
+    """FLOOR_CHUNK_BYTES, or less when the GPU is short of memory (--leave-free-gib): a third of what is free
+    beside the timing's d_weight (what the fused loss counts as free: the driver's free memory and the caching
+    allocator's unused blocks), so the floor never runs out of memory where the methods it measures fit."""
+    free = available_bytes(weight.device) - weight.numel() * weight.element_size()
+    return max(1, min(FLOOR_CHUNK_BYTES, free // 3))
+
+
 def floor_ms(hidden, weight, warmup, repeats) -> dict:
     """cuBLAS floor of these shapes: one GEMM forward, 4 GEMMs forward+backward with recompute. Past
-    FLOOR_CHUNK_BYTES of [N, V] logits the GEMMs are timed on row chunks and summed (the same FLOPs; a
+    `floor_chunk_bytes` of [N, V] logits the GEMMs are timed on row chunks and summed (the same FLOPs; a
     single-shot floor would need the whole [N, V] gradient in memory)."""
     n, v = hidden.shape[0], weight.shape[0]
-    rows = max(1, min(n, FLOOR_CHUNK_BYTES // (hidden.element_size() * v)))
+    rows = max(1, min(n, floor_chunk_bytes(weight) // (hidden.element_size() * v)))
     full, rest = divmod(n, rows)
     chunk = _floor_chunk_ms(hidden, weight, rows, warmup, repeats)
     total = {key: full * value for key, value in chunk.items()}
@@ -155,15 +167,19 @@ def _guard(label: str, thunk: Callable[[], object]):
         return thunk()
     except (torch.OutOfMemoryError, AssertionError, RuntimeError, ValueError) as error:
         torch.cuda.empty_cache()
-        reason = "out of memory" if isinstance(error, torch.OutOfMemoryError) else f"{type(error).__name__}: {error}"
-        print(f"# {label}: {reason.splitlines()[0][:200]}", flush=True)
-        return reason.splitlines()[0][:200]
+        if isinstance(error, torch.OutOfMemoryError):  # torch's first sentences: what it tried to allocate, what was free
+            reason = "out of memory: " + " ".join(str(error).split())[:400]
+        else:
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        print(f"# {label}: {reason}", flush=True)
+        return reason
 
 
-def bench_shape(n, h, v, methods, args) -> dict:
+def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict:
     hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=n)
+    held = hold_memory(args.leave_free_gib)
     t = args.temperature
-    row = {"N": n, "H": h, "V": v}
+    row = {"N": n, "H": h, "V": v} | ({} if held is None else {"held_gib": held.numel() / GIB})
     if args.floor:
         floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
     for name, fn in methods.items():
@@ -172,6 +188,8 @@ def bench_shape(n, h, v, methods, args) -> dict:
         result["fwd_bwd_ms"] = _guard(label, lambda: time_ms(
             lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent), args.warmup, args.repeats))
         if args.quick:
+            if plans is not None and (lines := plans.take()):
+                result["chunk_plans"] = lines
             row[name] = result
             print(f"# {label} {result}", flush=True)
             continue
@@ -187,6 +205,8 @@ def bench_shape(n, h, v, methods, args) -> dict:
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
                 lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats))
+        if plans is not None and (lines := plans.take()):
+            result["chunk_plans"] = lines
         row[name] = result
         print(f"# {label} {result}", flush=True)
     if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after
@@ -273,8 +293,9 @@ def main(argv=None) -> int:
                         help="no measuring (no GPU needed): redraw the plot of a finished run's JSON into --out and "
                         "print its tables")
     parser.add_argument("--leave-free-gib", type=float, default=None, metavar="G",
-                        help="hold all but G GiB of the GPU's free memory in another allocation while measuring "
-                        "(a job short of memory: the fused loss sizes its chunk from what is free)")
+                        help="at each shape, once its inputs exist, hold all but G GiB of the GPU's free memory in "
+                        "another allocation while measuring (a job short of memory: the fused loss sizes its chunk "
+                        "from what is free; its chunk plans are recorded)")
     add_verbose_argument(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -285,18 +306,7 @@ def main(argv=None) -> int:
     if args.leave_free_gib is not None and args.leave_free_gib <= 0:
         parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):
-        held = hold_memory(args.leave_free_gib)
-        return measure(args, argv, held)
-
-
-def hold_memory(leave_free_gib: float | None) -> torch.Tensor | None:
-    """An allocation of everything free on the GPU but `leave_free_gib` GiB (None: nothing held)."""
-    if leave_free_gib is None:
-        return None
-    free = torch.cuda.mem_get_info()[0]
-    hold = max(0, free - int(leave_free_gib * GIB))
-    print(f"# holding {hold / GIB:.1f} GiB of {free / GIB:.1f} GiB free; {leave_free_gib:g} GiB left", flush=True)
-    return torch.empty(hold, dtype=torch.uint8, device="cuda")
+        return measure(args, argv)
 
 
 def redraw(json_path: Path, out: Path) -> int:
@@ -310,9 +320,9 @@ def redraw(json_path: Path, out: Path) -> int:
     return 0
 
 
-def measure(args, argv: list[str], held: torch.Tensor | None = None) -> int:
+def measure(args, argv: list[str]) -> int:
     """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables
-    (`held`: memory another allocation holds meanwhile, recorded)."""
+    (with --leave-free-gib, another allocation holds the rest of the GPU at each shape, recorded)."""
     names = [m for m in args.methods.split(",") if m]
     unknown = set(names) - set(ALL_METHODS)
     if unknown:
@@ -325,7 +335,7 @@ def measure(args, argv: list[str], held: torch.Tensor | None = None) -> int:
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
         "methods": (["floor"] if args.floor else []) + list(methods),
-        "held_gib": None if held is None else held.numel() / GIB,
+        "leave_free_gib": args.leave_free_gib,
         "shapes": [],
     }
     if args.accuracy_shape:
@@ -333,9 +343,10 @@ def measure(args, argv: list[str], held: torch.Tensor | None = None) -> int:
         results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
     settle_clocks()
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
-    for n, h, v in shapes:
-        results["shapes"].append(bench_shape(n, h, v, methods, args))
-        torch.cuda.empty_cache()
+    with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:
+        for n, h, v in shapes:
+            results["shapes"].append(bench_shape(n, h, v, methods, args, plans))
+            torch.cuda.empty_cache()
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results)

@@ -14,7 +14,9 @@ from ..support.reports import pyplot
 def _fmt(value, reference=None):
     """'12.3 ms (1.05x)' against a reference time, '12.3 ms' without one, or why there is no number."""
     if not isinstance(value, float):
-        return "OOM" if value == "out of memory" else ("n/a" if value is None else "failed")
+        if value is None:
+            return "n/a"
+        return "OOM" if str(value).startswith("out of memory") else "failed"
     return f"{value:.1f} ms ({value / reference:.2f}x)" if reference else f"{value:.1f} ms"
 
 

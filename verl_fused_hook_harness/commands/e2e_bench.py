@@ -23,7 +23,8 @@ op and both kernels are the `torch` backend, as in the A/B script (ab_parity.py)
 Per size and mode: median time and peak memory of forward+backward and of the
 no-grad forward (CUDA events / torch.cuda.max_memory_allocated; peak is above
 what was allocated before the step, weights and batch: activations, the
-parameter gradients and the kernel's buffers), after warm-ups. Parity
+parameter gradients and the kernel's buffers), after warm-ups, the timed repeats taken in
+rounds over the modes (so a drift in the machine's speed does not favour one mode). Parity
 is measured on the first warm-up step against legacy: log-probs and entropy on
 the rows the loss reads, the loss, and every parameter gradient. On CUDA that
 step runs bitwise repeatable (`verl_fused_hook_harness.support.determinism`: SDPA's
@@ -56,6 +57,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -111,36 +113,46 @@ def run(args) -> dict:
         if layout == "bshd":
             entry["padded_tokens"] = e2e_bshd.padded_tokens(batch[4])
         report["sizes"].append(entry)
-        reference = None
+        reference, primed = None, []
         for mode in modes:
             resolved = enable(model, engines[mode.name], mode)
             step = step_class(model, engines[mode.name], batch, mode, device, kernels["ours"])
             row = {"mode": mode.name, "resolved": resolved, "kernel": kernels[mode.kernel], "masked": mode.score_mask}
+            entry["modes"].append(row)
             try:
-                sample = measure_mode(step, row, entry, repeatable, clock, args, reference_name, parity_key, reference)
+                sample = prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference)
                 if mode.name == reference_name:
                     reference = sample
                 del sample
+                primed.append((mode, step, row))
             except torch.OutOfMemoryError:
-                row["oom"] = True
-                print(f"[{tokens}] {mode.name:<15} out of device memory", flush=True)
+                mark_out_of_memory(model, tokens, row)
             del step
-            free_step_memory(model)
-            entry["modes"].append(row)
+        reference = None
+        time_in_rounds(primed, model, engines, enable, clock, args.repeats, tokens)
+        for _, _, row in primed:
             if not row.get("oom"):
-                print(f"[{tokens}] {mode.name:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
+                print(f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
                       f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}"
                       f"{parity_note(reference_name, row.get(parity_key))}", flush=True)
-        reference = None
+        del primed
         free_step_memory(model)
         write_report(report, args.out, "e2e", markdown_table)  # after every size: a cut-off run keeps its sizes
+    if args.profile is not None:
+        profile_steps(args, hf_config, model, engines, modes, enable, step_class, kernels)
     reset_fused_mode(model)
     return report
 
 
-def measure_mode(step, row, entry, repeatable, clock, args, reference_name, parity_key, reference) -> dict:
-    """Parity sample (first warm-up), warm-ups, timed training steps and no-grad forwards of one mode, into
-    `row`; returns the parity sample."""
+def mark_out_of_memory(model, tokens: int, row: dict) -> None:
+    row["oom"] = True
+    free_step_memory(model)
+    print(f"[{tokens}] {row['mode']:<15} out of device memory", flush=True)
+
+
+def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference) -> dict:
+    """Parity sample (first warm-up), the other warm-ups and a no-grad warm-up of one mode, parity into `row`;
+    returns the parity sample."""
     model = step.model
     free_step_memory(model)
     sample = parity_sample(step, repeatable)  # first warm-up
@@ -152,48 +164,85 @@ def measure_mode(step, row, entry, repeatable, clock, args, reference_name, pari
         row[parity_key] = compare_samples(reference, sample)
         if not step.mode.score_mask:
             row[parity_key]["all_rows_log_probs"] = max_abs(reference["all_log_probs"], sample["all_log_probs"])
-    free_step_memory(model)
     for _ in range(args.warmups - 1):
         free_step_memory(model)
         step.train()
-    prepare = functools.partial(free_step_memory, model)
-    row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(step.train, args.repeats, prepare)
-    row["train_times_s"] = clock.last_times
     free_step_memory(model)
-
-    def forward_no_grad():
-        with torch.no_grad():
-            step.forward()
-
-    forward_no_grad()
-    row["forward_s"], row["forward_peak_bytes"], row["forward_peak_abs_bytes"] = clock.measure(
-        forward_no_grad, args.repeats
-    )
-    row["forward_times_s"] = clock.last_times
-    if args.profile is not None:
-        profile_step(step, args.profile / f"profile_{entry['tokens']}_{step.mode.name}.txt")
+    forward_no_grad(step)
     return sample
 
 
-def profile_step(step, path: Path) -> None:
-    """One forward+backward of `step` under torch's profiler: the operators by device time and by host time,
-    written to `path` (why one mode's step takes longer than another's with the same kernel)."""
+def forward_no_grad(step) -> None:
+    with torch.no_grad():
+        step.forward()
+
+
+def time_in_rounds(primed, model, engines, enable, clock, repeats: int, tokens: int) -> None:
+    """The timed forward+backward steps, then the timed no-grad forwards, in rounds over the modes (A, B, C, A, B,
+    C, ...), into each mode's row: a drift in the host's or the GPU's speed during the run (clocks, the host's
+    other load) then spreads over every mode instead of favouring the one timed first."""
+    prepare = functools.partial(free_step_memory, model)
+    for kind in ("train", "forward"):
+        times = {row["mode"]: [] for _, _, row in primed}
+        peaks = {row["mode"]: [0] for _, _, row in primed}
+        absolute = {row["mode"]: [0] for _, _, row in primed}
+        for _ in range(repeats):
+            for mode, step, row in primed:
+                if row.get("oom"):
+                    continue
+                enable(model, engines[mode.name], mode)
+                work = step.train if kind == "train" else functools.partial(forward_no_grad, step)
+                try:
+                    seconds, peak, peak_absolute = clock.measure(work, 1, prepare if kind == "train" else None)
+                except torch.OutOfMemoryError:
+                    mark_out_of_memory(model, tokens, row)
+                    continue
+                times[mode.name].append(seconds)
+                peaks[mode.name].append(peak)
+                absolute[mode.name].append(peak_absolute)
+        free_step_memory(model)
+        for _, _, row in primed:
+            if not row.get("oom"):
+                name = row["mode"]
+                row[f"{kind}_s"], row[f"{kind}_times_s"] = statistics.median(times[name]), times[name]
+                row[f"{kind}_peak_bytes"], row[f"{kind}_peak_abs_bytes"] = max(peaks[name]), max(absolute[name])
+
+
+def profile_steps(args, hf_config, model, engines, modes, enable, step_class, kernels) -> None:
+    """One forward+backward and one no-grad forward per size and mode under torch's profiler, once every timing is
+    done: after a profile with CUDA activity the host runs every operator slower for the rest of the process (on the
+    H200 ~30% more host time per operator, the same calls), which a host-bound step shows in its time."""
+    for tokens in args.sizes:
+        batch = e2e_rollout(hf_config.vocab_size, tokens, args.device, args.seed)
+        for mode in modes:
+            enable(model, engines[mode.name], mode)
+            step = step_class(model, engines[mode.name], batch, mode, args.device, kernels["ours"])
+
+            for work, suffix in ((step.train, ""), (functools.partial(forward_no_grad, step), "_no_grad")):
+                profile_work(work, mode.name, model, args.profile / f"profile_{tokens}_{mode.name}{suffix}.txt")
+            del step
+            free_step_memory(model)
+
+
+def profile_work(work, mode_name: str, model, path: Path) -> None:
+    """One call of `work` under torch's profiler: the operators by device time and by host time, written to `path`
+    (why one mode's step takes longer than another's with the same kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
-    free_step_memory(step.model)
+    free_step_memory(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        step.train()
+        work()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     averages = prof.key_averages()
     device_sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"# {step.mode.name}: by device time\n{averages.table(sort_by=device_sort, row_limit=40)}\n"
-        f"# {step.mode.name}: by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
+        f"# {mode_name}: by device time\n{averages.table(sort_by=device_sort, row_limit=40)}\n"
+        f"# {mode_name}: by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
     )
-    free_step_memory(step.model)
+    free_step_memory(model)
 
 
 def main(argv=None) -> int:
@@ -217,7 +266,8 @@ def main(argv=None) -> int:
                         help="initialize weights on the CPU (default: on the CPU only when running there)")
     parser.add_argument("--out", type=Path, default=None, help="folder for e2e.json and e2e.md (rewritten after every size)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="also profile one forward+backward per size and mode (torch.profiler): DIR/profile_*.txt")
+                        help="then profile one forward+backward and one no-grad forward per size and mode (torch.profiler), "
+                        "after every timed step: DIR/profile_TOKENS_MODE.txt and DIR/profile_TOKENS_MODE_no_grad.txt")
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")

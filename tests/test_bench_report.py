@@ -1,0 +1,56 @@
+"""The bench's report from a finished run's JSON (`bench --plot-only`): runs on the CPU, no GPU needed."""
+
+import json
+
+from verl_fused_hook_harness.commands import bench
+
+
+def _run(tmp_path):
+    results = {
+        "device": "NVIDIA H200", "torch": "2.11", "command": "verl-fused-hook bench", "temperature": 0.7,
+        "methods": ["floor", "triton", "fused_loss", "verl_loss"], "held_gib": None,
+        "shapes": [{
+            "N": 8192, "H": 4096, "V": 151936,
+            "floor": {"gemm_ms": 14.0, "dx_ms": 14.5, "dw_ms": 14.5, "fwd_bwd_ms": 57.0, "fwd_bwd_3gemm_ms": 43.0},
+            "triton": {"fwd_bwd_ms": 61.0, "extra_gib": 0.25, "fwd_ms": 16.0},
+            "fused_loss": {"fwd_bwd_ms": "out of memory: CUDA out of memory. Tried to allocate 2.32 GiB.", "fwd_ms": 18.0},
+            "verl_loss": {"fwd_bwd_ms": 98.0, "extra_gib": 0.29, "fwd_ms": None},
+        }],
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
+def test_plot_only_redraws_and_prints_the_tables_marking_out_of_memory(tmp_path, capsys):
+    assert bench.main(["--plot-only", str(_run(tmp_path)), "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert "61.0 ms (1.07x)" in out  # ratio to the four-GEMM floor of the same run
+    assert "OOM" in out and "98.0 ms (1.72x)" in out
+    assert "n/a" in out  # a forward that was not measured is said to be missing, not shown as a number
+
+
+def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger():
+    import logging
+
+    import torch
+
+    from verl_fused_hook.ops import log_probs_entropy_and_loss
+    from verl_fused_hook_harness.commands.bench_memory import ChunkPlans
+
+    chunking_logger = logging.getLogger("verl_fused_hook.ops.chunking")
+    level = chunking_logger.level
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 8, generator=g, requires_grad=True)
+    weight = torch.randn(37, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 37, (300,), generator=g)
+    with ChunkPlans() as plans:
+        for _ in range(2):  # the same plan twice: recorded once
+            result = log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}),
+                                                loss_name="sum", backend="torch", chunk_rows=128)
+            result.loss.backward()
+        lines = plans.take()
+    assert lines == ["log_probs_entropy_and_loss: loss sum: 300 scored rows in 3 chunks of up to 128 rows (set by "
+                     "chunk_rows=128)"]
+    assert plans.take() == [] and chunking_logger.level == level and plans not in chunking_logger.handlers
