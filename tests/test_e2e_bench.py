@@ -61,32 +61,37 @@ def test_layers_must_be_positive(capsys):
 
 
 def test_timed_repeats_run_in_rounds_over_the_modes():
-    """A drift in the machine's speed must not favour the mode timed first: repeats go A, B, A, B, ..."""
+    """A drift in the machine's speed must not favour the mode timed first: repeats go A, B, A, B, ...; each mode's
+    own timed steps feed its tally."""
     import torch
 
-    from verl_fused_hook_harness.commands.e2e_bench import time_in_rounds
-    from verl_fused_hook_harness.commands.e2e_setup import Clock
-    from verl_fused_hook_harness.support.modes import Mode
+    from verl_fused_hook_harness.commands.e2e_setup import Clock, Primed, time_in_rounds
 
-    calls = []
+    calls, modes_set, counter = [], [], [0]
 
-    class RecordingStep:  # stands in for e2e_thd.Step: records which mode ran and whether gradients were on
-        def __init__(self, name):
-            self.name = name
+    def work(name, kind):
+        def run():
+            calls.append((name, kind, torch.is_grad_enabled()))
+            counter[0] += name == "b"  # only mode b's steps count (as the fused loss's calls)
 
-        def train(self):
-            calls.append((self.name, "train", torch.is_grad_enabled()))
+        return run
 
-        def forward(self):
-            calls.append((self.name, "forward", torch.is_grad_enabled()))
+    def no_grad(run):
+        def wrapped():
+            with torch.no_grad():
+                run()
 
-    modes = [Mode("a", hook=False, kernel="verl"), Mode("b", hook=True, kernel="ours")]
-    primed = [(mode, RecordingStep(mode.name), {"mode": mode.name}) for mode in modes]
-    enabled = []
-    time_in_rounds(primed, torch.nn.Linear(1, 1), {"a": "engine a", "b": "engine b"},
-                   lambda model, engine, mode: enabled.append(engine), Clock("cpu"), 3, 128)
+        return wrapped
+
+    primed = [Primed(f"step {name}", {"mode": name}, lambda name=name: modes_set.append(name),
+                     {"train": work(name, "train"), "forward": no_grad(work(name, "forward"))}) for name in ("a", "b")]
+    prepared = []
+    time_in_rounds(primed, Clock("cpu"), 3, {"train": lambda: prepared.append(1), "forward": None}, None,
+                   ("calls", lambda: counter[0]))
     assert calls == [("a", "train", True), ("b", "train", True)] * 3 + [("a", "forward", False), ("b", "forward", False)] * 3
-    assert enabled == ["engine a", "engine b"] * 6  # each timed step runs in its own mode
-    for _, _, row in primed:
-        assert len(row["train_times_s"]) == len(row["forward_times_s"]) == 3
-        assert row["train_s"] >= 0 and row["forward_peak_bytes"] >= 0
+    assert modes_set == ["a", "b"] * 6  # each timed step runs in its own mode
+    assert len(prepared) == 6  # before each timed training step only
+    assert [p.row["calls"] for p in primed] == [0, 6]
+    for p in primed:
+        assert len(p.row["train_times_s"]) == len(p.row["forward_times_s"]) == 3
+        assert p.row["train_s"] >= 0 and p.row["forward_peak_bytes"] >= 0

@@ -57,7 +57,6 @@ import argparse
 import contextlib
 import functools
 import logging
-import statistics
 import sys
 from pathlib import Path
 
@@ -72,7 +71,7 @@ from ..support.reports import gib, ms, write_report
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ..support.verl_engine import megatron_engine, reset_fused_mode
 from . import e2e_bench_mtp, e2e_bshd, e2e_fused_loss
-from .e2e_setup import Clock, build_model, free_step_memory, header_with_temperature, prepare_process
+from .e2e_setup import Clock, Primed, build_model, free_step_memory, header_with_temperature, prepare_process, time_in_rounds
 from .e2e_thd import MODES, PARITY_KEY, REFERENCE, Step, compare_samples, enable_mode, markdown_table, parity_note, parity_sample
 
 
@@ -124,13 +123,17 @@ def run(args) -> dict:
                 if mode.name == reference_name:
                     reference = sample
                 del sample
-                primed.append((mode, step, row))
+                primed.append(Primed(step, row, functools.partial(enable, model, engines[mode.name], mode),
+                                     {"train": step.train, "forward": functools.partial(forward_no_grad, step)}))
             except torch.OutOfMemoryError:
                 mark_out_of_memory(model, tokens, row)
             del step
         reference = None
-        time_in_rounds(primed, model, engines, enable, clock, args.repeats, tokens)
-        for _, _, row in primed:
+        time_in_rounds(primed, clock, args.repeats, {"train": functools.partial(free_step_memory, model), "forward": None},
+                       lambda p: mark_out_of_memory(model, tokens, p.row))
+        free_step_memory(model)
+        for p in primed:
+            row = p.row
             if not row.get("oom"):
                 print(f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
                       f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}"
@@ -175,37 +178,6 @@ def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, r
 def forward_no_grad(step) -> None:
     with torch.no_grad():
         step.forward()
-
-
-def time_in_rounds(primed, model, engines, enable, clock, repeats: int, tokens: int) -> None:
-    """The timed forward+backward steps, then the timed no-grad forwards, in rounds over the modes (A, B, C, A, B,
-    C, ...), into each mode's row: a drift in the host's or the GPU's speed during the run (clocks, the host's
-    other load) then spreads over every mode instead of favouring the one timed first."""
-    prepare = functools.partial(free_step_memory, model)
-    for kind in ("train", "forward"):
-        times = {row["mode"]: [] for _, _, row in primed}
-        peaks = {row["mode"]: [0] for _, _, row in primed}
-        absolute = {row["mode"]: [0] for _, _, row in primed}
-        for _ in range(repeats):
-            for mode, step, row in primed:
-                if row.get("oom"):
-                    continue
-                enable(model, engines[mode.name], mode)
-                work = step.train if kind == "train" else functools.partial(forward_no_grad, step)
-                try:
-                    seconds, peak, peak_absolute = clock.measure(work, 1, prepare if kind == "train" else None)
-                except torch.OutOfMemoryError:
-                    mark_out_of_memory(model, tokens, row)
-                    continue
-                times[mode.name].append(seconds)
-                peaks[mode.name].append(peak)
-                absolute[mode.name].append(peak_absolute)
-        free_step_memory(model)
-        for _, _, row in primed:
-            if not row.get("oom"):
-                name = row["mode"]
-                row[f"{kind}_s"], row[f"{kind}_times_s"] = statistics.median(times[name]), times[name]
-                row[f"{kind}_peak_bytes"], row[f"{kind}_peak_abs_bytes"] = max(peaks[name]), max(absolute[name])
 
 
 def profile_steps(args, hf_config, model, engines, modes, enable, step_class, kernels) -> None:

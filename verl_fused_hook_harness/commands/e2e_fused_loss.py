@@ -14,6 +14,8 @@ from a forward-only `forward_step`, as verl's compute_log_prob gives them,
 plus small fixed noise so ratios and the KL term are not trivially 1 and 0)
 and verl's global-batch info. The loss is a GRPO-like `ActorConfig`: vanilla
 clipped loss, token-mean, entropy bonus, low-var KL against the reference.
+Each mode's parity step and warm-ups run first; the timed steps then go in
+rounds over the modes (e2e_setup.time_in_rounds).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from ..support.reports import gib, ms, write_report
 from ..support.verl_engine import megatron_engine, reset_fused_mode
 from .e2e_setup import (
     Clock,
+    Primed,
     build_model,
     free_step_memory,
     header_with_temperature,
     prepare_process,
     snapshot_gradients,
     spread,
+    time_in_rounds,
 )
 from .e2e_thd import compare_samples, enable_mode
 
@@ -261,9 +265,10 @@ def markdown_table(report: dict) -> str:
 # ---------------------------------------------------------------- main
 
 
-def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock: Clock, args, reference) -> dict:
-    """Parity sample (first warm-up, inside `repeatable()`), further warm-ups, timed steps; returns the sample.
-    The row also counts the micro-batches whose ppo_loss ran inside the op (the plugin's own count)."""
+def prime_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, args, reference) -> dict:
+    """Parity sample (first warm-up, inside `repeatable()`) and further warm-ups of one mode; returns the sample.
+    The row counts the micro-batches whose ppo_loss ran inside the op (the plugin's own count; the timed steps
+    add theirs)."""
     model = step.model
     calls_before = counts_of(model).fused_loss_forwards
     free_step_memory(model)
@@ -280,12 +285,14 @@ def measure_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, clock:
     for _ in range(args.warmups - 1):
         free_step_memory(model)
         step.train()
-    row["train_s"], row["train_peak_bytes"], row["train_peak_abs_bytes"] = clock.measure(
-        step.train, args.repeats, functools.partial(free_step_memory, model)
-    )
-    row["train_times_s"] = clock.last_times
     row["fused_loss_calls"] = counts_of(model).fused_loss_forwards - calls_before
     return sample
+
+
+def _out_of_memory(model, tokens: int, row: dict) -> None:
+    row["oom"] = True
+    free_step_memory(model)
+    print(f"[{tokens}] {row['mode']:<21} out of device memory", flush=True)
 
 
 def run_fused_loss(args) -> dict:
@@ -313,32 +320,39 @@ def run_fused_loss(args) -> dict:
         sampled = sample_log_probs(engines[TWO_PASS], model, forward_data)
         data = actor_batch(rollout, sampled, args.seed, sft=args.policy_loss == "sft")
         del forward_data, sampled
-        reference = None
+        reference, primed = None, []
         for mode in modes:
             row = {"mode": mode.name, "kernel": kernels[mode.kernel], "fused_loss": mode.fused_loss}
+            entry["modes"].append(row)
             try:
                 row["resolved"] = enable_loss_mode(model, engines[mode.name], mode)
                 step = LossStep(model, engines[mode.name], data, loss_function, mode, device, kernels["ours"])
-                sample = measure_loss_mode(step, row, entry, repeatable, clock, args, reference)
+                sample = prime_loss_mode(step, row, entry, repeatable, args, reference)
                 if mode.name == TWO_PASS:
                     reference = sample
+                primed.append(Primed(step, row, functools.partial(enable_loss_mode, model, engines[mode.name], mode),
+                                     {"train": step.train}))
                 del step, sample
             except torch.OutOfMemoryError:
-                row["oom"] = True
-                print(f"[{tokens}] {mode.name:<21} out of device memory", flush=True)
+                _out_of_memory(model, tokens, row)
             except Exception as error:  # reported in the table and the log; the other modes still run
                 row["error"] = f"{type(error).__name__}: {error}"[:300]
                 traceback.print_exc()
             free_step_memory(model)
-            entry["modes"].append(row)
+        time_in_rounds(primed, clock, args.repeats, {"train": functools.partial(free_step_memory, model)},
+                       lambda p: _out_of_memory(model, tokens, p.row),
+                       ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards))
+        free_step_memory(model)
+        for row in (p.row for p in primed):
             if "train_s" in row:
                 parity = row.get(PARITY_KEY)
                 note = "" if parity is None else (
                     f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
                     f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
                 )
-                print(f"[{tokens}] {mode.name:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
+                print(f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
                       f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}{note}", flush=True)
+        del primed
         reference = None
         del data
         free_step_memory(model)

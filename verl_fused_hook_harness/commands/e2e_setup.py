@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -120,6 +122,50 @@ class Clock:
                 peaks.append(tracker.peak)
         self.last_times = times
         return statistics.median(times), max(peaks), max(absolute)
+
+
+@dataclass
+class Primed:
+    """A mode ready to be timed (its parity sample and warm-ups done): its step, its report row, how to put the
+    model in its mode, and what each kind of timed work is for it (e.g. "train": its forward+backward)."""
+
+    step: Any
+    row: dict
+    switch: Callable[[], object]
+    works: dict[str, Callable[[], object]] = field(default_factory=dict)
+
+
+def time_in_rounds(primed: list[Primed], clock: Clock, repeats: int, prepare: dict[str, Callable | None], on_oom,
+                   tally: tuple[str, Callable[[], int]] | None = None) -> None:
+    """Every kind of work in `prepare` (kind -> what runs untimed before each repeat, or None), its timed repeats in
+    rounds over the modes (A, B, C, A, B, C, ...), into each row as KIND_s (median), KIND_times_s, KIND_peak_bytes
+    and KIND_peak_abs_bytes. A drift of the host's or the GPU's speed during the run then spreads over every mode
+    instead of favouring the one timed first. A mode out of device memory gets `on_oom(primed)` and leaves the
+    rounds. `tally` (key, counter): each row's KEY gains what the counter added during its own timed steps."""
+    for kind, before in prepare.items():
+        times = {id(p): [] for p in primed}
+        peaks = {id(p): [0] for p in primed}
+        absolute = {id(p): [0] for p in primed}
+        for _ in range(repeats):
+            for p in primed:
+                if p.row.get("oom"):
+                    continue
+                p.switch()
+                counted = tally[1]() if tally else 0
+                try:
+                    seconds, peak, peak_absolute = clock.measure(p.works[kind], 1, before)
+                except torch.OutOfMemoryError:
+                    on_oom(p)
+                    continue
+                if tally:
+                    p.row[tally[0]] = p.row.get(tally[0], 0) + tally[1]() - counted
+                times[id(p)].append(seconds)
+                peaks[id(p)].append(peak)
+                absolute[id(p)].append(peak_absolute)
+        for p in primed:
+            if not p.row.get("oom"):
+                p.row[f"{kind}_s"], p.row[f"{kind}_times_s"] = statistics.median(times[id(p)]), times[id(p)]
+                p.row[f"{kind}_peak_bytes"], p.row[f"{kind}_peak_abs_bytes"] = max(peaks[id(p)]), max(absolute[id(p)])
 
 
 def spread(times: list[float] | None) -> str:
