@@ -54,3 +54,28 @@ def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger
     assert lines == ["log_probs_entropy_and_loss: loss sum: 300 scored rows in 3 chunks of up to 128 rows (set by "
                      "chunk_rows=128)"]
     assert plans.take() == [] and chunking_logger.level == level and plans not in chunking_logger.handlers
+
+
+def test_liger_hopper_methods_are_skipped_with_their_reason_where_they_cannot_run(capsys):
+    """On this CPU-only machine neither Liger Hopper kernel can run: each is left out with the reason, never
+    replaced by Liger's slower fallback under the same name."""
+    from verl_fused_hook_harness.commands.bench_methods import load_methods
+
+    skipped = {}
+    methods = load_methods(["liger_sm90", "liger_tp_native", "naive"], None, skipped)
+    assert list(methods) == ["naive"]
+    assert set(skipped) == {"liger_sm90", "liger_tp_native"}
+    for reason in skipped.values():  # liger-kernel absent, or present without a GPU
+        assert reason == "liger-kernel is not installed" or reason.startswith("needs a CUDA GPU"), reason
+    out = capsys.readouterr().out
+    assert all(f"# {name}: {reason}; skipped" in out for name, reason in skipped.items())
+
+
+def test_the_report_says_which_methods_were_skipped_and_why(tmp_path, capsys):
+    run = json.loads(_run(tmp_path).read_text())
+    run["skipped"] = {"liger_sm90": "its sm90 kernel cannot be imported (No module named 'cutlass'): pip install "
+                                    "nvidia-cutlass-dsl"}
+    path = tmp_path / "skipped.json"
+    path.write_text(json.dumps(run))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    assert "Skipped liger_sm90: its sm90 kernel cannot be imported (No module named 'cutlass')" in capsys.readouterr().out

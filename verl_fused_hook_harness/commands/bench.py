@@ -328,13 +328,15 @@ def measure(args, argv: list[str]) -> int:
     if unknown:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(ALL_METHODS)}")
     args.floor = "floor" in names
-    methods = load_methods(names, args.verl_kernel_dir)
+    skipped: dict[str, str] = {}
+    methods = load_methods(names, args.verl_kernel_dir, skipped)
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
         "methods": (["floor"] if args.floor else []) + list(methods),
+        "skipped": skipped,
         "leave_free_gib": args.leave_free_gib,
         "shapes": [],
     }

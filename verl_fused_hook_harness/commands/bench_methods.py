@@ -15,10 +15,11 @@ import torch
 from verl_fused_hook.ops import log_probs_and_entropy
 
 from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
-from . import bench_loss
+from . import bench_liger, bench_loss
 
 ALL_METHODS = (
-    "floor", "triton", "torch", "naive", "verl", "liger", "cce", "fused_loss", "verl_loss", "fused_loss_gspo", "verl_loss_gspo",
+    "floor", "triton", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
+    "fused_loss_gspo", "verl_loss_gspo",
 )  # fmt: skip
 
 
@@ -72,14 +73,17 @@ def cut_cross_entropy():
     return fn
 
 
-def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
-    """The named methods that can run here (the floor is measured apart)."""
+def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None) -> dict[str, Callable]:
+    """The named methods that can run here (the floor is measured apart); why each other one cannot goes into
+    `skipped` and on a line."""
     loaders = {
         "triton": lambda: ours("triton"),
         "torch": lambda: ours("torch"),
         "naive": lambda: naive,
         "verl": lambda: verl_kernel(verl_kernel_dir),
         "liger": liger,
+        "liger_sm90": bench_liger.liger_sm90,
+        "liger_tp_native": bench_liger.liger_tp_native,
         "cce": cut_cross_entropy,
         "fused_loss": bench_loss.fused_loss_method,
         "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
@@ -91,8 +95,11 @@ def load_methods(names, verl_kernel_dir) -> dict[str, Callable]:
         if name == "floor":
             continue
         fn = loaders[name]()
-        if fn is None:
-            print(f"# {name}: not installed, skipped", flush=True)
+        if fn is None or isinstance(fn, str):
+            reason = fn or "not installed"
+            print(f"# {name}: {reason}; skipped", flush=True)
+            if skipped is not None:
+                skipped[name] = reason
         else:
             methods[name] = fn
     return methods

@@ -74,6 +74,9 @@ def markdown(results: dict) -> str:
                              f"{sci(acc.get('loss_rel_err'))} | {sci(acc['d_hidden_rel_err'])} | {sci(acc['d_weight_rel_err'])} |")
             else:
                 lines.append(f"| {name} | {acc} | | | | |")
+    skipped = results.get("skipped") or {}
+    if skipped:  # methods asked for that cannot run here, and why
+        lines += [""] + [f"Skipped {name}: {reason}." for name, reason in skipped.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,91 @@
+"""Liger-Kernel's Hopper kernels as bench methods: `liger_sm90` and `liger_tp_native`.
+
+Why apart from bench_methods' `liger` (its fused linear cross-entropy, the loss only): Liger >= 0.8.5 also
+returns per-token NLL and entropy at a temperature, the problem this package solves, through two kernels that
+run only on Hopper-class GPUs and only with packages pip does not pull in:
+
+- `liger_sm90`: `LigerFusedLinearScaledCrossEntropyFunction`, which on sm90 dispatches to a CuTe-DSL kernel
+  (needs `nvidia-cutlass-dsl`; without it the dispatch's import fails).
+- `liger_tp_native`: `LigerFusedLinearScaledCrossEntropyTPFunction` on its native CUTLASS + NVSHMEM path (needs
+  the `liger-cute-kernels` wheel), here at TP=1 over a one-rank NCCL group. Its frontend silently takes a
+  chunked torch fallback when the native path is missing; this method refuses to run in that case instead,
+  so a row labelled liger_tp_native is always the native kernel.
+
+Each loader returns the method, or the reason it cannot run here (bench prints it and skips the method).
+Both methods get the raw hidden states and the temperature, like ours, and return (log-probs, entropy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100
+
+
+def _hopper_reason(allow_blackwell: bool = False) -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) == (9, 0) or (allow_blackwell and major == 10):
+        return None
+    return f"needs an sm90 GPU{' or sm100' if allow_blackwell else ''}, got sm{major}{minor}"
+
+
+def liger_sm90() -> Callable | str:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed"
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+    except ImportError as error:
+        return f"needs liger-kernel >= 0.8.5 ({error})"
+    reason = _hopper_reason()
+    if reason is not None:
+        return reason
+    try:  # what the frontend's sm90 dispatch imports
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (  # noqa: F401
+            LigerFusedScaledCrossEntropySM90Function,
+        )
+    except ImportError as error:
+        return f"its sm90 kernel cannot be imported ({error}): pip install nvidia-cutlass-dsl"
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(
+            h, w, labels, float(temperature), IGNORE_INDEX, 1, True
+        )
+        return -nll, entropy
+
+    return fn
+
+
+def liger_tp_native() -> Callable | str:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed"
+    try:
+        from liger_kernel.ops.cute.fused_linear_scaled_cross_entropy_tp import is_available
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyTPFunction
+    except ImportError as error:
+        return f"needs liger-kernel >= 0.8.5 ({error})"
+    reason = _hopper_reason(allow_blackwell=True)
+    if reason is not None:
+        return reason
+    if not is_available():
+        return ("its native CUTLASS + NVSHMEM kernel is not available (the liger-cute-kernels wheel and NVSHMEM); "
+                "the frontend would run its chunked torch fallback instead")
+    if not dist.is_initialized():
+        from ..support.distributed import free_port
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = dist.group.WORLD
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        nll, entropy = LigerFusedLinearScaledCrossEntropyTPFunction.apply(
+            h, w, labels, group, float(temperature), IGNORE_INDEX, 1, True
+        )
+        return -nll, entropy
+
+    return fn
