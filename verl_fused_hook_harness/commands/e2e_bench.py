@@ -123,6 +123,7 @@ def run(args) -> dict:
                 if mode.name == reference_name:
                     reference = sample
                 del sample
+                print(f"[{tokens}] {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}", flush=True)
                 primed.append(Primed(step, row, functools.partial(enable, model, engines[mode.name], mode),
                                      {"train": step.train, "forward": functools.partial(forward_no_grad, step)}))
             except torch.OutOfMemoryError:
@@ -136,8 +137,7 @@ def run(args) -> dict:
             row = p.row
             if not row.get("oom"):
                 print(f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
-                      f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}"
-                      f"{parity_note(reference_name, row.get(parity_key))}", flush=True)
+                      f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}", flush=True)
         del primed
         free_step_memory(model)
         write_report(report, args.out, "e2e", markdown_table)  # after every size: a cut-off run keeps its sizes

@@ -289,6 +289,13 @@ def prime_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, args, re
     return sample
 
 
+def _parity_note(parity: dict | None) -> str:
+    if parity is None:
+        return ""
+    return (f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
+            f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})")
+
+
 def _out_of_memory(model, tokens: int, row: dict) -> None:
     row["oom"] = True
     free_step_memory(model)
@@ -330,6 +337,7 @@ def run_fused_loss(args) -> dict:
                 sample = prime_loss_mode(step, row, entry, repeatable, args, reference)
                 if mode.name == TWO_PASS:
                     reference = sample
+                print(f"[{tokens}] {mode.name:<21} warmed up{_parity_note(row.get(PARITY_KEY))}", flush=True)
                 primed.append(Primed(step, row, functools.partial(enable_loss_mode, model, engines[mode.name], mode),
                                      {"train": step.train}))
                 del step, sample
@@ -345,13 +353,8 @@ def run_fused_loss(args) -> dict:
         free_step_memory(model)
         for row in (p.row for p in primed):
             if "train_s" in row:
-                parity = row.get(PARITY_KEY)
-                note = "" if parity is None else (
-                    f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
-                    f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
-                )
                 print(f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
-                      f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}{note}", flush=True)
+                      f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}", flush=True)
         del primed
         reference = None
         del data
