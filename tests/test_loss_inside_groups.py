@@ -385,6 +385,33 @@ def _rank_room(rank, b: Batch, rows: int) -> int:
     return fixed + rows * cost.row_bytes + cost.row_bytes // 2
 
 
+def _refused_on(rank, refusing: int, b: Batch, loss_fn):
+    """`_rank_call` where rank `refusing`'s allocator refuses the kept-logits buffer (simulated: no GPU here), with
+    the warnings this rank logged."""
+    import logging
+
+    from verl_fused_hook.ops import torch_backend
+
+    original, messages = torch_backend.loss_inside_passes, []
+
+    def refuse(p, keep, spans):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("verl_fused_hook.ops.chunking").addHandler(handler)
+    if rank == refusing:
+        torch_backend.loss_inside_passes = refuse
+    try:
+        return _rank_call(rank, b, loss_fn, 1 << 50, chunk_rows=480), messages
+    finally:
+        torch_backend.loss_inside_passes = original
+        logging.getLogger("verl_fused_hook.ops.chunking").removeHandler(handler)
+
+
 def tp_worker(rank, world_size):
     b = batch()
     plenty = 1 << 50
@@ -406,6 +433,7 @@ def tp_worker(rank, world_size):
     other[b.index[2, 0] : b.index[2, 25]] -= 1
     out["different groups"] = _rank_call(rank, b, gspo(b), plenty, chunk_rows=480,
                                          row_groups=b.row_groups if rank == 0 else other)
+    out["allocation refused on rank 1"] = _refused_on(rank, 1, b, loss_fn)
     broken = b.row_groups.clone()
     broken[b.index[3, 10]] = 0
     out["broken on rank 1"] = _rank_call(rank, b, gspo(b), plenty, chunk_rows=480,
@@ -445,6 +473,27 @@ def test_tp2_ranks_agree_on_chunks_sized_from_their_free_memory(tp_ranks):
         assert ends == [337, 674, 1010], (rank, ends)
         torch.testing.assert_close(got_loss, loss, rtol=RTOL, atol=0)
         assert float((d_hidden - want_dh).abs().max()) <= RTOL * float(want_dh.abs().max())
+
+
+def test_tp2_a_buffer_one_rank_cannot_allocate_sends_every_rank_to_the_two_pass_path(tp_ranks):
+    """Rank 1's allocator refuses its chunk buffer: both ranks run the two-pass path (their collectives must match),
+    each saying why."""
+    b = batch()
+    loss_fn, _ = _weighted_sum(b.labels.numel())
+    loss, _, _, _, (want_dh, want_dw) = two_pass_reference(b, loss_fn)
+    padded_dw = torch.cat([want_dw, torch.zeros(2 * SHARD - V, H)])
+    reasons = ["another rank of tp_group could not allocate its own", "CUDA out of memory. Tried to allocate 1.00 GiB."]
+    for rank, per_rank in enumerate(tp_ranks):
+        (ends, got_loss, _, d_hidden, d_weight), messages = per_rank["allocation refused on rank 1"]
+        assert ends == [], (rank, ends)  # no chunk ran on either rank
+        torch.testing.assert_close(got_loss, loss, rtol=RTOL, atol=0)
+        assert float((d_hidden - want_dh).abs().max()) <= RTOL * float(want_dh.abs().max())
+        shard = padded_dw[rank * SHARD : (rank + 1) * SHARD]
+        assert float((d_weight - shard).abs().max()) <= RTOL * float(want_dw.abs().max())
+        assert messages == [
+            "log_probs_entropy_and_loss: loss gspo tp: the chunk of kept logits or the fp32 d_weight accumulator could "
+            f"not be allocated ({reasons[rank]}); this call runs the two-pass path (logits recomputed in backward)"
+        ]
 
 
 def test_tp2_ranks_must_pass_the_same_row_groups(tp_ranks):

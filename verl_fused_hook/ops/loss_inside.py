@@ -122,20 +122,28 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accum
 def _workspace(p: LogProbProblem, module, spans: list[slice], loss_name: str):
     """(the backend's passes with their buffer of kept logits, the fp32 d_weight accumulator or None), allocated
     before any work; None, with a warning, when the allocator cannot give them (the free memory counted was there,
-    in pieces too small): the call then takes the two-pass path instead of running out of memory halfway."""
-    passes = accumulator = None
+    in pieces too small): the call then takes the two-pass path instead of running out of memory halfway. Under
+    tensor parallelism every rank takes the same path (their collectives differ): one MIN all-reduce agrees."""
+    passes = accumulator = failure = None
     try:
         passes = module.loss_inside_passes(p, True, spans)
         if passes.block_count > 1 and p.weight.dtype != torch.float32:
             accumulator = torch.empty(p.valid_columns, p.weight.shape[1], dtype=torch.float32, device=p.weight.device)
-        return passes, accumulator
     except torch.OutOfMemoryError as error:
-        del passes, accumulator
-        log_fallback(loss_name, "allocation", (
-            f"log_probs_entropy_and_loss: loss {loss_name}: the chunk of kept logits or the fp32 d_weight accumulator "
-            f"could not be allocated ({' '.join(str(error).split())[:240]}); this call runs the two-pass path "
-            "(logits recomputed in backward)"))
-        return None
+        passes = accumulator = None
+        failure = " ".join(str(error).split())[:240]
+    if p.tp_world_size > 1:
+        allocated = torch.tensor([int(failure is None)], dtype=torch.int64, device=p.hidden.device)
+        dist.all_reduce(allocated, op=dist.ReduceOp.MIN, group=p.tp_group)
+        if failure is None and not allocated.item():
+            passes = accumulator = None
+            failure = "another rank of tp_group could not allocate its own"
+    if failure is None:
+        return passes, accumulator
+    log_fallback(loss_name, "allocation", (
+        f"log_probs_entropy_and_loss: loss {loss_name}: the chunk of kept logits or the fp32 d_weight accumulator "
+        f"could not be allocated ({failure}); this call runs the two-pass path (logits recomputed in backward)"))
+    return None
 
 
 def _scaled(gradient: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
