@@ -76,6 +76,8 @@ def available_bytes(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if cached <= 0:  # nothing cached: the allocator's statistics (a dict of every counter) have nothing to add
+        return free
     stranded = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
     return free + max(0, cached - stranded)
 

@@ -35,13 +35,25 @@ def _hopper_reason(allow_blackwell: bool = False) -> str | None:
     return f"needs an sm90 GPU{' or sm100' if allow_blackwell else ''}, got sm{major}{minor}"
 
 
-def liger_sm90() -> Callable | str:
+def _frontend(module: str, *names: str) -> tuple | str:
+    """`names` from liger_kernel's `module`, or why they cannot be had (liger-kernel absent, or older than 0.8.5)."""
     if importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed"
     try:
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
-    except ImportError as error:
+        loaded = importlib.import_module(module)
+        return tuple(getattr(loaded, name) for name in names)
+    except (ImportError, AttributeError) as error:
         return f"needs liger-kernel >= 0.8.5 ({error})"
+
+
+FRONTEND = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
+
+
+def liger_sm90() -> Callable | str:
+    frontend = _frontend(FRONTEND, "LigerFusedLinearScaledCrossEntropyFunction")
+    if isinstance(frontend, str):
+        return frontend
+    (scaled_cross_entropy,) = frontend
     reason = _hopper_reason()
     if reason is not None:
         return reason
@@ -53,7 +65,7 @@ def liger_sm90() -> Callable | str:
         return f"its sm90 kernel cannot be imported ({error}): pip install nvidia-cutlass-dsl"
 
     def fn(h, w, labels, temperature, score_mask=None):
-        nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(
+        nll, entropy = scaled_cross_entropy.apply(
             h, w, labels, float(temperature), IGNORE_INDEX, 1, True
         )
         return -nll, entropy
@@ -62,13 +74,12 @@ def liger_sm90() -> Callable | str:
 
 
 def liger_tp_native() -> Callable | str:
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed"
-    try:
-        from liger_kernel.ops.cute.fused_linear_scaled_cross_entropy_tp import is_available
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyTPFunction
-    except ImportError as error:
-        return f"needs liger-kernel >= 0.8.5 ({error})"
+    frontend = _frontend(FRONTEND, "LigerFusedLinearScaledCrossEntropyTPFunction")
+    native = _frontend("liger_kernel.ops.cute.fused_linear_scaled_cross_entropy_tp", "is_available")
+    for found in (frontend, native):
+        if isinstance(found, str):
+            return found
+    (scaled_cross_entropy_tp,), (is_available,) = frontend, native
     reason = _hopper_reason(allow_blackwell=True)
     if reason is not None:
         return reason
@@ -83,7 +94,7 @@ def liger_tp_native() -> Callable | str:
     group = dist.group.WORLD
 
     def fn(h, w, labels, temperature, score_mask=None):
-        nll, entropy = LigerFusedLinearScaledCrossEntropyTPFunction.apply(
+        nll, entropy = scaled_cross_entropy_tp.apply(
             h, w, labels, group, float(temperature), IGNORE_INDEX, 1, True
         )
         return -nll, entropy

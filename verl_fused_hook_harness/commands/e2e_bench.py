@@ -71,7 +71,16 @@ from ..support.reports import gib, ms, write_report
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ..support.verl_engine import megatron_engine, reset_fused_mode
 from . import e2e_bench_mtp, e2e_bshd, e2e_fused_loss
-from .e2e_setup import Clock, Primed, build_model, free_step_memory, header_with_temperature, prepare_process, time_in_rounds
+from .e2e_setup import (
+    Clock,
+    Primed,
+    build_model,
+    free_step_memory,
+    header_with_temperature,
+    mark_out_of_memory,
+    prepare_process,
+    time_in_rounds,
+)
 from .e2e_thd import MODES, PARITY_KEY, REFERENCE, Step, compare_samples, enable_mode, markdown_table, parity_note, parity_sample
 
 
@@ -145,12 +154,6 @@ def run(args) -> dict:
         profile_steps(args, hf_config, model, engines, modes, enable, step_class, kernels)
     reset_fused_mode(model)
     return report
-
-
-def mark_out_of_memory(model, tokens: int, row: dict) -> None:
-    row["oom"] = True
-    free_step_memory(model)
-    print(f"[{tokens}] {row['mode']:<15} out of device memory", flush=True)
 
 
 def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference) -> dict:

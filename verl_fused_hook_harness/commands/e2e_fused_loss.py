@@ -43,6 +43,7 @@ from .e2e_setup import (
     build_model,
     free_step_memory,
     header_with_temperature,
+    mark_out_of_memory,
     prepare_process,
     snapshot_gradients,
     spread,
@@ -296,12 +297,6 @@ def _parity_note(parity: dict | None) -> str:
             f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})")
 
 
-def _out_of_memory(model, tokens: int, row: dict) -> None:
-    row["oom"] = True
-    free_step_memory(model)
-    print(f"[{tokens}] {row['mode']:<21} out of device memory", flush=True)
-
-
 def run_fused_loss(args) -> dict:
     """Per size: the actor batch (old/ref log-probs from a forward-only step), then every chosen mode."""
     device = args.device
@@ -342,13 +337,13 @@ def run_fused_loss(args) -> dict:
                                      {"train": step.train}))
                 del step, sample
             except torch.OutOfMemoryError:
-                _out_of_memory(model, tokens, row)
+                mark_out_of_memory(model, tokens, row, 21)
             except Exception as error:  # reported in the table and the log; the other modes still run
                 row["error"] = f"{type(error).__name__}: {error}"[:300]
                 traceback.print_exc()
             free_step_memory(model)
         time_in_rounds(primed, clock, args.repeats, {"train": functools.partial(free_step_memory, model)},
-                       lambda p: _out_of_memory(model, tokens, p.row),
+                       lambda p: mark_out_of_memory(model, tokens, p.row, 21),
                        ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards))
         free_step_memory(model)
         for row in (p.row for p in primed):

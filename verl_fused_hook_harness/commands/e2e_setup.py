@@ -168,6 +168,13 @@ def time_in_rounds(primed: list[Primed], clock: Clock, repeats: int, prepare: di
                 p.row[f"{kind}_peak_bytes"], p.row[f"{kind}_peak_abs_bytes"] = max(peaks[id(p)]), max(absolute[id(p)])
 
 
+def mark_out_of_memory(model, tokens: int, row: dict, width: int = 15) -> None:
+    """A mode that ran out of device memory: marked in its row (the table says OOM), its memory freed, a line."""
+    row["oom"] = True
+    free_step_memory(model)
+    print(f"[{tokens}] {row['mode']:<{width}} out of device memory", flush=True)
+
+
 def spread(times: list[float] | None) -> str:
     """' ±x%': half the range of the repeats over their median ('' with fewer than two)."""
     if not times or len(times) < 2:
