@@ -251,7 +251,7 @@ def _weighted_sum(n):
 
 
 def _chunk_sizes(b: Batch, monkeypatch, available, dtype=torch.float32, **kwargs):
-    monkeypatch.setattr(chunking, "available_bytes", lambda device: available)
+    monkeypatch.setattr(chunking, "available_bytes", lambda device, enough=None: available)
     loss_fn, row_gradients = _weighted_sum(b.labels.numel())
     sizes = []
 
@@ -282,6 +282,38 @@ def test_chunk_rows_shrink_when_free_memory_is_short(monkeypatch):
     assert_matches(result, grads, two_pass_reference(b, loss_fn))
 
 
+@pytest.mark.parametrize("row_multiple", [1, 128])  # the portable passes' and the Triton passes'
+@pytest.mark.parametrize("request_", [{"chunk_bytes": 4 * V * 400}, {"chunk_rows": 200}, {"chunk_rows": 1000}, {}])
+def test_the_free_memory_the_plan_calls_enough_plans_as_plenty_does(monkeypatch, row_multiple, request_):
+    """The plan tells available_bytes how much free memory leaves its decisions to the budget (the driver's free
+    memory alone answers then, without the allocator's statistics): exactly that much must plan as unlimited
+    memory does (chunk requests off the row multiple included), and less may not plan larger chunks."""
+    b = batch()
+    cost, _, _ = _cost_and_fixed(b)
+    cost = chunking.ChunkCost(cost.stored_row_bytes, cost.transient_row_bytes, cost.fixed_bytes, 128, row_multiple,
+                              cost.budget_bytes)
+    p = build_problem(b.hidden.requires_grad_(True), b.weight.requires_grad_(True), b.labels, temperature=0.8,
+                      tp_group=None, score_mask=b.score_mask, ignore_index=-100, vocab_size=None,
+                      calculate_entropy=True, tile_rows=None)
+    asked = []
+
+    def plan(available):
+        def reading(device, enough=None):
+            asked.append(enough)
+            return available
+
+        monkeypatch.setattr(chunking, "available_bytes", reading)
+        return chunking.plan_chunks(p, cost, want_grads=True, chunk_rows=request_.get("chunk_rows"),
+                                    chunk_bytes=request_.get("chunk_bytes"), groups=None, loss_name="x")
+
+    plenty = plan(1 << 50)
+    enough = asked[-1]
+    assert enough is not None
+    assert plan(enough) == plenty
+    shorter = plan(enough - cost.row_bytes * row_multiple)
+    assert shorter is None or max(s.stop - s.start for s in shorter) <= max(s.stop - s.start for s in plenty)
+
+
 def test_the_accumulator_counts_only_with_several_chunks(monkeypatch):
     """bf16 weight: the fp32 d_weight accumulator (4 V H bytes) is needed beside several chunks, not beside one."""
     b = batch()
@@ -297,7 +329,7 @@ def test_the_accumulator_counts_only_with_several_chunks(monkeypatch):
 def test_no_smallest_chunk_in_free_memory_takes_the_two_pass_path(monkeypatch, caplog):
     b = batch()
     cost, fixed, _ = _cost_and_fixed(b)
-    monkeypatch.setattr(chunking, "available_bytes", lambda device: fixed + 127 * cost.row_bytes)
+    monkeypatch.setattr(chunking, "available_bytes", lambda device, enough=None: fixed + 127 * cost.row_bytes)
     loss_fn, _ = _weighted_sum(b.labels.numel())
     with caplog.at_level(logging.WARNING, logger="verl_fused_hook.ops.chunking"):
         result, grads = fused(b, loss_fn, loss_name="short of memory")
@@ -342,7 +374,7 @@ def test_buffers_the_allocator_cannot_give_send_the_call_to_the_two_pass_path(mo
 def test_chunks_from_free_memory_still_respect_row_groups(monkeypatch):
     b = batch()
     cost, fixed, _ = _cost_and_fixed(b)
-    monkeypatch.setattr(chunking, "available_bytes", lambda device: fixed + 500 * cost.row_bytes)
+    monkeypatch.setattr(chunking, "available_bytes", lambda device, enough=None: fixed + 500 * cost.row_bytes)
     calls = []
     result, grads = fused(b, recording(gspo(b), calls), chunk_rows=1000, row_groups=b.row_groups)
     assert chunk_ends(calls) == [450, 870, 1010]  # 500 rows fit: (30, 370, 50) (210, 20, 110, 80) (140)
@@ -358,7 +390,7 @@ def _rank_call(rank, b: Batch, loss_fn, available, **kwargs):
     """One rank's fused call with its free-memory reading; (chunk ends, loss, d_hidden, d_weight shard) or the error."""
     import torch.distributed as dist
 
-    chunking.available_bytes = lambda device: available
+    chunking.available_bytes = lambda device, enough=None: available
     calls = []
     padded = torch.cat([b.weight, torch.zeros(2 * SHARD - V, H)])
     hidden = b.hidden.clone().requires_grad_(True)

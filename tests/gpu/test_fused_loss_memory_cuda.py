@@ -220,3 +220,20 @@ def test_row_groups_on_cuda():
     with pytest.raises(NonSeparableLossError, match="loss gspo-like: its gradient in the log-prob of a row depends"):
         log_probs_entropy_and_loss(hidden.detach().requires_grad_(), weight, labels, loss_fn=loss_fn,
                                    loss_name="gspo-like", chunk_bytes=chunk_bytes)
+
+
+def test_the_cache_is_counted_only_when_the_driver_free_memory_is_short_of_enough():
+    """available_bytes(device, enough): the driver's free memory alone when it reaches `enough` (no statistics
+    read); below that, the cached segment PyTorch can hand back counts too, as without `enough`."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    block = torch.empty(2**30, dtype=torch.uint8, device=device)
+    del block  # one whole cached segment of 1 GiB: reclaimable
+    free = torch.cuda.mem_get_info(device)[0]
+    try:
+        assert chunking.available_bytes(device, enough=free) == free
+        counted = chunking.available_bytes(device, enough=free + 1)
+        assert counted == chunking.available_bytes(device)
+        assert abs(counted - free - 2**30) <= 2 * 2**20
+    finally:
+        torch.cuda.empty_cache()

@@ -66,20 +66,23 @@ class RowGroups:
         return zlib.crc32(self.lengths.numpy().tobytes()) + 1
 
 
-def available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device, enough: int | None = None) -> int | None:
     """Bytes the call can still allocate on `device` in large pieces: on CUDA the driver's free memory plus the
     cached blocks PyTorch's caching allocator can hand back to it (reserved, unallocated, and not a free piece of a
     segment still partly in use: such "inactive split" memory serves only requests that fit the piece, and a chunk
     of stored logits or the fp32 d_weight accumulator is gigabytes); None elsewhere (no query: the budget alone
-    sizes the chunk). Tests replace this function to simulate a GPU short of memory."""
+    sizes the chunk). With `enough`, the driver's free memory alone when it reaches that: the allocator's
+    statistics, read only when the cache could matter, cost more host time than the rest of the plan (the GPU
+    waits for it). Tests replace this function to simulate a GPU short of memory."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if cached <= 0:  # nothing cached: the allocator's statistics (a dict of every counter) have nothing to add
+    if enough is not None and free >= enough:
         return free
-    stranded = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
-    return free + max(0, cached - stranded)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # one query (memory_reserved etc. flatten it each)
+    current = lambda name: stats.get(name, {}).get("all", {}).get("current", 0)  # noqa: E731
+    cached = current("reserved_bytes") - current("allocated_bytes")
+    return free + max(0, cached - current("inactive_split_bytes"))
 
 
 def check_row_groups(row_groups, labels: torch.Tensor) -> None:
@@ -178,7 +181,11 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
                 f"the {_size(budget)} budget")
             one = active * cost.row_bytes <= budget * cost.row_bytes // cost.stored_row_bytes + accumulator
         requested = rows
-        available = available_bytes(p.hidden.device)
+        # free memory that leaves every decision below as the budget alone makes it (a chunk of whole multiples):
+        # the plan then needs no more precise reading
+        whole = -(-rows // cost.row_multiple) * cost.row_multiple
+        enough = fixed + max(active * cost.row_bytes if one else 0, accumulator + whole * cost.row_bytes)
+        available = available_bytes(p.hidden.device, enough)
         if available is not None:
             room = available - fixed
             one = one and active * cost.row_bytes <= room

@@ -329,7 +329,9 @@ def measure(args, argv: list[str]) -> int:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(ALL_METHODS)}")
     args.floor = "floor" in names
     skipped: dict[str, str] = {}
-    methods = load_methods(names, args.verl_kernel_dir, skipped)
+    shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
+    run_shapes = shapes + (parse_shapes(args.accuracy_shape) if args.accuracy_shape else [])
+    methods = load_methods(names, args.verl_kernel_dir, skipped, run_shapes)
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -344,7 +346,6 @@ def measure(args, argv: list[str]) -> int:
         results["accuracy_shape"] = parse_shapes(args.accuracy_shape)[0]
         results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
     settle_clocks()
-    shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
     with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:
         for n, h, v in shapes:
             results["shapes"].append(bench_shape(n, h, v, methods, args, plans))

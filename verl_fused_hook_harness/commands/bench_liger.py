@@ -73,25 +73,34 @@ def liger_sm90() -> Callable | str:
     return fn
 
 
-def liger_tp_native() -> Callable | str:
+def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
+    """The native kernel at TP=1 over a one-rank NCCL group; its runtime (NVSHMEM and the kernel's workspace) is
+    configured once, through Liger's own `configure`, for the largest N, H and V among `shapes`."""
     frontend = _frontend(FRONTEND, "LigerFusedLinearScaledCrossEntropyTPFunction")
     native = _frontend("liger_kernel.ops.cute.fused_linear_scaled_cross_entropy_tp", "is_available")
-    for found in (frontend, native):
+    setup = _frontend("liger_kernel.ops.configure", "configure", "FusedLinearCrossEntropyConfig")
+    for found in (frontend, native, setup):
         if isinstance(found, str):
             return found
-    (scaled_cross_entropy_tp,), (is_available,) = frontend, native
+    (scaled_cross_entropy_tp,), (is_available,), (configure, FlsceConfig) = frontend, native, setup
     reason = _hopper_reason(allow_blackwell=True)
     if reason is not None:
         return reason
     if not is_available():
         return ("its native CUTLASS + NVSHMEM kernel is not available (the liger-cute-kernels wheel and NVSHMEM); "
                 "the frontend would run its chunked torch fallback instead")
+    if not shapes:
+        return "no shapes to reserve its workspace for"
     if not dist.is_initialized():
         from ..support.distributed import free_port
 
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     group = dist.group.WORLD
+    largest = FlsceConfig(max_tokens=max(n for n, _, _ in shapes), hidden_size=max(h for _, h, _ in shapes),
+                          local_vocab_size=max(v for _, _, v in shapes), group="tp")
+    if not configure(process_groups={"tp": group}, bootstrap_group=group, flsce=largest):
+        return "Liger's configure refused this device (see its warning)"
 
     def fn(h, w, labels, temperature, score_mask=None):
         nll, entropy = scaled_cross_entropy_tp.apply(

@@ -73,9 +73,11 @@ def cut_cross_entropy():
     return fn
 
 
-def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None) -> dict[str, Callable]:
+def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
+                 shapes: list[tuple[int, int, int]] = ()) -> dict[str, Callable]:
     """The named methods that can run here (the floor is measured apart); why each other one cannot goes into
-    `skipped` and on a line."""
+    `skipped` and on a line. `shapes`: every (N, H, V) the run will time (Liger's native kernel reserves its
+    workspace for the largest once)."""
     loaders = {
         "triton": lambda: ours("triton"),
         "torch": lambda: ours("torch"),
@@ -83,7 +85,7 @@ def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None) 
         "verl": lambda: verl_kernel(verl_kernel_dir),
         "liger": liger,
         "liger_sm90": bench_liger.liger_sm90,
-        "liger_tp_native": bench_liger.liger_tp_native,
+        "liger_tp_native": lambda: bench_liger.liger_tp_native(shapes),
         "cce": cut_cross_entropy,
         "fused_loss": bench_loss.fused_loss_method,
         "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
