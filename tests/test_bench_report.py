@@ -79,3 +79,41 @@ def test_the_report_says_which_methods_were_skipped_and_why(tmp_path, capsys):
     path.write_text(json.dumps(run))
     assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
     assert "Skipped liger_sm90: its sm90 kernel cannot be imported (No module named 'cutlass')" in capsys.readouterr().out
+
+
+def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
+    """bench_timing.time_in_rounds on a clock that only counts (no GPU): warm-ups first, then the timed repeats in
+    rounds A, B, C, A, B, C; a step failing in a round leaves the rounds with its reason; a slow step (warm-up past
+    SLOW_MS) gets at most three repeats."""
+    from verl_fused_hook_harness.commands.bench_timing import SLOW_MS, time_in_rounds
+
+    order, calls = [], {"a": 0, "b": 0, "slow": 0, "bad": 0}
+
+    def step(name):
+        def run():
+            calls[name] += 1
+            order.append(name)
+            if name == "bad" and calls[name] == 3:
+                raise RuntimeError("refused")
+        return run
+
+    def clock(thunk):
+        thunk()
+        return SLOW_MS + 1 if order[-1] == "slow" else float(len(order))
+
+    def guard(name, thunk):
+        try:
+            return thunk()
+        except RuntimeError as error:
+            return f"RuntimeError: {error}"
+
+    result = time_in_rounds({n: step(n) for n in calls}, warmup=2, repeats=5, guard=guard, clock=clock)
+    warm = order[:7]  # a: 2, b: 2, slow: 1 (slow), bad: 2
+    assert warm == ["a", "a", "b", "b", "slow", "bad", "bad"]
+    timed = order[7:]
+    assert timed[:4] == ["a", "b", "slow", "bad"] and timed[4:7] == ["a", "b", "slow"]  # bad failed in round 1
+    assert calls == {"a": 7, "b": 7, "slow": 4, "bad": 3}
+    assert result["bad"] == "RuntimeError: refused"
+    assert result["slow"] == SLOW_MS + 1
+    timed_a = [i + 1 for i, n in enumerate(order) if n == "a"][2:]  # the clock's readings of a's timed repeats
+    assert result["a"] == float(sorted(timed_a)[len(timed_a) // 2])  # their median

@@ -106,7 +106,7 @@ def row_group_units(row_groups: torch.Tensor, p: LogProbProblem) -> RowGroups:
     first = starts.nonzero().squeeze(1)
     lengths = torch.diff(first, append=first.new_tensor([groups.numel()]))
     unit_groups = groups.index_select(0, first).clamp_min(-1)
-    lengths, unit_groups, first = lengths.cpu(), unit_groups.cpu(), first.cpu()
+    lengths, unit_groups, first = torch.stack([lengths, unit_groups, first]).cpu()  # one copy: each one waits
     grouped = (unit_groups >= 0).nonzero().squeeze(1)
     ids, order = unit_groups[grouped].sort(stable=True)
     repeated = (ids[1:] == ids[:-1]).nonzero()

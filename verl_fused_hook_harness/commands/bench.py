@@ -2,7 +2,8 @@
 
 Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
-times every method with CUDA events (warm-ups, median of repeats), records the
+times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
+rounds over the methods, bench_timing.py), records the
 peak memory a method allocates beyond its inputs and returned gradients, checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,7 @@ from . import bench_loss
 from .bench_memory import ChunkPlans, hold_memory
 from .bench_methods import ALL_METHODS, load_methods
 from .bench_report import markdown, plot
+from .bench_timing import settle_clocks, time_in_rounds, time_ms
 
 GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
@@ -52,34 +54,6 @@ SWEEP_TOKENS = (4096, 16384, 65536, 131072, 262144)
 SWEEP_WIDTHS = ((2048, 151936), (4096, 248320), (5120, 248320))
 # The floor's GEMMs run on row chunks whose [rows, V] bf16 upstream gradient stays under this size.
 FLOOR_CHUNK_BYTES = 8 * GIB
-SLOW_MS = 1000.0  # a method this slow gets one warm-up and at most three timed repeats
-
-
-def _event_ms(fn: Callable[[], object]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median of `repeats` CUDA-event timings after `warmup` untimed calls."""
-    if warmup > 0 and _event_ms(fn) > SLOW_MS:
-        warmup, repeats = 1, min(repeats, 3)
-    for _ in range(warmup - 1):
-        fn()
-    return statistics.median(_event_ms(fn) for _ in range(repeats))
-
-
-def settle_clocks(seconds: float = 10.0) -> None:
-    """Run matrix products until the GPU's clocks settle under load: a cold GPU
-    flatters whatever runs first, the floor included."""
-    a = torch.randn(8192, 8192, device="cuda").bfloat16()
-    end_ms, spent = seconds * 1000, 0.0
-    while spent < end_ms:
-        spent += _event_ms(lambda: [a @ a for _ in range(10)])
 
 
 def _inputs(n, h, v, seed):
@@ -182,14 +156,25 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
     row = {"N": n, "H": h, "V": v} | ({} if held is None else {"held_gib": held.numel() / GIB})
     if args.floor:
         floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
+    method_plans = {name: [] for name in methods}  # the chunk plans each method's steps logged
+
+    def collect(name):  # what was logged since the last collect was `name`'s
+        if plans is not None:
+            method_plans[name] += [line for line in plans.take() if line not in method_plans[name]]
+
+    def step(name, fn):
+        _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent)
+        collect(name)
+
+    steps = {name: functools.partial(step, name, fn) for name, fn in methods.items()}
+    fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk))
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
-        result = {}
-        result["fwd_bwd_ms"] = _guard(label, lambda: time_ms(
-            lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent), args.warmup, args.repeats))
+        result = {"fwd_bwd_ms": fwd_bwd[name]}
+        collect(name)  # a failed step's
         if args.quick:
-            if plans is not None and (lines := plans.take()):
-                result["chunk_plans"] = lines
+            if method_plans[name]:
+                result["chunk_plans"] = method_plans[name]
             row[name] = result
             print(f"# {label} {result}", flush=True)
             continue
@@ -205,8 +190,9 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
                 lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats))
-        if plans is not None and (lines := plans.take()):
-            result["chunk_plans"] = lines
+        collect(name)
+        if method_plans[name]:
+            result["chunk_plans"] = method_plans[name]
         row[name] = result
         print(f"# {label} {result}", flush=True)
     if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after

@@ -1,0 +1,74 @@
+"""How `bench` times work on the GPU: CUDA events, warm-ups, medians, and the methods of one shape in rounds.
+
+Why rounds: the H200's clocks drift under sustained load (power and heat), by a few percent over a minute. Timing
+one method's repeats after another's hands that drift to whichever ran first or last; timed A, B, C, A, B, C, ...
+every method meets the same drift, so the ratios between methods (and to the floor) are fair in one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+SLOW_MS = 1000.0  # a method this slow gets one warm-up and at most three timed repeats
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median of `repeats` CUDA-event timings after `warmup` untimed calls."""
+    if warmup > 0 and event_ms(fn) > SLOW_MS:
+        warmup, repeats = 1, min(repeats, 3)
+    for _ in range(warmup - 1):
+        fn()
+    return statistics.median(event_ms(fn) for _ in range(repeats))
+
+
+def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats: int,
+                   guard: Callable[[str, Callable[[], object]], object],
+                   clock: Callable[[Callable[[], object]], float] = event_ms) -> dict[str, object]:
+    """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
+    returned for a step that failed (it then leaves the rounds). Warm-ups as `time_ms`: a step slower than SLOW_MS
+    gets one and at most three timed repeats. `clock(step)`: runs the step once and returns its ms."""
+    result: dict[str, object] = {}
+    times: dict[str, list[float]] = {}
+    allowed: dict[str, int] = {}
+    for name, step in steps.items():
+        first = guard(name, lambda: clock(step)) if warmup > 0 else 0.0
+        if not isinstance(first, float):
+            result[name] = first
+            continue
+        for _ in range(warmup - 1 if first <= SLOW_MS else 0):
+            step()
+        times[name], allowed[name] = [], repeats if first <= SLOW_MS else min(repeats, 3)
+    for round_ in range(repeats):
+        for name in list(times):
+            if round_ >= allowed[name] or name in result:
+                continue
+            timed = guard(name, lambda: clock(steps[name]))
+            if isinstance(timed, float):
+                times[name].append(timed)
+            else:
+                result[name] = timed
+    for name, taken in times.items():
+        if name not in result:
+            result[name] = statistics.median(taken)
+    return {name: result[name] for name in steps}
+
+
+def settle_clocks(seconds: float = 10.0) -> None:
+    """Run matrix products until the GPU's clocks settle under load: a cold GPU
+    flatters whatever runs first, the floor included."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    end_ms, spent = seconds * 1000, 0.0
+    while spent < end_ms:
+        spent += event_ms(lambda: [a @ a for _ in range(10)])
