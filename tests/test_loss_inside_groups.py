@@ -132,8 +132,9 @@ def test_gspo_with_row_groups_matches_the_two_pass_op():
     calls = []
     result, grads = fused(b, recording(gspo(b), calls), chunk_rows=480, row_groups=b.row_groups)
     assert_matches(result, grads, two_pass_reference(b, gspo(b)))
-    # whole sequences, packed greedily up to 480 rows: (30, 370, 50) (210, 20, 110, 80) (140)
-    assert chunk_ends(calls) == [450, 870, 1010]
+    # whole sequences, in as few chunks as 480 rows allow (three), each cut at the sequence end nearest a third:
+    # (30, 370) (50, 210, 20) (110, 80, 140), not greedy's (30, 370, 50) (210, 20, 110, 80) (140)
+    assert chunk_ends(calls) == [400, 680, 1010]
 
 
 def test_gspo_without_row_groups_is_refused():
@@ -147,8 +148,10 @@ def test_row_groups_that_split_a_sequence_are_still_refused():
     sequence whose rows fall in two chunks: here every row is its own group, so chunks cut sequences."""
     b = batch()
     every_row = torch.arange(b.row_groups.numel()).view(b.row_groups.shape)
+    # two chunks of 505 rows: the cut falls in the 210-row sequence, at rows where it changes the gradient (a cut
+    # where GSPO's clipping leaves every gradient unchanged, as 480 rows' even chunks make here, is exact)
     with pytest.raises(NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"):
-        fused(b, gspo(b), chunk_rows=480, row_groups=every_row)
+        fused(b, gspo(b), chunk_rows=505, row_groups=every_row)
 
 
 def test_row_groups_allow_the_rounding_of_group_sums_and_no_more():
@@ -377,7 +380,7 @@ def test_chunks_from_free_memory_still_respect_row_groups(monkeypatch):
     monkeypatch.setattr(chunking, "available_bytes", lambda device, enough=None: fixed + 500 * cost.row_bytes)
     calls = []
     result, grads = fused(b, recording(gspo(b), calls), chunk_rows=1000, row_groups=b.row_groups)
-    assert chunk_ends(calls) == [450, 870, 1010]  # 500 rows fit: (30, 370, 50) (210, 20, 110, 80) (140)
+    assert chunk_ends(calls) == [400, 680, 1010]  # 500 rows fit: three chunks, cut nearest each third
     assert_matches(result, grads, two_pass_reference(b, gspo(b)))
 
 
@@ -480,7 +483,7 @@ def tp_ranks():
     return run_on_gloo(tp_worker, 2)
 
 
-@pytest.mark.parametrize("case, ends", [("groups", [450, 870, 1010]), ("short on rank 1", [450, 870, 1010]),
+@pytest.mark.parametrize("case, ends", [("groups", [400, 680, 1010]), ("short on rank 1", [400, 680, 1010]),
                                         ("no chunk on rank 1", [])])
 def test_tp2_row_groups_match_the_two_pass_op(tp_ranks, case, ends):
     b = batch()
@@ -539,3 +542,26 @@ def test_tp2_ranks_must_pass_the_same_row_groups(tp_ranks):
         "row_groups: another rank of tp_group refused its row_groups (see its error); every rank must pass the same "
         "row_groups"
     )
+
+
+def test_whole_sequences_are_packed_into_as_few_chunks_as_greedy_needs_and_cut_near_equal_shares():
+    """32 sequences of 2048 rows in chunks of at most 13952 rows (the Triton passes' 4 GiB budget at V=151936):
+    greedy packing needs six chunks and leaves two sequences for the last; the cuts nearest each sixth give
+    5, 6, 5, 5, 6, 5 sequences. Where no such cut fits the capacity, greedy's chunks stay."""
+    spans = chunking._packed(torch.full((32,), 2048), 13952)
+    assert [(s.stop - s.start) // 2048 for s in spans] == [5, 6, 5, 5, 6, 5]
+    assert spans[0].start == 0 and spans[-1].stop == 32 * 2048
+    assert all(a.stop == b.start for a, b in zip(spans, spans[1:]))
+    # 9, 1, 9 rows in chunks of 10: the cut nearest 9.5 is greedy's (9) (1, 9)
+    assert chunking._packed(torch.tensor([9, 1, 9]), 10) == [slice(0, 9), slice(9, 19)]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(500):  # whatever the lengths: every unit once, in order, whole, within the capacity, greedy's count
+        lengths = torch.randint(1, 40, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+        capacity = int(lengths.max()) + int(torch.randint(0, 60, (1,), generator=g))
+        spans = chunking._packed(lengths, capacity)
+        ends = set(lengths.cumsum(0).tolist())
+        assert spans[0].start == 0 and spans[-1].stop == int(lengths.sum())
+        assert all(a.stop == b.start and a.stop in ends for a, b in zip(spans, spans[1:]))
+        assert all(0 < s.stop - s.start <= capacity for s in spans)
+        assert len(spans) == len(chunking._greedy(lengths.cumsum(0).tolist(), capacity))
+    assert chunking._packed(torch.tensor([5]), 8) == [slice(0, 5)]

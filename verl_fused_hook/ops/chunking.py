@@ -12,6 +12,8 @@ parallelism every rank must walk the same chunks: one MIN all-reduce per call ag
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import zlib
 from dataclasses import dataclass
@@ -164,7 +166,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     more than the free memory holds beside the outputs, the per-row vectors, the margin and, with more than one
     chunk, the fp32 d_weight accumulator. One chunk holds every scored row when its peak is no more than a
     budget chunk's plus that accumulator (and it fits). Chunks are equal, or of `chunk_rows` as asked, or with
-    row groups whole groups packed greedily."""
+    row groups whole groups in as few chunks as greedy packing needs, cut near equal shares (`_packed`)."""
     active, h = p.active_rows.numel(), p.hidden.shape[1]
     one, rows, bound, available = True, max(active, 1), "every scored row", None
     if cost is not None:
@@ -240,12 +242,32 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
 
 
 def _packed(lengths: torch.Tensor, capacity: int) -> list[slice]:
-    """Whole units, in order, as many per chunk as fit in `capacity` rows (each unit fits alone)."""
-    ends = lengths.cumsum(0)
-    spans, start, done = [], 0, 0
-    while done < ends.numel():
-        last = int(torch.searchsorted(ends, torch.tensor(start + capacity), right=True)) - 1
-        stop = int(ends[last])
+    """Whole units, in order, in as few chunks as greedy packing up to `capacity` rows needs, each chunk cut at the
+    unit end nearest an equal share of the rows: the last chunk's gradient GEMMs are what the final loss evaluation
+    overlaps, and greedy packing can leave a last chunk of one short sequence (greedy's chunks where no such cut
+    fits the capacity)."""
+    ends = list(itertools.accumulate(int(length) for length in lengths))
+    greedy = _greedy(ends, capacity)
+    count, total = len(greedy), ends[-1]
+    spans, start = [], 0
+    for index in range(1, count):
+        share = total * index / count
+        first, last = bisect.bisect_right(ends, start), bisect.bisect_right(ends, start + capacity) - 1
+        nearest = min(max(bisect.bisect_left(ends, share), first), last)
+        cut = min((ends[i] for i in (nearest - 1, nearest) if first <= i <= last), key=lambda end: abs(end - share))
+        spans.append(slice(start, cut))
+        start = cut
+    if total - start > capacity:
+        return greedy
+    return spans + [slice(start, total)]
+
+
+def _greedy(ends: list[int], capacity: int) -> list[slice]:
+    """As many whole units per chunk as fit in `capacity` rows, in order (`ends`: the units' cumulative row ends;
+    each unit fits alone)."""
+    spans, start = [], 0
+    while start < ends[-1]:
+        stop = ends[bisect.bisect_right(ends, start + capacity) - 1]
         spans.append(slice(start, stop))
-        start, done = stop, last + 1
+        start = stop
     return spans
