@@ -25,6 +25,7 @@ from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_proce
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
 from .forward_step import make_forward_step, make_resolve_fused_temperature
+from .log_once import note
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _enable_despite(engine, lifted: list[str], log_line: str) -> None:
     fused = importlib.import_module("verl.models.mcore.model_forward_fused")
     for model in engine.module:
         fused.patch_fused_forward(model)  # our replacement: probe and backend checks, verl's mode record
-    logger.info("%s; fused kernels kept on with %s (verl would turn them off)", log_line, ", ".join(lifted))
+    note(logger, "%s; fused kernels kept on with %s (verl would turn them off)", log_line, ", ".join(lifted))
 
 
 def _make_build_gate(verl_enable):
@@ -135,7 +136,7 @@ def _make_build_gate(verl_enable):
         plan = resolve_plan(getattr(self.model_config, "fused_kernel_options", None))
         name = type(self).__name__
         if not plan.is_set:
-            logger.info(plan.log_line(name))
+            note(logger, plan.log_line(name))
             return verl_enable(self)
         install_call_sites()
         if not self.engine_config.use_fused_kernels:
@@ -171,7 +172,7 @@ def _make_build_gate(verl_enable):
                 ", ".join(reasons),
             )
             return
-        logger.info(plan.log_line(name))
+        note(logger, plan.log_line(name))
 
     return _maybe_enable_fused_kernels
 

@@ -154,7 +154,7 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_b
         return None
     if engine.engine_config.context_parallel_size > 1:
         if kind == SEQUENCE:  # its row gradients need whole sequences, whose rows every CP rank shares
-            log_once(logger, 
+            log_once(logger,
                 f"verl_fused_hook: output_processor_fused_loss: {name} is sequence-level, and context parallelism "
                 "splits every sequence over the CP ranks; two-pass path"
             )

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import types
 
+from .log_once import note
+
 logger = logging.getLogger(__name__)
 
 REMOVED_MEMBER = "encoder_and_decoder"
@@ -45,7 +47,7 @@ def apply(util_module) -> bool:
     enum_type = util_module.ModelType
     members = {member.name: member for member in enum_type}
     util_module.ModelType = types.SimpleNamespace(**members, **{REMOVED_MEMBER: _NeverEqual()})
-    logger.info(
+    note(logger,
         "verl_fused_hook: mbridge.core.util.ModelType lacks %s on this megatron-core; "
         "gave mbridge's get_model a stand-in so decoder-only models build",
         REMOVED_MEMBER,

@@ -33,7 +33,7 @@ from ..probe import unwrap_to_gpt
 from ..ops import backend_capabilities
 from ..switch import HOOK
 from .model_plan import in_hook_mode, plan_of
-from .log_once import log_once
+from .log_once import log_once, note
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def keep_fused_kernels_with_mtp(engine, plan):
     train = bool(real.mtp.enable_train)
     for model in engine.module:
         set_mtp_training(model, train)
-    logger.info(
+    note(logger,
         "verl_fused_hook: hook mode keeps fused kernels on with MTP (actor_rollout_ref.model.mtp.enable=True); %s",
         "mtp.enable_train=True: the MTP loss of every MTP layer goes through the op, no MTP logits"
         if train

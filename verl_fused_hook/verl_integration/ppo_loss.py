@@ -45,7 +45,7 @@ def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor
     """
     ids = to_nested(torch.arange(row_shape.numel(), dtype=torch.float64, device=device).view(row_shape))
     if getattr(ids, "_lengths", None) is not None:
-        log_once(logger, 
+        log_once(logger,
             "verl_fused_hook: output_processor_fused_loss: verl's unpacking gave a jagged tensor with holes; "
             "ppo_loss's final evaluation stays on the device (slower, same values)"
         )
