@@ -563,5 +563,5 @@ def test_whole_sequences_are_packed_into_as_few_chunks_as_greedy_needs_and_cut_n
         assert spans[0].start == 0 and spans[-1].stop == int(lengths.sum())
         assert all(a.stop == b.start and a.stop in ends for a, b in zip(spans, spans[1:]))
         assert all(0 < s.stop - s.start <= capacity for s in spans)
-        assert len(spans) == len(chunking._greedy(lengths.cumsum(0).tolist(), capacity))
+        assert len(spans) == len(chunking._greedy(lengths.cumsum(0).numpy(), capacity))
     assert chunking._packed(torch.tensor([5]), 8) == [slice(0, 5)]

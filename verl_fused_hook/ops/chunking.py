@@ -12,8 +12,6 @@ parallelism every rank must walk the same chunks: one MIN all-reduce per call ag
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import zlib
 from dataclasses import dataclass
@@ -245,16 +243,16 @@ def _packed(lengths: torch.Tensor, capacity: int) -> list[slice]:
     """Whole units, in order, in as few chunks as greedy packing up to `capacity` rows needs, each chunk cut at the
     unit end nearest an equal share of the rows: the last chunk's gradient GEMMs are what the final loss evaluation
     overlaps, and greedy packing can leave a last chunk of one short sequence (greedy's chunks where no such cut
-    fits the capacity)."""
-    ends = list(itertools.accumulate(int(length) for length in lengths))
+    fits the capacity). Rows of no group are units of one, maybe thousands: searches, no loop over units."""
+    ends = lengths.cumsum(0).numpy()
     greedy = _greedy(ends, capacity)
-    count, total = len(greedy), ends[-1]
+    count, total = len(greedy), int(ends[-1])
     spans, start = [], 0
     for index in range(1, count):
         share = total * index / count
-        first, last = bisect.bisect_right(ends, start), bisect.bisect_right(ends, start + capacity) - 1
-        nearest = min(max(bisect.bisect_left(ends, share), first), last)
-        cut = min((ends[i] for i in (nearest - 1, nearest) if first <= i <= last), key=lambda end: abs(end - share))
+        first, last = int(ends.searchsorted(start, "right")), int(ends.searchsorted(start + capacity, "right")) - 1
+        nearest = min(max(int(ends.searchsorted(share)), first), last)
+        cut = min((int(ends[i]) for i in (nearest - 1, nearest) if first <= i <= last), key=lambda end: abs(end - share))
         spans.append(slice(start, cut))
         start = cut
     if total - start > capacity:
@@ -262,12 +260,12 @@ def _packed(lengths: torch.Tensor, capacity: int) -> list[slice]:
     return spans + [slice(start, total)]
 
 
-def _greedy(ends: list[int], capacity: int) -> list[slice]:
-    """As many whole units per chunk as fit in `capacity` rows, in order (`ends`: the units' cumulative row ends;
-    each unit fits alone)."""
-    spans, start = [], 0
-    while start < ends[-1]:
-        stop = ends[bisect.bisect_right(ends, start + capacity) - 1]
+def _greedy(ends, capacity: int) -> list[slice]:
+    """As many whole units per chunk as fit in `capacity` rows, in order (`ends`: the units' cumulative row ends, a
+    sorted numpy array; each unit fits alone)."""
+    spans, start, total = [], 0, int(ends[-1])
+    while start < total:
+        stop = int(ends[int(ends.searchsorted(start + capacity, "right")) - 1])
         spans.append(slice(start, stop))
         start = stop
     return spans
