@@ -163,15 +163,16 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
             method_plans[name] += [line for line in plans.take() if line not in method_plans[name]]
 
     def step(name, fn):
-        _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent)
-        collect(name)
+        try:
+            _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent)
+        finally:  # a failed step's lines too
+            collect(name)
 
     steps = {name: functools.partial(step, name, fn) for name, fn in methods.items()}
     fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk))
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
         result = {"fwd_bwd_ms": fwd_bwd[name]}
-        collect(name)  # a failed step's
         if args.quick:
             if method_plans[name]:
                 result["chunk_plans"] = method_plans[name]
@@ -316,8 +317,8 @@ def measure(args, argv: list[str]) -> int:
     args.floor = "floor" in names
     skipped: dict[str, str] = {}
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
-    run_shapes = shapes + (parse_shapes(args.accuracy_shape) if args.accuracy_shape else [])
-    methods = load_methods(names, args.verl_kernel_dir, skipped, run_shapes)
+    accuracy_shapes = parse_shapes(args.accuracy_shape) if args.accuracy_shape else []
+    methods = load_methods(names, args.verl_kernel_dir, skipped, shapes + accuracy_shapes)
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -329,7 +330,7 @@ def measure(args, argv: list[str]) -> int:
         "shapes": [],
     }
     if args.accuracy_shape:
-        results["accuracy_shape"] = parse_shapes(args.accuracy_shape)[0]
+        results["accuracy_shape"] = accuracy_shapes[0]
         results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
     settle_clocks()
     with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:

@@ -25,20 +25,16 @@ def event_ms(fn: Callable[[], object]) -> float:
 
 
 def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median of `repeats` CUDA-event timings after `warmup` untimed calls."""
-    if warmup > 0 and event_ms(fn) > SLOW_MS:
-        warmup, repeats = 1, min(repeats, 3)
-    for _ in range(warmup - 1):
-        fn()
-    return statistics.median(event_ms(fn) for _ in range(repeats))
+    """Median of `repeats` CUDA-event timings after `warmup` untimed calls (one step's `time_in_rounds`)."""
+    return time_in_rounds({"fn": fn}, warmup, repeats, lambda name, thunk: thunk())["fn"]
 
 
 def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats: int,
                    guard: Callable[[str, Callable[[], object]], object],
                    clock: Callable[[Callable[[], object]], float] = event_ms) -> dict[str, object]:
     """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
-    returned for a step that failed (it then leaves the rounds). Warm-ups as `time_ms`: a step slower than SLOW_MS
-    gets one and at most three timed repeats. `clock(step)`: runs the step once and returns its ms."""
+    returned for a step that failed (it then leaves the rounds). The first warm-up is timed: a step slower than
+    SLOW_MS gets no other and at most three timed repeats. `clock(step)`: runs the step once and returns its ms."""
     result: dict[str, object] = {}
     times: dict[str, list[float]] = {}
     allowed: dict[str, int] = {}
