@@ -64,8 +64,10 @@ class TileConfig:
 
 
 FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
-# Two 4-warp programs per SM: one's d_logits epilogue overlaps the other's matrix products.
-GRAD_CONFIG = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3, ctas_per_sm=2)
+# One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
+# tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
+# programs per SM, one tile each).
+GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -226,6 +228,7 @@ def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, r
     if weight_sum is not None and len(tiles) > 1:
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
+    slots = _num_sms(hidden.device) * c.ctas_per_sm
     row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
     for start in range(0, valid_columns, tiling.columns):
         cols = min(tiling.columns, valid_columns - start)
@@ -236,10 +239,11 @@ def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, r
         for first, count in tiles:
             rows = slice(first, first + count)
             dz = dz_buffer[:count, :cols]
-            kernels.grad_logits_kernel[(-(-count // c.block_m) * -(-cols // c.block_n),)](
+            programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
+            kernels.grad_logits_kernel[(programs,)](
                 _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
                 *(t[rows] for t in row_args),
-                count, h, start, cols,
+                count, h, start, cols, programs,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
