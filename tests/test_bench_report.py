@@ -117,3 +117,28 @@ def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
     assert result["slow"] == SLOW_MS + 1
     timed_a = [i + 1 for i, n in enumerate(order) if n == "a"][2:]  # the clock's readings of a's timed repeats
     assert result["a"] == float(sorted(timed_a)[len(timed_a) // 2])  # their median
+
+
+def test_bench_records_a_step_that_fails_in_a_later_warm_up():
+    """A step whose second warm-up fails leaves with its reason (the run goes on); the others are timed."""
+    from verl_fused_hook_harness.commands.bench_timing import time_in_rounds
+
+    calls = {"ok": 0, "late": 0}
+
+    def step(name):
+        def run():
+            calls[name] += 1
+            if name == "late" and calls[name] == 2:
+                raise RuntimeError("out of room")
+        return run
+
+    def guard(name, thunk):
+        try:
+            return thunk()
+        except RuntimeError as error:
+            return f"RuntimeError: {error}"
+
+    result = time_in_rounds({n: step(n) for n in calls}, warmup=3, repeats=4, guard=guard,
+                            clock=lambda thunk: (thunk(), 2.0)[1])
+    assert result == {"ok": 2.0, "late": "RuntimeError: out of room"}
+    assert calls == {"ok": 7, "late": 2}
