@@ -267,6 +267,42 @@ def test_host_loss_that_is_not_the_loss_is_refused():
         )
 
 
+def test_host_loss_runs_on_one_intra_op_thread_and_restores_the_count():
+    """The final evaluation on the host runs single-threaded (OpenMP teams stalled whole steps on the GPU machine);
+    the caller's thread count comes back after it, also when the evaluation raises."""
+    config = actor_config(entropy_coeff=0.01)
+    data = rl_data(False)
+    host = host_loss_of(config, data)
+    seen = []
+
+    def recording(lp, ent):
+        seen.append(torch.get_num_threads())
+        return host(lp, ent)
+
+    def failing(lp, ent):
+        raise RuntimeError("host loss failed")
+
+    hidden, weight, labels, temperature = op_inputs()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for host_loss_fn in (recording, failing):
+            call = partial(
+                log_probs_entropy_and_loss, hidden.clone().requires_grad_(True), weight, labels,
+                loss_fn=loss_of_rows(config, data), loss_name="ppo", temperature=temperature, chunk_rows=CHUNK_ROWS,
+                row_gradients=row_gradients_of(config, data), host_loss_fn=host_loss_fn,
+            )
+            if host_loss_fn is failing:
+                with pytest.raises(RuntimeError, match="host loss failed"):
+                    call()
+            else:
+                call()
+            assert torch.get_num_threads() == 2
+        assert seen and set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_chunk_bytes_sets_the_chunk_and_not_the_result():
     """The portable passes' chunk is chunk_bytes of fp32 logits: loss_fn (no row_gradients) is called once per
     chunk and once at the end; the result equals one chunk's."""
