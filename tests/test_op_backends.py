@@ -145,25 +145,3 @@ def test_describe_backends_names_the_pick_and_every_other_reason():
         "triton": reasons["triton"], "torch": None, "verl": "hidden: verl's kernel needs H % 128 == 0, got H=96", "auto": "torch",
     }  # fmt: skip
     assert reasons["triton"] in ("CUDA is not available", "hidden is on cpu")
-
-
-@pytest.mark.parametrize(
-    "rows, vocabulary, columns, tiles",
-    [
-        (8192, 151936, 32768, 1),  # every row fits one tile 32768 wide within the 1 GiB budget: wide chunks
-        (16384, 152064, 32768, 1),
-        (16385, 152064, 8192, 1),  # one row more would pass the budget at 32768 columns: the standard width
-        (65536, 151936, 8192, 1),
-        (262144, 151936, 8192, 5),  # row tiles beside the chunk's fp32 d_weight accumulator
-        (8192, 5003, 5120, 1),  # a narrow shard: one chunk, rounded up to whole column blocks
-    ],
-)
-def test_backward_tiling_widens_chunks_only_when_every_row_fits_one_tile(rows, vocabulary, columns, tiles):
-    """The Triton backward's plan (pure arithmetic, no GPU): chunk width and row tiles, and the d_logits tile
-    (plus, with row tiles, the fp32 d_weight accumulator of one chunk) within TILE_MEMORY_BUDGET."""
-    from verl_fused_hook.ops import triton_backend
-
-    tiling = triton_backend.backward_tiling(rows, 4096, vocabulary, 128, 256)
-    assert (tiling.columns, len(tiling.tiles(rows))) == (columns, tiles)
-    accumulator = 4 * tiling.columns * 4096 if tiles > 1 else 0
-    assert 2 * tiling.rows * tiling.columns + accumulator <= triton_backend.TILE_MEMORY_BUDGET

@@ -36,12 +36,6 @@ TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
 # 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
 # what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
 CHUNK_COLUMNS = 8192
-# Vocabulary columns per backward chunk when every row fits one d_logits tile this wide within TILE_MEMORY_BUDGET
-# (<= 16384 rows): fewer, larger GEMMs, so the launches, wave tails and d_hidden accumulator traffic each chunk
-# pays come fewer times. On the H200 (fwd+bwd over a 4-GEMM floor, in rounds): 8192 x 4096 x 151936 1.007x ->
-# 0.988x, 16384 x 3584 x 152064 1.058x -> 1.027x, for up to 0.75 GiB more tile; at 32768 rows wider chunks
-# were slower (16384 columns 1.105x against 1.070x), so more rows keep CHUNK_COLUMNS.
-WIDE_CHUNK_COLUMNS = 32768
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
 # Programs running together should share few row blocks (kept in L2) and stream a few vocabulary
@@ -205,12 +199,11 @@ class BackwardTiling:
 
 
 def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int) -> BackwardTiling:
-    """Chunks of WIDE_CHUNK_COLUMNS when all rows fit one tile that wide, else of CHUNK_COLUMNS (fewer when the
-    shard is narrower); all rows in one d_logits tile when it fits TILE_MEMORY_BUDGET, else equal tiles of whole
-    row blocks that fit it beside the chunk's fp32 d_weight accumulator. Both follow from budgets and shapes only."""
+    """Chunks of CHUNK_COLUMNS (fewer when the shard is narrower); all rows in one d_logits tile when it fits
+    TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit it beside the chunk's fp32 d_weight
+    accumulator. Neither depends on anything but budgets and shapes, so the work per row is the same at every N."""
+    columns = min(CHUNK_COLUMNS, -(-valid_columns // block_n) * block_n)
     rows = max(rows, 1)
-    widest = WIDE_CHUNK_COLUMNS if 2 * rows * WIDE_CHUNK_COLUMNS <= TILE_MEMORY_BUDGET else CHUNK_COLUMNS
-    columns = min(widest, -(-valid_columns // block_n) * block_n)
     if 2 * rows * columns <= TILE_MEMORY_BUDGET:
         return BackwardTiling(columns, rows)
     fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
