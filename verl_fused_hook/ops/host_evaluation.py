@@ -61,7 +61,8 @@ def evaluate_on_host(call: LossCall, copy: HostCopy, device: torch.device):
 
 @contextlib.contextmanager
 def one_intra_op_thread():
-    """torch's intra-op threads set to one inside, restored after (also when the loss raises)."""
+    """torch's intra-op threads set to one inside, restored after (also when the loss raises). The setting is the
+    process's: CPU ops of other threads in it run single-threaded for those milliseconds too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
