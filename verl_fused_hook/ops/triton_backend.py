@@ -27,7 +27,6 @@ from torch import Tensor
 from .chunking import ChunkCost
 from .problem import LogProbProblem, RowBlock
 from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
-from .pingpong_choice import pingpong_kernels
 from .weight_gradient import WeightGradientSum
 
 # Working memory of the backward beside the fp32 d_hidden accumulator: the bf16 d_logits tile and, when the
@@ -222,15 +221,13 @@ def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, r
     c = GRAD_CONFIG
     tiling = backward_tiling(n, h, valid_columns, c.block_m, c.block_n)
     tiles = tiling.tiles(n)
-    pingpong = pingpong_kernels(hidden.device)
     dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
     # Several row tiles add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
     dw_chunk = None
     if weight_sum is not None and len(tiles) > 1:
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
-    valid_weight = weight[:valid_columns]
-    w_desc = pingpong.weight_descriptor(valid_weight) if pingpong else _descriptor(valid_weight, [c.block_n, c.block_k])
+    w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
     slots = _num_sms(hidden.device) * c.ctas_per_sm
     row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
     for start in range(0, valid_columns, tiling.columns):
@@ -242,17 +239,14 @@ def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, r
         for first, count in tiles:
             rows = slice(first, first + count)
             dz = dz_buffer[:count, :cols]
-            if pingpong:
-                pingpong.grad_logits(hidden[rows], w_desc, dz, tuple(t[rows] for t in row_args), start)
-            else:
-                programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
-                kernels.grad_logits_kernel[(programs,)](
-                    _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
-                    *(t[rows] for t in row_args),
-                    count, h, start, cols, programs,
-                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                    num_warps=c.num_warps, num_stages=c.num_stages,
-                )
+            programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
+            kernels.grad_logits_kernel[(programs,)](
+                _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
+                *(t[rows] for t in row_args),
+                count, h, start, cols, programs,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
             if d_hidden is not None:
                 torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
             if chunk_sum is not None:
