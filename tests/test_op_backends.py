@@ -1,6 +1,9 @@
 """The backend registry on the CPU: choices, capability queries, build-time checks, and verl's kernel as a
 backend (its refusals, each naming the field, and the exact call it makes, against a named fake kernel)."""
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 
@@ -29,13 +32,37 @@ def inputs(s=4, b=3, h=128, v=64, seed=0):
 
 def test_choices_and_capabilities():
     assert BACKEND_CHOICES == ("auto", "triton", "torch", "verl")
-    for name in ("auto", "triton", "torch"):
-        assert backend_capabilities(name) == EVERYTHING, name
+    for name in ("auto", "triton"):
+        assert backend_capabilities(name) == dataclasses.replace(EVERYTHING, keep_logits=True), name
+    assert backend_capabilities("torch") == EVERYTHING
     assert backend_capabilities("verl") == BackendCapabilities(
         per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False
     )
     with pytest.raises(ValueError, match=r"backend: unknown 'cuda'; allowed: auto, triton, torch, verl"):
         backend_capabilities("cuda")
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_keep_logits_bytes_must_be_a_non_negative_int(value):
+    hidden, weight, labels = inputs()
+    with pytest.raises(ValueError, match=r"keep_logits_bytes: must be an int >= 0 \(0: recompute every row\), got"):
+        log_probs_and_entropy(hidden, weight, labels, keep_logits_bytes=value)
+
+
+def test_keep_logits_on_a_backend_that_recomputes_says_so_once_and_changes_nothing(caplog):
+    from verl_fused_hook.ops import two_pass
+
+    two_pass._ignored_keep_logits.discard("torch")
+    hidden, weight, labels = inputs()
+    plain = log_probs_and_entropy(hidden, weight, labels, backend="torch")
+    with caplog.at_level(logging.INFO, logger=two_pass.__name__):
+        for _ in range(2):
+            kept = log_probs_and_entropy(hidden, weight, labels, backend="torch", keep_logits_bytes=1 << 30)
+    assert [r.getMessage() for r in caplog.records] == [
+        "log_probs_and_entropy: keep_logits_bytes=1073741824 ignored: backend 'torch' recomputes every row's logits "
+        "(only 'triton' keeps them)"
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(plain, kept))
 
 
 def test_build_time_checks_need_no_tensors():

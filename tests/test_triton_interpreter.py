@@ -5,7 +5,8 @@ the same kernels' arithmetic and the same host code in CI. The two-pass op: the 
 compacted (or all) rows, the recomputing gradient pass over vocabulary chunks and row tiles, d_weight
 written directly or summed in fp32 per chunk, d_hidden only or d_weight only, no gradients. The fused loss:
 the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the chunking and the
-d_weight accumulation, with and without the entropy. Named fakes, for what the CPU cannot do:
+d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
+(keep_logits_bytes). Named fakes, for what the CPU cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
 - a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `GRAD_CONFIG`, `_num_sms`);
 - `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
@@ -110,6 +111,70 @@ def _interpreted_two_pass_cases() -> list[dict]:
                 "d_weight": _rel(w.grad, ref[3]),
                 "inactive_zero": bool((lp[~active] == 0).all()) and (hid.grad is None or bool((hid.grad[~active] == 0).all())),
                 "no_grad_same": torch.equal(lp_plain, lp.detach()) and (not entropy_on or torch.equal(ent_plain, ent.detach())),
+            }
+        )
+    return results
+
+
+def _interpreted_keep_logits_cases() -> list[dict]:
+    """Run in the subprocess: the two-pass op with keep_logits_bytes, every scored row kept or some (whole
+    16-row blocks, the rest recomputed), one chunk and tile or row tiles x vocabulary chunks, against fp64;
+    with how many rows were kept and how many recompute launches the backward made (a counting wrapper)."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels
+    from verl_fused_hook.ops.interface import build_problem
+
+    triton_backend = _interpret_on_cpu()
+    launches = []
+
+    class CountingLaunches:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    triton_kernels.grad_logits_kernel = CountingLaunches(triton_kernels.grad_logits_kernel)
+    n, h, v = 70, 64, 301
+    per_row = 2 * 304 + 4 * 10  # fp16 logits at a row pitch of 304, fp32 max of each of the 10 column tiles
+    budgets = {"one tile, one chunk": (8192, 1024**3), "row tiles x vocabulary chunks": (64, 1)}
+    keeps = {"every row": 10**9, "some rows": 40 * per_row}
+    results = []
+    for index, (budget, keep, wants) in enumerate(
+        [(b, k, "both") for b in budgets for k in keeps] + [("row tiles x vocabulary chunks", "some rows", "weight")]
+    ):
+        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        g = torch.Generator().manual_seed(200 + index)
+        hidden = torch.randn(n, h, generator=g).half()
+        weight = (torch.randn(v, h, generator=g) * 0.5).half()
+        labels = torch.randint(0, v, (n,), generator=g)
+        score_mask = torch.rand(n, generator=g) > 0.2
+        temperature = torch.rand(n, generator=g) + 0.5
+        g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        hid = hidden.clone().requires_grad_(wants == "both")
+        w = weight.clone().requires_grad_()
+        problem = build_problem(hid, w, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
+                                ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
+                                keep_logits_bytes=keeps[keep])
+        kept = triton_backend.two_pass_passes(problem, True).kept
+        launches.clear()
+        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask,
+                                        backend="triton", keep_logits_bytes=keeps[keep])
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        ref = _fp64_reference(hidden, weight, labels, score_mask, temperature, g_lp, g_ent)
+        results.append(
+            {
+                "case": f"{budget}, {keep}, grads of {wants}",
+                "scored": int(score_mask.sum()),
+                "kept": 0 if kept is None else kept.shifted.shape[0],
+                "recompute_launches": len(launches),
+                "log_prob": (lp.double() - ref[0]).abs().max().item(),
+                "entropy": (ent.double() - ref[1]).abs().max().item(),
+                "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
+                "d_weight": _rel(w.grad, ref[3]),
+                "inactive_zero": bool((lp[~score_mask] == 0).all()) and (hid.grad is None or bool((hid.grad[~score_mask] == 0).all())),
             }
         )
     return results
@@ -321,6 +386,21 @@ def test_two_pass_triton_path_in_the_interpreter():
         else:
             assert case["d_hidden"] <= GRAD_TOL, (label, case)
         assert (case["tiles"] > 1) == label.startswith("row tiles"), (label, case)
+
+
+def test_two_pass_keep_logits_in_the_interpreter():
+    cases = _run_interpreted("_interpreted_keep_logits_cases")
+    assert len(cases) == 5
+    for case in cases:
+        label = case["case"]
+        assert case["inactive_zero"], label
+        assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
+        assert case["d_weight"] <= GRAD_TOL, (label, case)
+        assert case["d_hidden"] is None if label.endswith("grads of weight") else case["d_hidden"] <= GRAD_TOL, (label, case)
+        if ", every row," in label:  # nothing recomputed: d_logits from the kept logits, then two GEMMs
+            assert case["kept"] == case["scored"] and case["recompute_launches"] == 0, (label, case)
+        else:  # 40 rows' worth of budget keeps two whole 16-row blocks; the rest is recomputed
+            assert case["kept"] == 32 < case["scored"] and case["recompute_launches"] > 0, (label, case)
 
 
 def test_fused_loss_without_entropy_in_the_interpreter():

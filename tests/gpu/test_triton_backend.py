@@ -14,6 +14,7 @@ import torch
 from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook.ops.backends import resolve_backend
+from verl_fused_hook.ops.interface import build_problem
 from verl_fused_hook.ops.problem import LogProbProblem, default_tile_rows
 from verl_fused_hook_harness.support.distributed import run_on_gloo
 
@@ -55,14 +56,14 @@ def _bf16_logit_grad_bound(hidden, weight, labels, temperature, g_lp, g_ent):
 
 def _check(
     hidden, weight, labels, *, temperature=1.0, vocab_size=None, score_mask=None, entropy=True, grads=True, rel_tol=0.0,
-    hidden_grad_bound=False,
+    hidden_grad_bound=False, keep_logits_bytes=0,
 ):
     active = labels != -100 if score_mask is None else (labels != -100) & score_mask
     h = hidden.clone().requires_grad_(grads)
     w = weight.clone().requires_grad_(grads)
     lp, ent = log_probs_and_entropy(
         h, w, labels, temperature=temperature, vocab_size=vocab_size, score_mask=score_mask,
-        calculate_entropy=entropy, backend="triton",
+        calculate_entropy=entropy, backend="triton", keep_logits_bytes=keep_logits_bytes,
     )
     g_lp = torch.randn_like(lp)
     g_ent = torch.randn_like(lp) if entropy else torch.zeros_like(lp)
@@ -103,6 +104,28 @@ def test_matches_fp64_reference(n, h, v, vocab_size):
     hidden, weight, g = _inputs(n, h, v, seed=n + h)
     labels = torch.randint(0, vocab_size or v, (n,), device="cuda", generator=g)
     _check(hidden, weight, labels, temperature=0.7, vocab_size=vocab_size)
+
+
+@pytest.mark.parametrize("keep", ["every row", "two row blocks"])
+def test_keep_logits_matches_fp64_reference(keep, small_backward_budgets):
+    """keep_logits_bytes: every scored row's logits kept (two GEMMs in the backward), or two 128-row blocks of them
+    with the rest recomputed over row tiles and vocabulary chunks; Megatron-padded vocabulary, masked rows, T per row."""
+    from verl_fused_hook.ops import triton_backend
+
+    n, h, v, vocab_size = 700, 512, 5003, 4999
+    hidden, weight, g = _inputs(n, h, v, seed=59)
+    labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
+    score_mask = torch.rand(n, device="cuda", generator=g) > 0.2
+    temperature = torch.rand(n, device="cuda", generator=g) + 0.5
+    per_row = 2 * 5000 + 4 * 20  # fp16 logits at a pitch of 5000 columns, an fp32 max per 256-column tile
+    keep_bytes = 1 << 40 if keep == "every row" else 300 * per_row
+    _check(hidden, weight, labels, temperature=temperature, vocab_size=vocab_size, score_mask=score_mask,
+           keep_logits_bytes=keep_bytes)
+    problem = build_problem(hidden, weight, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
+                            ignore_index=-100, vocab_size=vocab_size, calculate_entropy=True, tile_rows=None,
+                            keep_logits_bytes=keep_bytes)
+    kept = triton_backend.two_pass_passes(problem, True).kept.shifted.shape[0]
+    assert kept == (int(score_mask.sum()) if keep == "every row" else 256)
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5, "per_row"])

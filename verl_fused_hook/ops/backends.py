@@ -4,8 +4,9 @@ A backend is a module (imported lazily: a GPU backend must not break CPU imports
 `unavailable_reason(problem)` and `build_unavailable_reason(hidden_size, device_type)`, each
 None when it can run or a sentence saying why not, and either
 
-- block primitives, for both drivers: `two_pass_passes(problem)` (gradients recompute the
-  logits), `loss_inside_cost(problem, keep)` (a chunking.ChunkCost: the memory a chunk takes, from
+- block primitives, for both drivers: `two_pass_passes(problem, for_backward)` (gradients recompute
+  the logits, except rows kept under `problem.keep_logits_bytes` when the backend can and
+  `for_backward` says gradients will follow), `loss_inside_cost(problem, keep)` (a chunking.ChunkCost: the memory a chunk takes, from
   which chunking.py plans the chunks; None: one block whatever the rows) and
   `loss_inside_passes(problem, keep, spans)` (over those chunks, statistics keeping each block's
   logits for its gradients when `keep`). Passes of one call have `block_count`,
@@ -41,7 +42,8 @@ class BackendCapabilities:
 
     per_row_temperature: a temperature tensor shaped like labels; row_selection: rows left out by
     score_mask or ignore_index; padded_vocabulary: vocab_size below V_local * tp size;
-    label_is_max: return_label_is_max=True; loss_inside: `log_probs_entropy_and_loss`.
+    label_is_max: return_label_is_max=True; loss_inside: `log_probs_entropy_and_loss`;
+    keep_logits: the two-pass op's keep_logits_bytes (others recompute every row).
     """
 
     per_row_temperature: bool = True
@@ -49,6 +51,7 @@ class BackendCapabilities:
     padded_vocabulary: bool = True
     label_is_max: bool = True
     loss_inside: bool = True
+    keep_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", ".triton_backend", BackendCapabilities()),
+    "triton": Backend("triton", ".triton_backend", BackendCapabilities(keep_logits=True)),
     "torch": Backend("torch", ".torch_backend", BackendCapabilities()),
     "verl": Backend(
         "verl",
@@ -96,9 +99,10 @@ def check_backend_name(backend) -> None:
 
 
 def backend_capabilities(backend: str) -> BackendCapabilities:
-    """What `backend` can run; "auto" can run everything (the portable backend takes any input)."""
+    """What `backend` can run; "auto" can run everything (the portable backend takes any input), keeping
+    logits where it picks the Triton backend."""
     check_backend_name(backend)
-    return BackendCapabilities() if backend == "auto" else BACKENDS[backend].capabilities
+    return BackendCapabilities(keep_logits=True) if backend == "auto" else BACKENDS[backend].capabilities
 
 
 def backend_unavailable_at_build(backend: str, *, hidden_size: int, device_type: str) -> str | None:

@@ -114,6 +114,7 @@ def build_problem(
     tile_rows: int | None,
     return_label_is_max: bool = False,
     tp_hidden: str = "replicated",
+    keep_logits_bytes: int = 0,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it).
 
@@ -148,6 +149,8 @@ def build_problem(
         raise ValueError(f"return_label_is_max: expected a bool, got {return_label_is_max!r}")
     if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
+    if isinstance(keep_logits_bytes, bool) or not isinstance(keep_logits_bytes, int) or keep_logits_bytes < 0:
+        raise ValueError(f"keep_logits_bytes: must be an int >= 0 (0: recompute every row), got {keep_logits_bytes!r}")
 
     local_vocab = weight.shape[0]
     padded_vocab = local_vocab * tp_world_size
@@ -202,6 +205,7 @@ def build_problem(
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
         label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
         vocab_size=vocab_size,
+        keep_logits_bytes=keep_logits_bytes,
     )
     return problem
 

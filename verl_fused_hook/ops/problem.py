@@ -27,7 +27,9 @@ class LogProbProblem:
     label_is_max: None, or a bool [N] buffer (all False) that the statistics
     merge fills at the scored rows with "the label's logit is the row maximum",
     so acceptance needs no logits and no backend change; vocab_size: the true
-    global vocabulary (None: V_local * tp size, no padding anywhere).
+    global vocabulary (None: V_local * tp size, no padding anywhere);
+    keep_logits_bytes: memory the two-pass op may hold from forward to backward to keep scored
+    rows' logits (fp16) instead of recomputing them (0: recompute every row).
     """
 
     hidden: torch.Tensor
@@ -43,6 +45,7 @@ class LogProbProblem:
     tile_rows: int
     label_is_max: torch.Tensor | None = None
     vocab_size: int | None = None
+    keep_logits_bytes: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -124,7 +124,8 @@ def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperat
     return PortablePasses(p)
 
 
-def two_pass_passes(p: LogProbProblem) -> PortablePasses:
+def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> PortablePasses:
+    """Tiles of p.tile_rows whose backward recomputes the logits, for_backward or not (no keep_logits here)."""
     return PortablePasses(p)
 
 

@@ -9,7 +9,8 @@ recomputes the logits and writes d_logits (bf16); two cuBLAS GEMMs then add that
 d_hidden into an fp32 accumulator and of the chunk's d_weight rows. Chunk width and tile height
 come from fixed budgets, not from the token count, so the time per row does not change with N.
 The fp32 d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that
-grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once.
+grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once. With
+keep_logits_bytes the forward kernel also keeps some rows' logits, and those skip the recompute.
 Loss-inside op (`StoredLogitsPasses`): the chunks chunking.py plans from this backend's
 `loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass
 overwrites them in place with d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
@@ -38,15 +39,13 @@ TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
 CHUNK_COLUMNS = 8192
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
-# Programs running together should share few row blocks (kept in L2) and stream a few vocabulary
-# splits; with a single split, 132 programs would each stream their own 1 MiB row block per tile.
+# Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
+# split, 132 programs would each stream their own 1 MiB row block per tile.
 MIN_SPLITS = 8
-# The loss-inside op's chunk of stored logits: 2 bytes per logit, the forward kernel keeps them in fp16 and
-# d_logits overwrites them. More rows per chunk add fewer times into the fp32 d_weight accumulator (V_local x H
-# x 4 bytes, read and written once per chunk; there is none when one chunk holds every scored row), and leave
-# more GPU work queued behind loss_fn's final evaluation, whose host time (~21 ms for verl's ppo_loss at 65k
-# tokens) the last chunk's GEMMs must cover. On the H200 at 65536 x 2048 x 151936: 4 GiB (5 chunks) 0.84x
-# the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
+# The loss-inside op's chunk of stored logits (fp16, then d_logits in place). More rows per chunk add fewer times
+# into the fp32 d_weight accumulator (V_local x H x 4 bytes; none with one chunk) and leave more GPU work queued
+# behind loss_fn's final host evaluation (~21 ms for verl's ppo_loss at 65k tokens). H200, 65536 x 2048 x 151936:
+# 4 GiB (5 chunks) 0.84x the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
 STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
 
 
@@ -212,16 +211,20 @@ def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: in
 
 
 def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, row_max, log_sum, shifted_mean,
-                          g_lp, g_ent, want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
-    """fp32 d_hidden of the block (or None); d_weight[:valid_columns] chunk by chunk through weight_sum."""
+                          g_lp, g_ent, want_hidden: bool, weight_sum: WeightGradientSum | None,
+                          kept: StoredLogits | None = None) -> Tensor | None:
+    """fp32 d_hidden of the block (or None); d_weight[:valid_columns] chunk by chunk through weight_sum. The block's
+    first rows, when `kept` holds their logits, are one more row tile whose d_logits come from there."""
     from . import triton_kernels as kernels
+    from .triton_chunk_kernels import stored_grad_logits
 
     hidden = block.hidden
     n, h = hidden.shape
     c = GRAD_CONFIG
-    tiling = backward_tiling(n, h, valid_columns, c.block_m, c.block_n)
-    tiles = tiling.tiles(n)
-    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device)
+    k = 0 if kept is None else kept.shifted.shape[0]
+    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n)
+    tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
+    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
     # Several row tiles add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
     dw_chunk = None
@@ -238,15 +241,18 @@ def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, r
             chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
         for first, count in tiles:
             rows = slice(first, first + count)
-            dz = dz_buffer[:count, :cols]
-            programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
-            kernels.grad_logits_kernel[(programs,)](
-                _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
-                *(t[rows] for t in row_args),
-                count, h, start, cols, programs,
-                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                num_warps=c.num_warps, num_stages=c.num_stages,
-            )
+            if first < k:  # the kept rows: d_logits over their stored logits, in place
+                dz = stored_grad_logits(kept, *(t[rows] for t in row_args), hidden.dtype, columns=(start, start + cols))
+            else:
+                dz = dz_buffer[:count, :cols]
+                programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
+                kernels.grad_logits_kernel[(programs,)](
+                    _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
+                    *(t[rows] for t in row_args),
+                    count, h, start, cols, programs,
+                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    num_warps=c.num_warps, num_stages=c.num_stages,
+                )
             if d_hidden is not None:
                 torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
             if chunk_sum is not None:
@@ -261,47 +267,73 @@ def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
 
 
 class RecomputingPasses:
-    """Two-pass primitives: every scored row in one block (compacted when some are masked); statistics
-    run the forward kernel, gradients recompute the logits chunk by chunk. Saved for backward: the
-    block (its rows, an int32 label column and 1/T each) and the weight."""
+    """Two-pass primitives: every scored row in one block (compacted when some are masked); statistics run the
+    forward kernel, gradients recompute the logits chunk by chunk, except the first rows' when `kept` holds them.
+    Saved for backward: the block (rows, int32 label column, 1/T), the weight, the kept logits."""
 
     block_count = 1
 
-    def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock):
-        self.p, self.valid_columns, self.weight, self.block = p, valid_columns, weight, block
+    def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock,
+                 kept: StoredLogits | None = None):
+        self.p, self.valid_columns, self.weight, self.block, self.kept = p, valid_columns, weight, block, kept
 
     def blocks(self):
         yield self.block
 
     def statistics(self, block: RowBlock):
-        return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp)
+        if self.kept is None:
+            return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp)
+        k = self.kept.shifted.shape[0]
+        head = local_statistics(self.p, block.hidden[:k], self.weight, block.label_col[:k], block.inv_temp[:k], self.kept)
+        if k == block.hidden.shape[0]:
+            return head
+        tail = local_statistics(self.p, block.hidden[k:], self.weight, block.label_col[k:], block.inv_temp[k:])
+        return tuple(torch.cat(pair) for pair in zip(head, tail))
 
     def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
                   weight_sum: WeightGradientSum | None) -> Tensor | None:
-        return _recomputed_gradients(
-            block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, _zeros_for_none(g_lp, row_max),
-            _zeros_for_none(g_ent, row_max), want_hidden, weight_sum,
-        )
+        g_lp, g_ent = _zeros_for_none(g_lp, row_max), _zeros_for_none(g_ent, row_max)
+        if self.kept is not None and self.kept.shifted.shape[0] == block.hidden.shape[0]:
+            from .triton_chunk_kernels import kept_gradients
+
+            return kept_gradients(self.kept, block, self.weight[: self.valid_columns], row_max, log_sum, shifted_mean,
+                                  g_lp, g_ent, want_hidden, weight_sum)
+        return _recomputed_gradients(block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, g_lp, g_ent,
+                                     want_hidden, weight_sum, self.kept)
 
     def for_backward(self):
         b = self.block
-        return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp), functools.partial(
+        kept = () if self.kept is None else (self.kept.shifted, self.kept.tile_max)
+        return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept), functools.partial(
             _rebuilt_recomputing, self.valid_columns
         )
 
 
-def _rebuilt_recomputing(valid_columns: int, hidden, weight, rows, label_col, inv_temp) -> RecomputingPasses:
-    return RecomputingPasses(None, valid_columns, weight, RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp))
+def _rebuilt_recomputing(valid_columns: int, hidden, weight, rows, label_col, inv_temp, *kept) -> RecomputingPasses:
+    stored = StoredLogits(*kept, FORWARD_CONFIG.block_n) if kept else None
+    return RecomputingPasses(None, valid_columns, weight, RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp), stored)
 
 
-def two_pass_passes(p: LogProbProblem) -> RecomputingPasses:
+def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> RecomputingPasses:
+    """for_backward with p.keep_logits_bytes: the forward kernel keeps the logits of as many scored rows as fit
+    (whole row blocks, unless every row fits) for the backward."""
     block = _block(p, p.active_rows, slice(0, p.active_rows.numel()))
-    return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block)
+    kept = _kept_logits(p, block.rows.numel()) if for_backward and p.keep_logits_bytes else None
+    return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block, kept)
+
+
+def _kept_logits(p: LogProbProblem, rows: int) -> StoredLogits | None:
+    pitch, tiles = _stored_layout(p.valid_columns)
+    fit = p.keep_logits_bytes // (2 * pitch + 4 * tiles)
+    k = rows if fit >= rows else fit // FORWARD_CONFIG.block_m * FORWARD_CONFIG.block_m
+    if k == 0 or p.valid_columns == 0:
+        return None
+    shifted = torch.empty(k, pitch, dtype=torch.float16, device=p.weight.device)[:, : p.valid_columns]
+    return StoredLogits(shifted, torch.empty(k, tiles, dtype=torch.float32, device=p.weight.device), FORWARD_CONFIG.block_n)
 
 
 def _stored_layout(columns: int) -> tuple[int, int]:
-    """(row pitch of the stored fp16 logits: TMA needs 16-byte aligned rows, column tiles of the forward kernel)."""
-    return -(-columns // 8) * 8, -(-columns // FORWARD_CONFIG.block_n)
+    return -(-columns // 8) * 8, -(-columns // FORWARD_CONFIG.block_n)  # TMA: 16-byte rows; the forward's tiles
 
 
 class StoredLogitsPasses:
@@ -310,8 +342,7 @@ class StoredLogitsPasses:
     place (`triton_chunk_kernels`). 2 bytes per logit, one buffer of the largest chunk reused by every chunk.
     Without `keep` (no gradients) nothing is kept, and the spans are one: every scored row at once."""
 
-    # The loss-inside op's final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs
-    # (host_evaluation.py; measured on the H200).
+    # The final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs (host_evaluation.py).
     overlap_final_evaluation = True
 
     def __init__(self, p: LogProbProblem, keep: bool, spans: list[slice]):

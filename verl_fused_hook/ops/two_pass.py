@@ -2,12 +2,15 @@
 
 Why two passes: the upstream gradient is known only in backward, so the forward keeps three
 fp32 numbers per scored row (row max, log of the shifted sum-exp, shifted mean logit) and the
-backward recomputes each block's logits from them (four GEMMs in all). The driver walks a
+backward recomputes each block's logits from them (four GEMMs in all; three for the rows whose
+logits `keep_logits_bytes` lets the Triton backend keep). The driver walks a
 backend's blocks; across tensor-parallel ranks only the per-row statistics travel: one MAX and
 one SUM all-reduce per call, plus the d_hidden reduction `tp_hidden` asks for.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,9 @@ from .precision import fp32_backward
 from .problem import LogProbProblem
 from .softmax_math import combine_row_statistics, no_column_partials, scatter_rows
 from .weight_gradient import WeightGradientSum
+
+logger = logging.getLogger(__name__)
+_ignored_keep_logits: set[str] = set()
 
 
 def log_probs_and_entropy(
@@ -36,6 +42,7 @@ def log_probs_and_entropy(
     backend: str = "auto",
     tile_rows: int | None = None,
     return_label_is_max: bool = False,
+    keep_logits_bytes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
 
@@ -73,6 +80,11 @@ def log_probs_and_entropy(
         tile_rows: rows per tile; default keeps one fp32 logits tile near 256 MiB.
         return_label_is_max: also return, per row, whether the label's logit is the
             row maximum over the whole vocabulary (greedy acceptance, e.g. MTP's).
+        keep_logits_bytes: memory (per rank) the op may hold from forward to backward to keep
+            the logits of as many scored rows as fit, in fp16 (2 bytes per logit and a few per
+            row), so the backward skips their recompute: one GEMM of four per kept row. 0
+            (default): recompute every row, extra memory one tile whatever the rows. Taken by
+            the "triton" backend; the others recompute every row and say so once in a log line.
 
     Returns:
         (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
@@ -96,11 +108,16 @@ def log_probs_and_entropy(
         tile_rows=tile_rows,
         return_label_is_max=return_label_is_max,
         tp_hidden=tp_hidden,
+        keep_logits_bytes=keep_logits_bytes,
     )
     # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
     # recomputes in fp32, see precision.fp32_backward) working against bf16 statistics.
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         chosen = resolve_backend(backend, problem)
+        if keep_logits_bytes and not chosen.capabilities.keep_logits and chosen.name not in _ignored_keep_logits:
+            _ignored_keep_logits.add(chosen.name)
+            logger.info("log_probs_and_entropy: keep_logits_bytes=%d ignored: backend %r recomputes every row's "
+                        "logits (only 'triton' keeps them)", keep_logits_bytes, chosen.name)
         module = chosen.load()
         if chosen.whole_problem:
             log_probs, entropy = module.run(problem)
@@ -118,7 +135,7 @@ def run_passes(problem: LogProbProblem, module) -> tuple[torch.Tensor, torch.Ten
     differentiable when the problem needs gradients; the loss-inside op's two-pass path reuses its problem."""
     if not problem.needs_grad:
         with torch.no_grad():
-            log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem))
+            log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem, False))
         return scatter_rows(problem, log_probs), scatter_rows(problem, entropy)
     return _TwoPass.apply(problem.hidden, problem.weight, problem, module.two_pass_passes)
 
@@ -143,7 +160,7 @@ class _TwoPass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, p: LogProbProblem, two_pass_passes):
-        passes = two_pass_passes(p)
+        passes = two_pass_passes(p, True)
         log_probs, entropy, row_max, log_sum, shifted_mean = _statistics(p, passes)
         tensors, ctx.rebuild_passes = passes.for_backward()
         ctx.save_for_backward(*tensors, row_max, log_sum, shifted_mean)

@@ -8,7 +8,8 @@ peak memory a method allocates beyond its inputs and returned gradients, checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
 
-Methods: triton (this package), torch (the portable backend), naive (full
+Methods: triton (this package), triton_keep (the same keeping logits for the
+backward within 4 GiB: keep_logits_bytes), torch (the portable backend), naive (full
 logits), verl (verl's Triton kernel, loaded from its file without `import verl`),
 liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
@@ -187,7 +188,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
                 fn(hidden, weight, labels, t, None)
 
         result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats))
-        if name in ("triton", "torch"):
+        if name in ("triton", "triton_keep", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
                 lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats))

@@ -18,14 +18,19 @@ from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
 from . import bench_liger, bench_loss
 
 ALL_METHODS = (
-    "floor", "triton", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
+    "floor", "triton", "triton_keep", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
     "fused_loss_gspo", "verl_loss_gspo",
 )  # fmt: skip
 
 
-def ours(backend: str):
+# triton_keep: the op keeping logits for its backward within the fused loss's default budget of stored logits.
+KEEP_LOGITS_BYTES = 4 * 1024**3
+
+
+def ours(backend: str, keep_logits_bytes: int = 0):
     def fn(h, w, labels, temperature, score_mask=None):
-        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend)
+        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend,
+                                     keep_logits_bytes=keep_logits_bytes)
 
     return fn
 
@@ -80,6 +85,7 @@ def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
     workspace for the largest once)."""
     loaders = {
         "triton": lambda: ours("triton"),
+        "triton_keep": lambda: ours("triton", KEEP_LOGITS_BYTES),
         "torch": lambda: ours("torch"),
         "naive": lambda: naive,
         "verl": lambda: verl_kernel(verl_kernel_dir),
