@@ -62,7 +62,7 @@ def test_doctor_fails_on_a_bad_switch_and_on_a_misspelt_entry():
     assert done.returncode == 1
     plan = lines(done)["plan"]
     assert "output_processor_fused_los is not a verl_fused_hook entry; did you mean " in plan
-    assert plan.endswith("output_processor_fused_loss_chunk_gib, output_processor_score_mask")
+    assert plan.endswith("output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib")
 
 
 def test_doctor_resolves_the_plan_from_hydra_overrides():

@@ -27,6 +27,10 @@ from verl_fused_hook.output_layer import logit_multiplier, resolve_output_weight
         ({"backend": "verl", "score_mask": torch.ones(1, 3, dtype=torch.bool)}, "score_mask"),
         ({"backend": "verl", "temperature": torch.ones(1, 3)}, "temperature"),
         ({"backend": "verl", "vocab_size": 10}, "vocab_size"),
+        ({"keep_logits_bytes": -1}, "keep_logits_bytes"),
+        ({"keep_logits_bytes": 1.5}, "keep_logits_bytes"),
+        ({"keep_logits_bytes": True}, "keep_logits_bytes"),
+        ({"keep_logits_bytes": 1, "loss_fn": lambda log_probs, entropy: (log_probs.sum(), {})}, "keep_logits_bytes"),
     ],
 )
 def test_bad_context_fields_are_named(kwargs, field):

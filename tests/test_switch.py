@@ -140,6 +140,39 @@ def test_score_mask_entry_rejects_non_bool(value):
     assert "true, false or null (on)" in message
 
 
+def test_keep_logits_entry_in_hook_mode_reaches_the_plan_in_bytes():
+    assert resolve_plan({}, environ={ENV_VAR: "1"}).keep_logits_bytes == 0
+    plan = resolve_plan({"output_processor_keep_logits_gib": 1.5}, environ={ENV_VAR: "1"})
+    assert plan.keep_logits_bytes == 3 * 2**29
+    assert plan.log_line("E").endswith("output_processor_keep_logits_gib=1.5")
+
+
+def test_keep_logits_entry_outside_hook_mode_is_ignored_with_a_note():
+    plan = resolve_plan({"output_processor_keep_logits_gib": 4}, environ={ENV_VAR: "0"})
+    assert plan.keep_logits_bytes == 0
+    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib ignored outside hook mode"
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", True, float("inf")])
+def test_keep_logits_entry_rejects_what_is_not_a_positive_number_of_gib(value):
+    with pytest.raises(ValueError) as error:
+        resolve_plan({"output_processor_keep_logits_gib": value}, environ={ENV_VAR: "1"})
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib={value!r} is not allowed; use a "
+        "number of GiB > 0 (the logits the op keeps for its backward, e.g. 4) or null (none: recompute them)"
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "verl"])
+def test_keep_logits_entry_with_a_backend_that_recomputes_stops_at_start_up(backend):
+    with pytest.raises(ValueError, match=(
+        rf"output_processor_keep_logits_gib needs a backend that keeps logits: "
+        rf"actor_rollout_ref.model.fused_kernel_options.output_processor_backend={backend} recomputes them; "
+        r"use output_processor_backend=auto or triton"
+    )):
+        resolve_plan({"output_processor_keep_logits_gib": 2, "output_processor_backend": backend}, environ={ENV_VAR: "1"})
+
+
 @pytest.mark.parametrize(
     "key, nearest",
     [
@@ -157,7 +190,7 @@ def test_unknown_or_misspelt_key_stops_with_the_nearest_and_the_allowed_keys(key
     assert message.startswith(f"actor_rollout_ref.model.fused_kernel_options.{key} is not a verl_fused_hook entry")
     assert f"did you mean actor_rollout_ref.model.fused_kernel_options.{nearest}?" in message
     assert ("allowed: use_output_processor_hook, output_processor_backend, output_processor_fused_loss, "
-            "output_processor_fused_loss_chunk_gib, output_processor_score_mask") in message
+            "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib") in message
 
 
 def test_verls_own_keys_are_left_alone():

@@ -226,6 +226,27 @@ def test_hook_forward_equals_legacy_forward_exactly(monkeypatch, tied):
         torch.testing.assert_close(hook_grads[name], legacy_grads[name], **EXACT, msg=name)
 
 
+def test_keep_logits_entry_reaches_the_op_through_the_engine(monkeypatch, caplog):
+    """output_processor_keep_logits_gib travels plan -> engine forward -> context -> op. On the CPU "auto" runs the
+    portable backend, which recomputes: the op's one log line is the evidence, and the numbers do not move."""
+    from verl_fused_hook.ops import two_pass
+
+    monkeypatch.setenv(ENV_VAR, "1")
+    two_pass._ignored_keep_logits.clear()
+    batch = rl_batch(0.7)
+    outputs = []
+    for options in ({}, {"output_processor_keep_logits_gib": 1}):
+        engine, model = built(options)
+        with caplog.at_level(logging.INFO, logger=two_pass.__name__):
+            outputs.append(engine_forward(engine, model, batch))
+    assert [r.getMessage() for r in caplog.records if r.name == two_pass.__name__] == [
+        "log_probs_and_entropy: keep_logits_bytes=1073741824 ignored: backend 'torch' recomputes every row's logits "
+        "(only 'triton' keeps them)"
+    ]
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(outputs[1][key].values(), outputs[0][key].values(), **EXACT)
+
+
 def test_mixed_temperatures_pass_through_forward_step(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
     engine, model = built({"output_processor_backend": "torch"})

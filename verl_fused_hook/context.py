@@ -51,6 +51,9 @@ class FusedOutputProcessorContext:
     loss_row_groups: int64 [b, s] like labels, for a loss whose row gradients depend on their
         sequence (GSPO): each position's sequence id (-1: none); the op keeps each sequence's
         rows in one chunk (`log_probs_entropy_and_loss(row_groups=...)`).
+    keep_logits_bytes: without loss_fn, memory the op may hold from forward to backward to keep
+        scored rows' logits instead of recomputing them (`log_probs_and_entropy(keep_logits_bytes=...)`;
+        0: recompute every row).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -66,6 +69,7 @@ class FusedOutputProcessorContext:
     host_loss_fn: Callable[..., tuple[torch.Tensor, Any]] | None = field(default=None, repr=False)
     loss_chunk_bytes: int | None = None
     loss_row_groups: torch.Tensor | None = field(default=None, repr=False)
+    keep_logits_bytes: int = 0
 
     def __post_init__(self):
         for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes", "loss_row_groups"):
@@ -106,6 +110,15 @@ class FusedOutputProcessorContext:
         ):
             raise ValueError(
                 f"FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1, got {self.loss_chunk_bytes!r}"
+            )
+        if isinstance(self.keep_logits_bytes, bool) or not isinstance(self.keep_logits_bytes, int) or self.keep_logits_bytes < 0:
+            raise ValueError(
+                f"FusedOutputProcessorContext.keep_logits_bytes: expected an int >= 0, got {self.keep_logits_bytes!r}"
+            )
+        if self.keep_logits_bytes and self.loss_fn is not None:
+            raise ValueError(
+                "FusedOutputProcessorContext.keep_logits_bytes: belongs to the op without a fused loss (whose chunks of "
+                "kept logits loss_chunk_bytes sizes); set one or the other"
             )
         if self.loss_row_groups is not None and (
             not isinstance(self.loss_row_groups, torch.Tensor)

@@ -148,7 +148,9 @@ def fused_output_processor(
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics
         return output
-    log_probs, entropy = log_probs_and_entropy(hidden_states, weight, labels_sb, **problem, tile_rows=context.tile_rows)
+    log_probs, entropy = log_probs_and_entropy(
+        hidden_states, weight, labels_sb, **problem, tile_rows=context.tile_rows, keep_logits_bytes=context.keep_logits_bytes
+    )
     log_probs = log_probs.t().contiguous()
     entropy = _transposed(entropy)
     if context.as_tuple:

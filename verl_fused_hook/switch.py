@@ -14,8 +14,10 @@ Precedence (documented in docs/usage.md):
 The op backend comes only from `...fused_kernel_options.output_processor_backend`
 (default "auto") and only matters in hook mode, as does `...output_processor_fused_loss`
 (default false: the actor update's ppo_loss computed inside the op, see verl_integration/ppo_loss.py)
-and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's), and
-`...output_processor_score_mask` (default true: only the rows verl reads are scored; false scores every row).
+and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's),
+`...output_processor_score_mask` (default true: only the rows verl reads are scored; false scores every row),
+and `...output_processor_keep_logits_gib` (default null: none; the memory the op may hold from the output
+layer's forward to its backward to keep logits instead of recomputing them, where the loss is not fused).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ CONFIG_BACKEND_KEY = "output_processor_backend"
 CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
 CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
-CONFIG_KEYS = (CONFIG_HOOK_KEY, CONFIG_BACKEND_KEY, CONFIG_FUSED_LOSS_KEY, CONFIG_FUSED_LOSS_CHUNK_KEY, CONFIG_SCORE_MASK_KEY)
+CONFIG_KEEP_LOGITS_KEY = "output_processor_keep_logits_gib"
+CONFIG_KEYS = (
+    CONFIG_HOOK_KEY, CONFIG_BACKEND_KEY, CONFIG_FUSED_LOSS_KEY, CONFIG_FUSED_LOSS_CHUNK_KEY, CONFIG_SCORE_MASK_KEY,
+    CONFIG_KEEP_LOGITS_KEY,
+)
 # Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
 # near miss of ours (at most this many single-letter edits away).
 CONFIG_NAMESPACE = ("use_output_processor", "output_processor")
@@ -61,6 +67,7 @@ class FusedForwardPlan:
     fused_loss: bool = False  # hook mode computes the actor update's ppo_loss inside the op
     fused_loss_chunk_bytes: int | None = None  # the op's chunk of stored logits (None: its default)
     score_mask: bool = True  # hook mode scores only the rows the step's loss reads (where it can tell)
+    keep_logits_bytes: int = 0  # hook mode's op keeps logits for its backward within this (0: recomputes them)
 
     @property
     def is_set(self) -> bool:
@@ -75,6 +82,8 @@ class FusedForwardPlan:
                 text += f" ({CONFIG_FUSED_LOSS_CHUNK_KEY}={self.fused_loss_chunk_bytes / 1024**3:g})"
             if not self.score_mask:
                 text += f", {CONFIG_SCORE_MASK_KEY}=false"
+            if self.keep_logits_bytes:
+                text += f", {CONFIG_KEEP_LOGITS_KEY}={self.keep_logits_bytes / 1024**3:g}"
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -141,17 +150,28 @@ def parse_config_score_mask(options: Mapping | None) -> bool | None:
     return _parse_config_bool(options, CONFIG_SCORE_MASK_KEY, "on")
 
 
-def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
-    """`fused_kernel_options.output_processor_fused_loss_chunk_gib` in bytes, or None when absent/null."""
-    value = None if options is None else options.get(CONFIG_FUSED_LOSS_CHUNK_KEY)
+def _parse_config_gib(options: Mapping | None, key: str, what: str) -> int | None:
+    """`fused_kernel_options.<key>` (GiB > 0) in bytes, or None when absent/null."""
+    value = None if options is None else options.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_CHUNK_KEY}={value!r} is not allowed; use a number of GiB > 0 "
-            "(the fused loss's chunk of stored logits, e.g. 2) or null (the op's default, 4)"
-        )
+        raise ValueError(f"{CONFIG_PREFIX}.{key}={value!r} is not allowed; use a number of GiB > 0 ({what})")
     return max(1, int(value * 1024**3))
+
+
+def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
+    """`fused_kernel_options.output_processor_fused_loss_chunk_gib` in bytes, or None when absent/null."""
+    return _parse_config_gib(
+        options, CONFIG_FUSED_LOSS_CHUNK_KEY, "the fused loss's chunk of stored logits, e.g. 2) or null (the op's default, 4"
+    )
+
+
+def parse_config_keep_logits(options: Mapping | None) -> int | None:
+    """`fused_kernel_options.output_processor_keep_logits_gib` in bytes, or None when absent/null."""
+    return _parse_config_gib(
+        options, CONFIG_KEEP_LOGITS_KEY, "the logits the op keeps for its backward, e.g. 4) or null (none: recompute them"
+    )
 
 
 def edit_distance(a: str, b: str) -> int:
@@ -189,6 +209,7 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     fused_loss = parse_config_fused_loss(options)
     fused_loss_chunk = parse_config_fused_loss_chunk(options)
     score_mask = parse_config_score_mask(options)
+    keep_logits = parse_config_keep_logits(options)
 
     notes = []
     if env_mode is not None:
@@ -220,7 +241,15 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_CHUNK_KEY} ignored: the fused loss is off")
     if score_mask is not None and mode != HOOK:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_SCORE_MASK_KEY} ignored outside hook mode")
+    if keep_logits is not None and mode != HOOK:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} ignored outside hook mode")
+    if keep_logits is not None and mode == HOOK and not backend_capabilities(backend).keep_logits:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} needs a backend that keeps logits: "
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} recomputes them; use output_processor_backend=auto or triton"
+        )
     return FusedForwardPlan(
         mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=fused_loss,
         fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None, score_mask=score_mask is not False,
+        keep_logits_bytes=keep_logits if keep_logits is not None and mode == HOOK else 0,
     )

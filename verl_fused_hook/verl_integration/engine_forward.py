@@ -123,7 +123,8 @@ def make_engine_forward(vision_model: bool):
         """
         step = step or current_step() or HookStep()
         gpt = unwrap_to_gpt(model)
-        backend = plan_of(model).backend
+        plan = plan_of(model)
+        backend = plan.backend
         temperature = sample_temperatures(temperature, input_ids.shape[0])
         check_backend_accepts(backend, temperature, step.score_rows)
         common = dict(vision_model=vision_model, pad_token_id=pad_token_id)
@@ -154,7 +155,11 @@ def make_engine_forward(vision_model: bool):
             calculate_entropy=bool(calculate_entropy),
             score_mask=score_mask,
             backend=backend,
-            **(_fused_loss_options(step, layout, model_inputs["labels"]) if fused_loss is not None else {}),
+            **(
+                _fused_loss_options(step, layout, model_inputs["labels"])
+                if fused_loss is not None
+                else {"keep_logits_bytes": plan.keep_logits_bytes}
+            ),
         )
         output = model(**model_inputs, output_processor=fused_output_processor, output_processor_context=context)
         if not gpt.post_process:
