@@ -211,7 +211,7 @@ def test_auto_picks_triton_on_cuda():
     assert resolve_backend("auto", float_problem).name == "torch"
 
 
-def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size):
+def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size, keep_logits_bytes=0):
     import torch.distributed as dist
 
     shard = weight.shape[0] // world_size
@@ -219,19 +219,21 @@ def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size
     w = weight[rank * shard : (rank + 1) * shard].cuda().requires_grad_()
     lp, ent = log_probs_and_entropy(
         h, w, labels.cuda(), temperature=0.8, tp_group=dist.group.WORLD, tp_hidden="partial", vocab_size=vocab_size,
-        backend="triton",
+        backend="triton", keep_logits_bytes=keep_logits_bytes,
     )
     ((lp * g_lp.cuda()).sum() + (ent * g_ent.cuda()).sum()).backward()
     return lp.cpu(), ent.cpu(), h.grad.float().cpu(), w.grad.float().cpu()
 
 
-def test_tensor_parallel_two_ranks_on_one_gpu():
+# keep_logits_bytes: none; every row; 200 rows' worth of the shard's kept logits (one 128-row block kept)
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 40, 200 * (2 * 16000 + 4 * 63)])
+def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
     n, h, v, vocab_size = 300, 512, 2 * 16000, 31990  # rank 1's shard ends in padding
     hidden, weight, g = _inputs(n, h, v, seed=31)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
     results = run_on_gloo(
-        _tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size
+        _tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, keep_logits_bytes
     )
     ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
     d_hidden = sum(r[2] for r in results)  # the caller's all-reduce of the partial d_hidden
