@@ -6,7 +6,7 @@ compacted (or all) rows, the recomputing gradient pass over vocabulary chunks an
 written directly or summed in fp32 per chunk, d_hidden only or d_weight only, no gradients. The fused loss:
 the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the chunking and the
 d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
-(keep_logits_bytes). Named fakes, for what the CPU cannot do:
+(keep_logits_bytes), on one rank and over two gloo ranks with a padded vocabulary. Named fakes, for what the CPU cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
 - a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `GRAD_CONFIG`, `_num_sms`);
 - `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
@@ -401,6 +401,61 @@ def test_two_pass_keep_logits_in_the_interpreter():
             assert case["kept"] == case["scored"] and case["recompute_launches"] == 0, (label, case)
         else:  # 40 rows' worth of budget keeps two whole 16-row blocks; the rest is recomputed
             assert case["kept"] == 32 < case["scored"] and case["recompute_launches"] > 0, (label, case)
+
+
+def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size, keep_bytes):
+    """One rank of two (gloo, Triton's interpreter set by the launcher's environment before Triton's import): its
+    vocabulary shard, kept logits within keep_bytes, row tiles x vocabulary chunks; what it kept and returned."""
+    import torch
+    import torch.distributed as dist
+
+    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops.interface import build_problem
+
+    triton_backend = _interpret_on_cpu()
+    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = 64, 1
+    shard = weight.shape[0] // world_size
+    h = hidden.clone().requires_grad_()
+    w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    problem = build_problem(h, w, labels, temperature=temperature, tp_group=dist.group.WORLD, score_mask=None,
+                            ignore_index=-100, vocab_size=vocab_size, calculate_entropy=True, tile_rows=None,
+                            tp_hidden="partial", keep_logits_bytes=keep_bytes)
+    kept = triton_backend.two_pass_passes(problem, True).kept
+    lp, ent = log_probs_and_entropy(h, w, labels, temperature=temperature, tp_group=dist.group.WORLD,
+                                    tp_hidden="partial", vocab_size=vocab_size, backend="triton",
+                                    keep_logits_bytes=keep_bytes)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return 0 if kept is None else kept.shifted.shape[0], lp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("keep", ["every row", "some rows"])
+def test_two_pass_keep_logits_tensor_parallel_in_the_interpreter(keep):
+    """Two gloo ranks, a vocabulary padded on rank 1 (160 and 141 real columns: rows of kept logits differ in size,
+    so "some rows" keeps 32 rows on rank 0 and 48 on rank 1), against fp64 over the real columns."""
+    import torch
+
+    from verl_fused_hook_harness.support.distributed import run_on_gloo
+
+    n, h, v, vocab_size = 70, 64, 320, 301
+    g = torch.Generator().manual_seed(300)
+    hidden = torch.randn(n, h, generator=g).half()
+    weight = (torch.randn(v, h, generator=g) * 0.5).half()
+    labels = torch.randint(0, vocab_size, (n,), generator=g)
+    temperature = torch.rand(n, generator=g) + 0.5
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    keep_bytes = 10**9 if keep == "every row" else 47 * (2 * 160 + 4 * 5)
+    results = run_on_gloo(_tp_keep_logits_worker, 2, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size,
+                          keep_bytes, env={"TRITON_INTERPRET": "1"})
+    assert [r[0] for r in results] == ([n, n] if keep == "every row" else [32, 48])
+    ref = _fp64_reference(hidden, weight[:vocab_size], labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, g_ent)
+    for _, lp, ent, *_ in results:
+        assert (lp.double() - ref[0]).abs().max().item() <= VALUE_TOL
+        assert (ent.double() - ref[1]).abs().max().item() <= VALUE_TOL
+    d_hidden = sum(r[3].double() for r in results)  # the caller's all-reduce of the partial d_hidden
+    d_weight = torch.cat([r[4] for r in results])
+    assert _rel(d_hidden, ref[2]) <= GRAD_TOL
+    assert _rel(d_weight[:vocab_size], ref[3]) <= GRAD_TOL
+    assert bool((d_weight[vocab_size:] == 0).all())
 
 
 def test_fused_loss_without_entropy_in_the_interpreter():
