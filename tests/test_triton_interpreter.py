@@ -487,7 +487,7 @@ def test_fused_loss_triton_path_in_the_interpreter():
 def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_logits():
     import torch
 
-    from verl_fused_hook.ops.triton_backend import StoredLogits
+    from verl_fused_hook.ops.kept_logits import StoredLogits
     from verl_fused_hook.ops.triton_chunk_kernels import stored_grad_logits
 
     store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1), 8)

@@ -46,7 +46,8 @@ def _inputs(n, h, v, seed, offset=0.0):
 
 def _stored(hidden, weight, label_col, inv_temp, vocab):
     from verl_fused_hook.ops.interface import build_problem
-    from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, StoredLogits, local_statistics
+    from verl_fused_hook.ops.kept_logits import StoredLogits
+    from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, local_statistics
 
     n = hidden.shape[0]
     p = build_problem(

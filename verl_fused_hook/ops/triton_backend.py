@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .chunking import ChunkCost
+from .kept_logits import StoredLogits, kept_rows_buffer, stored_layout
 from .problem import LogProbProblem, RowBlock
 from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
 from .weight_gradient import WeightGradientSum
@@ -144,17 +145,6 @@ def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
     """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
     hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
     return RowBlock(span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows))
-
-
-@dataclass(frozen=True)
-class StoredLogits:
-    """Where the forward kernel keeps a chunk's logits for the fused loss's gradient pass: `shifted`,
-    fp16 [rows, valid_columns] (row stride a multiple of 8 elements), each `tile_columns`-wide tile
-    (FORWARD_CONFIG.block_n) relative to its own row max, and that max, fp32 [rows, column tiles]."""
-
-    shifted: torch.Tensor
-    tile_max: torch.Tensor
-    tile_columns: int
 
 
 def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None):
@@ -318,22 +308,11 @@ def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> Recomputin
     """for_backward with p.keep_logits_bytes: the forward kernel keeps the logits of as many scored rows as fit
     (whole row blocks, unless every row fits) for the backward."""
     block = _block(p, p.active_rows, slice(0, p.active_rows.numel()))
-    kept = _kept_logits(p, block.rows.numel()) if for_backward and p.keep_logits_bytes else None
+    kept = None
+    if for_backward and p.keep_logits_bytes:
+        kept = kept_rows_buffer(p.keep_logits_bytes, block.rows.numel(), p.valid_columns, FORWARD_CONFIG.block_m,
+                                FORWARD_CONFIG.block_n, p.weight.device)
     return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block, kept)
-
-
-def _kept_logits(p: LogProbProblem, rows: int) -> StoredLogits | None:
-    pitch, tiles = _stored_layout(p.valid_columns)
-    fit = p.keep_logits_bytes // (2 * pitch + 4 * tiles)
-    k = rows if fit >= rows else fit // FORWARD_CONFIG.block_m * FORWARD_CONFIG.block_m
-    if k == 0 or p.valid_columns == 0:
-        return None
-    shifted = torch.empty(k, pitch, dtype=torch.float16, device=p.weight.device)[:, : p.valid_columns]
-    return StoredLogits(shifted, torch.empty(k, tiles, dtype=torch.float32, device=p.weight.device), FORWARD_CONFIG.block_n)
-
-
-def _stored_layout(columns: int) -> tuple[int, int]:
-    return -(-columns // 8) * 8, -(-columns // FORWARD_CONFIG.block_n)  # TMA: 16-byte rows; the forward's tiles
 
 
 class StoredLogitsPasses:
@@ -348,7 +327,7 @@ class StoredLogitsPasses:
     def __init__(self, p: LogProbProblem, keep: bool, spans: list[slice]):
         self.p, self.weight, self.spans = p, tma_ready(p.weight), spans
         self.columns = p.valid_columns
-        pitch, tiles = _stored_layout(self.columns)
+        pitch, tiles = stored_layout(self.columns, FORWARD_CONFIG.block_n)
         self.block_count = len(spans)
         self.store = self.buffer = self.tile_max = None
         if keep and spans:
@@ -387,7 +366,7 @@ def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost | None:
     The smallest chunk is one row block of the forward kernel. Without `keep` nothing is kept: None, one block."""
     if not keep:
         return None
-    pitch, tiles = _stored_layout(p.valid_columns)
+    pitch, tiles = stored_layout(p.valid_columns, FORWARD_CONFIG.block_n)
     h, width = p.hidden.shape[1], p.hidden.element_size()
     weight_copy = 0 if p.weight.is_contiguous() and p.weight.data_ptr() % 16 == 0 else p.weight.numel() * width
     block = FORWARD_CONFIG.block_m

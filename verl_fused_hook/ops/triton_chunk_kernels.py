@@ -3,7 +3,7 @@ for the fused loss and for the two-pass op's rows under keep_logits_bytes.
 
 Why: when the op knows the loss in its forward, each chunk's logits are computed once. The forward
 kernel (`triton_kernels.forward_statistics_kernel` with STORE) reduces them to softmax statistics and
-also keeps them, as fp16 differences to each tile's row max (`triton_backend.StoredLogits`). Once the
+also keeps them, as fp16 differences to each tile's row max (`kept_logits.StoredLogits`). Once the
 loss's per-row gradients are known, this kernel reads each stored value once and writes d_logits in
 the input dtype (bf16/fp16, same size) over it: two bytes read and two written per logit, and no second
 buffer. Same arithmetic as `triton_kernels.grad_logits_kernel`: everything relative to the row max.
@@ -52,7 +52,7 @@ def _stored_grad_logits_kernel(
 def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
                        out_dtype: torch.dtype, columns: tuple[int, int] | None = None) -> torch.Tensor:
     """d_logits [R, C] in out_dtype (2 bytes) of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw
-    logits, written over `store.shifted` (a triton_backend.StoredLogits, which imports this module) and returned
+    logits, written over `store.shifted` (a kept_logits.StoredLogits) and returned
     as a view of it (same strides); only its `columns` [start, stop) when given (start on a tile boundary).
     row_max, log_sum, shifted_mean are the global (tensor-parallel merged) statistics, label_col -1 where
     another rank holds the label."""
