@@ -7,7 +7,8 @@ tests/test_cp_fused_loss.py read one 2-process and one 4-process launch
 
 Also here: the test-only faults injected into a stage hand-off (never a runtime
 switch): functions given each engine of a faulty side after its build, which
-change what a non-first pipeline stage receives.
+change what a non-first pipeline stage receives; and an observer of when the
+output layer's input is alive, which changes nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +75,35 @@ def fault_stale_micro_batch(engine) -> None:
     _on_received_hidden_states(engine, stale)
 
 
+# ---------------------------------------------------------------- observer: output-layer inputs awaiting backward
+
+
+def observe_output_layer_inputs(engine):
+    """Counts, on the chunk that holds the output layer, the decoder outputs (the output layer's input) from their
+    forward until their gradient is computed, which is after the output layer's backward: what keeps a micro-batch's
+    kept logits (keep_logits_bytes) alive. Returns a callable giving forwards, backwards and the most alive at once."""
+    from verl_fused_hook.probe import unwrap_to_gpt
+
+    counts = {"forwards": 0, "backwards": 0, "most_alive": 0}
+
+    def backward_done(grad):
+        counts["backwards"] += 1
+
+    def after_decoder(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if not hidden.requires_grad:
+            return
+        counts["forwards"] += 1
+        counts["most_alive"] = max(counts["most_alive"], counts["forwards"] - counts["backwards"])
+        hidden.register_hook(backward_done)
+
+    for chunk in engine.module:
+        gpt = unwrap_to_gpt(chunk)
+        if gpt.post_process:
+            gpt.decoder.register_forward_hook(after_decoder)
+    return lambda: dict(counts)
+
+
 # ---------------------------------------------------------------- the cases
 
 CASES = {
@@ -113,7 +143,11 @@ SHORT_SIDES = {name: (UNFUSED, HOOK_FUSED_LOSS) for name in ("cp2_seq_mean", "cp
 
 
 def _runs(world: int) -> list[CaseRun]:
-    runs = [CaseRun(case, SHORT_SIDES.get(name, SIDES)) for name, case in CASES.items() if case.world == world]
+    runs = [
+        CaseRun(case, SHORT_SIDES.get(name, SIDES), observer=observe_output_layer_inputs)
+        for name, case in CASES.items()
+        if case.world == world
+    ]
     for name, (case, fault, faulty) in FAULTS.items():
         if case.world == world:
             runs.append(CaseRun(replace(case, name=name), (UNFUSED, HOOK), fault, faulty))

@@ -39,6 +39,53 @@ def test_weighted_sum_matches_the_two_pass_op():
         assert float((got - want).abs().max()) <= RTOL * float(want.abs().max())
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_an_upstream_gradient_scales_both_gradients_in_fp32_rounded_once(dtype):
+    """verl's schedule back-propagates each micro-batch's loss scaled (1/micro-batches, the loss scale): the
+    backward multiplies the stored gradients by that factor in fp32 and rounds once, bit for bit what scaling an
+    fp32 copy gives (the backward now scales in place, without the copy); a factor of 1 leaves them as they are."""
+    hidden, weight, labels = (t.detach().to(dtype) if t.is_floating_point() else t for t in inputs())
+
+    def gradients(factor):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        fused = log_probs_entropy_and_loss(
+            h, w, labels, temperature=0.7, chunk_rows=7, backend="torch", loss_name="mean",
+            loss_fn=lambda lp, ent: (lp.mean() + 0.1 * ent.mean(), {}),
+        )  # fmt: skip
+        return torch.autograd.grad(fused.loss * factor if factor is not None else fused.loss, (h, w))
+
+    unscaled = gradients(None)
+    factor = torch.tensor(0.3711, dtype=torch.float32)
+    for got, base in zip(gradients(factor), unscaled):
+        assert got.dtype == dtype and torch.equal(got, (base.float() * factor).to(dtype))
+        assert float(got.abs().max()) > 0
+    for got, base in zip(gradients(torch.tensor(1.0)), unscaled):
+        assert torch.equal(got, base)
+
+
+def test_the_backward_of_a_scaled_loss_allocates_no_gradient_sized_buffer():
+    """The backward scales the stored gradients in place: its allocations (torch's CPU memory profiler, summed in
+    time order) peak far below one d_weight (an fp32 copy of d_weight and its product came to 27 MB here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 256, generator=g).bfloat16().requires_grad_(True)
+    weight = (torch.randn(4000, 256, generator=g) * 0.5).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 4000, (64,), generator=g)
+    fused = log_probs_entropy_and_loss(
+        hidden, weight, labels, backend="torch", loss_name="mean", loss_fn=lambda lp, ent: (lp.mean(), {})
+    )
+    scaled = fused.loss * torch.tensor(0.37)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        scaled.backward()
+    allocated = peak = 0
+    for event in sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start):
+        allocated += event.cpu_memory_usage
+        peak = max(peak, allocated)
+    assert peak < weight.numel() * weight.element_size() // 100, peak
+    assert float(weight.grad.abs().max()) > 0 and float(hidden.grad.abs().max()) > 0
+
+
 def test_a_loss_with_an_infinite_gradient_is_reported_as_that():
     """Row 11's weight is inf: the per-chunk and final gradients are both inf there, and inf - inf is NaN, which
     the separability comparison alone would report as 'not token-separable, differ by up to nan'."""

@@ -70,6 +70,24 @@ def test_fused_loss_ran_inside_the_op_on_the_last_stage(name):
         assert sides[HOOK]["fused_loss_calls"] == 0
 
 
+@pytest.mark.parametrize("name", PIPELINE_CASES)
+def test_the_last_stage_holds_one_micro_batchs_output_layer_input_at_a_time(name):
+    """What a budget of kept logits (keep_logits_bytes) is held against: megatron's 1F1B and interleaved schedules
+    run each micro-batch's backward through the output layer before the next one's output-layer forward on the last
+    stage (its warm-up forwards are of earlier model chunks), so one micro-batch's kept logits exist at a time.
+    Observed on every side: each last-stage rank's decoder output (the output layer's input) of every micro-batch
+    gets its gradient before the next one is computed (tests/parallel_cases.py, observe_output_layer_inputs)."""
+    case, ranks = CASES[name], case_results(name)
+    for rank, sides in enumerate(ranks):
+        last = rank // (case.world // case.pp) == case.pp - 1
+        for side, result in sides.items():
+            if side == REFERENCE:
+                continue
+            alive = int(last)
+            want = {"forwards": MICRO_BATCHES * alive, "backwards": MICRO_BATCHES * alive, "most_alive": alive}
+            assert result["observed"] == want, (rank, side, result["observed"])
+
+
 def test_a_shifted_hand_off_everywhere_is_seen_by_the_unsplit_model_only():
     """FAULT: every received row holds its predecessor's hidden state, in verl's path and in hook mode alike.
     Hook mode still equals verl's path (both are wrong the same way); the unsplit model sees it."""

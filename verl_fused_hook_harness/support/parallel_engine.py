@@ -272,9 +272,12 @@ def train_batch(engine, data, loss_function) -> tuple[dict, dict[str, torch.Tens
     return outputs, grads
 
 
-def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | None = None) -> dict:
+def run_side(
+    case: ParallelCase, side: str, data_index: int, fault: Callable | None = None, observer: Callable | None = None
+) -> dict:
     """One train_batch of one side on the batch `data_index`: per micro-batch loss, verl's metrics, the response
-    log-probs and entropy (last stage), every gradient, and how many micro-batches ran ppo_loss inside the op."""
+    log-probs and entropy (last stage), every gradient, how many micro-batches ran ppo_loss inside the op, and
+    what `observer` reported (under "observed")."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     from verl_fused_hook.verl_integration.model_plan import counts_of
@@ -288,6 +291,7 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
         engine = build_side_engine(case, side)
         if fault is not None:
             fault(engine)
+        report = observer(engine) if observer is not None else None
         data = step_batch(case, data_index, engine.model_config.hf_config.vocab_size, engine.get_data_parallel_size(),
                           side_options(side)["fused"])  # fmt: skip
         with engine.train_mode(), repeatable_on_cuda(case, engine):
@@ -299,6 +303,8 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
         "fused_loss_calls": sum(counts_of(chunk).fused_loss_forwards for chunk in engine.module),
         "layout": engine_layout(engine),
     }
+    if report is not None:
+        result["observed"] = report()
     model_output = output.get("model_output", {})
     for key in ("log_probs", "entropy"):
         if key in model_output:
@@ -309,13 +315,16 @@ def run_side(case: ParallelCase, side: str, data_index: int, fault: Callable | N
 
 @dataclass(frozen=True)
 class CaseRun:
-    """One case in a launch: which sides run, and an optional test-only fault: a function given each engine of
-    `fault_sides` after its build (module-level, so the worker processes can import it)."""
+    """One case in a launch: which sides run, an optional test-only fault: a function given each engine of
+    `fault_sides` after its build, and an optional observer: a function given every side's engine after its build
+    that changes nothing and returns a callable whose value after the step is the result's "observed" (both
+    module-level, so the worker processes can import them)."""
 
     case: ParallelCase
     sides: tuple[str, ...] = SIDES
     fault: Callable | None = None
     fault_sides: tuple[str, ...] = ()
+    observer: Callable | None = None
 
 
 def parallel_worker(rank: int, world_size: int, runs: list[CaseRun]) -> dict:
@@ -332,7 +341,8 @@ def parallel_worker(rank: int, world_size: int, runs: list[CaseRun]) -> dict:
             index = case.data_index(rank)
             init_layout(case)
             results[case.name] = {
-                side: run_side(case, side, index, run.fault if side in run.fault_sides else None) for side in run.sides
+                side: run_side(case, side, index, run.fault if side in run.fault_sides else None, run.observer)
+                for side in run.sides
             }
             if case.pp > 1 or case.ep > 1:  # else the unfused side is already unsplit
                 layout = {k: v for k, v in asdict(case.reference()).items() if k != "name"}
