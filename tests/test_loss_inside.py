@@ -41,7 +41,7 @@ def test_weighted_sum_matches_the_two_pass_op():
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_an_upstream_gradient_scales_both_gradients_in_fp32_rounded_once(dtype):
-    """verl's schedule back-propagates each micro-batch's loss scaled (1/micro-batches, the loss scale): the
+    """megatron's schedule back-propagates a scaled loss (by the CP size, an fp16 loss scale, 1/micro-batches): the
     backward multiplies the stored gradients by that factor in fp32 and rounds once, bit for bit what scaling an
     fp32 copy gives (the backward now scales in place, without the copy); a factor of 1 leaves them as they are."""
     hidden, weight, labels = (t.detach().to(dtype) if t.is_floating_point() else t for t in inputs())

@@ -26,6 +26,11 @@ PIPELINE_CASES = ("pp2", "vpp2", "pp2_bshd", "vpp2_bshd", "pp2_tied", "pp4", "pp
 MICRO_BATCHES = 4
 
 
+def on_last_stage(case, rank: int) -> bool:
+    """Whether `rank` holds the last pipeline stage (megatron's rank order: the pipeline outermost)."""
+    return rank // (case.world // case.pp) == case.pp - 1
+
+
 @pytest.mark.parametrize("side", (HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS))
 @pytest.mark.parametrize("name", PIPELINE_CASES)
 def test_hook_mode_equals_verl_unfused(name, side):
@@ -43,7 +48,6 @@ def test_the_layout_ran(name):
     """verl built what the case asks (the comparisons above would pass trivially on a model without a pipeline),
     only the last stage returned losses, and every parameter got a non-zero gradient."""
     case, ranks = CASES[name], case_results(name)
-    last_stage = [rank for rank in range(case.world) if rank // (case.world // case.pp) == case.pp - 1]
     for rank, sides in enumerate(ranks):
         layout = sides[HOOK]["layout"]
         assert layout["pipeline_model_parallel_size"] == case.pp and layout["tensor_model_parallel_size"] == case.tp
@@ -52,7 +56,7 @@ def test_the_layout_ran(name):
         if case.vpp:
             assert layout["overlap_p2p_comm"] and not layout["batch_p2p_comm"]  # verl's own setting
         assert not sides[UNFUSED]["layout"]["use_fused_kernels"]
-        assert len(sides[HOOK]["losses"]) == (MICRO_BATCHES if rank in last_stage else 0)
+        assert len(sides[HOOK]["losses"]) == (MICRO_BATCHES if on_last_stage(case, rank) else 0)
         grads = sides[UNFUSED]["grads"]
         assert grads and all(float(grad.abs().max()) > 0 for grad in grads.values())
         assert set(grads) < set(sides[REFERENCE]["grads"])  # a stage holds part of the model
@@ -79,13 +83,11 @@ def test_the_last_stage_holds_one_micro_batchs_output_layer_input_at_a_time(name
     gets its gradient before the next one is computed (tests/parallel_cases.py, observe_output_layer_inputs)."""
     case, ranks = CASES[name], case_results(name)
     for rank, sides in enumerate(ranks):
-        last = rank // (case.world // case.pp) == case.pp - 1
+        alive = int(on_last_stage(case, rank))
+        want = {"forwards": MICRO_BATCHES * alive, "backwards": MICRO_BATCHES * alive, "most_alive": alive}
         for side, result in sides.items():
-            if side == REFERENCE:
-                continue
-            alive = int(last)
-            want = {"forwards": MICRO_BATCHES * alive, "backwards": MICRO_BATCHES * alive, "most_alive": alive}
-            assert result["observed"] == want, (rank, side, result["observed"])
+            if side != REFERENCE:
+                assert result["observed"] == want, (rank, side, result["observed"])
 
 
 def test_a_shifted_hand_off_everywhere_is_seen_by_the_unsplit_model_only():
