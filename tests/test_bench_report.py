@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from verl_fused_hook_harness.commands import bench
 
 
@@ -69,6 +71,35 @@ def test_liger_hopper_methods_are_skipped_with_their_reason_where_they_cannot_ru
         assert reason == "liger-kernel is not installed" or reason.startswith("needs a CUDA GPU"), reason
     out = capsys.readouterr().out
     assert all(f"# {name}: {reason}; skipped" in out for name, reason in skipped.items())
+
+
+def test_a_peer_limited_per_call_runs_as_calls_of_at_most_its_rows_with_the_same_values_and_gradients():
+    """liger_tp_native refuses 32768 tokens or more per call; bench runs larger N as calls of at most 16384 rows.
+    Stand-in for Liger's GPU kernel (it cannot run here): an fp64 torch log-softmax per call. Split into 3 calls of
+    at most 5 rows, the 13 rows' log-probs, entropy and both gradients equal one call's to fp64 rounding."""
+    from verl_fused_hook_harness.commands.bench_liger import in_calls_of_at_most
+
+    calls = []
+
+    def torch_stand_in(h, w, labels, temperature):
+        calls.append(h.shape[0])
+        log_p = torch.log_softmax(h @ w.T / temperature, dim=-1)
+        return log_p.gather(1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+    generator = torch.Generator().manual_seed(0)
+    h0 = torch.randn(13, 8, dtype=torch.float64, generator=generator)
+    w0 = torch.randn(11, 8, dtype=torch.float64, generator=generator)
+    labels = torch.randint(0, 11, (13,), generator=generator)
+    g_lp, g_ent = (torch.randn(13, dtype=torch.float64, generator=generator) for _ in range(2))
+    results = []
+    for fn in (torch_stand_in, in_calls_of_at_most(5, torch_stand_in)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        log_probs, entropy = fn(h, w, labels, 0.7)
+        ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
+        results.append((log_probs.detach(), entropy.detach(), h.grad, w.grad))
+    assert calls == [13, 5, 5, 3]
+    for whole, split in zip(*results):
+        torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_the_report_says_which_methods_were_skipped_and_why(tmp_path, capsys):

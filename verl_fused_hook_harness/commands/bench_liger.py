@@ -9,7 +9,9 @@ run only on Hopper-class GPUs and only with packages pip does not pull in:
 - `liger_tp_native`: `LigerFusedLinearScaledCrossEntropyTPFunction` on its native CUTLASS + NVSHMEM path (needs
   the `liger-cute-kernels` wheel), here at TP=1 over a one-rank NCCL group. Its frontend silently takes a
   chunked torch fallback when the native path is missing; this method refuses to run in that case instead,
-  so a row labelled liger_tp_native is always the native kernel.
+  so a row labelled liger_tp_native is always the native kernel. Its kernel refuses 32768 tokens or more per
+  call on one H200, so larger N runs as consecutive calls of at most TP_NATIVE_MAX_TOKENS rows (what a user of
+  it would have to do; d_weight sums over the calls through autograd).
 
 Each loader returns the method, or the reason it cannot run here (bench prints it and skips the method).
 Both methods get the raw hidden states and the temperature, like ours, and return (log-probs, entropy).
@@ -24,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
+# Liger's native kernel at TP=1 on one H200: 16384 tokens per call run, 32768 fail its
+# `split.num_cluster_pairs <= max_active_cluster_pairs` check.
+TP_NATIVE_MAX_TOKENS = 16384
 
 
 def _hopper_reason(allow_blackwell: bool = False) -> str | None:
@@ -97,15 +102,31 @@ def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     group = dist.group.WORLD
-    largest = FlsceConfig(max_tokens=max(n for n, _, _ in shapes), hidden_size=max(h for _, h, _ in shapes),
+    most_rows = max(n for n, _, _ in shapes)
+    if most_rows > TP_NATIVE_MAX_TOKENS:
+        print(f"# liger_tp_native: N above {TP_NATIVE_MAX_TOKENS} runs as calls of at most {TP_NATIVE_MAX_TOKENS} "
+              "rows (its kernel refuses 32768 or more per call on one H200)", flush=True)
+    largest = FlsceConfig(max_tokens=min(most_rows, TP_NATIVE_MAX_TOKENS), hidden_size=max(h for _, h, _ in shapes),
                           local_vocab_size=max(v for _, _, v in shapes), group="tp")
     if not configure(process_groups={"tp": group}, bootstrap_group=group, flsce=largest):
         return "Liger's configure refused this device (see its warning)"
 
-    def fn(h, w, labels, temperature, score_mask=None):
-        nll, entropy = scaled_cross_entropy_tp.apply(
-            h, w, labels, group, float(temperature), IGNORE_INDEX, 1, True
-        )
+    def one_call(h, w, labels, temperature):
+        nll, entropy = scaled_cross_entropy_tp.apply(h, w, labels, group, float(temperature), IGNORE_INDEX, 1, True)
         return -nll, entropy
+
+    return in_calls_of_at_most(TP_NATIVE_MAX_TOKENS, one_call)
+
+
+def in_calls_of_at_most(max_rows: int, one_call: Callable) -> Callable:
+    """A bench method running `one_call(h, w, labels, temperature) -> (log-probs, entropy)` on consecutive slices of
+    at most `max_rows` rows and concatenating the results; autograd sums the calls' d_weight."""
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        pieces = [one_call(h[start : start + max_rows], w, labels[start : start + max_rows], temperature)
+                  for start in range(0, h.shape[0], max_rows)]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([log_probs for log_probs, _ in pieces]), torch.cat([entropy for _, entropy in pieces])
 
     return fn
