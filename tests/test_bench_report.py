@@ -128,7 +128,7 @@ def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
                 raise RuntimeError("refused")
         return run
 
-    def clock(thunk):
+    def clock(name, thunk):
         thunk()
         return SLOW_MS + 1 if order[-1] == "slow" else float(len(order))
 
@@ -170,6 +170,6 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
             return f"RuntimeError: {error}"
 
     result = time_in_rounds({n: step(n) for n in calls}, warmup=3, repeats=4, guard=guard,
-                            clock=lambda thunk: (thunk(), 2.0)[1])
+                            clock=lambda name, thunk: (thunk(), 2.0)[1])
     assert result == {"ok": 2.0, "late": "RuntimeError: out of room"}
     assert calls == {"ok": 7, "late": 2}

@@ -4,7 +4,8 @@ Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
 times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
 rounds over the methods, bench_timing.py), records the
-peak memory a method allocates beyond its inputs and returned gradients, checks
+peak memory a method allocates beyond its inputs and returned gradients, the SM clock
+and power while each method's steps run (bench_clocks.py, NVML), checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
 
@@ -40,6 +41,7 @@ from verl_fused_hook.ops.chunking import available_bytes
 from ..support.reports import write_json
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import bench_loss
+from .bench_clocks import ClockMeter
 from .bench_memory import ChunkPlans, hold_memory
 from .bench_methods import ALL_METHODS, load_methods
 from .bench_report import markdown, plot
@@ -150,13 +152,16 @@ def _guard(label: str, thunk: Callable[[], object]):
         return reason
 
 
-def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict:
+def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: ClockMeter | None = None) -> dict:
+    """One shape's row; with `meter`, each method's and the floor's median SM clock and power while timed."""
     hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=n)
+    metered = meter.naming if meter else lambda name: contextlib.nullcontext()
     held = hold_memory(args.leave_free_gib)
     t = args.temperature
     row = {"N": n, "H": h, "V": v} | ({} if held is None else {"held_gib": held.numel() / GIB})
     if args.floor:
-        floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
+        with metered("floor"):
+            floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
     method_plans = {name: [] for name in methods}  # the chunk plans each method's steps logged
 
     def collect(name):  # what was logged since the last collect was `name`'s
@@ -170,10 +175,11 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
             collect(name)
 
     steps = {name: functools.partial(step, name, fn) for name, fn in methods.items()}
-    fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk))
+    fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk),
+                             clock=meter.clock if meter else None)
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
-        result = {"fwd_bwd_ms": fwd_bwd[name]}
+        result = {"fwd_bwd_ms": fwd_bwd[name]} | (meter.take(name) if meter else {})
         if args.quick:
             if method_plans[name]:
                 result["chunk_plans"] = method_plans[name]
@@ -198,8 +204,10 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None) -> dict
         row[name] = result
         print(f"# {label} {result}", flush=True)
     if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after
-        floor_after = floor_ms(hidden, weight, args.warmup, args.repeats)
+        with metered("floor"):
+            floor_after = floor_ms(hidden, weight, args.warmup, args.repeats)
         row["floor"] = {key: (floor_before[key] + floor_after[key]) / 2 for key in floor_before if key.endswith("_ms")}
+        row["floor"] |= meter.take("floor") if meter else {}
         row["floor_runs"] = [floor_before, floor_after]
         print(f"# {n},{h},{v} floor before {floor_before} after {floor_after}", flush=True)
     return row
@@ -333,11 +341,19 @@ def measure(args, argv: list[str]) -> int:
     if args.accuracy_shape:
         results["accuracy_shape"] = accuracy_shapes[0]
         results["accuracy"] = accuracy(methods, *results["accuracy_shape"], args.temperature)
+    meter, why_not = ClockMeter.open()
+    if meter is None:
+        results["clocks_not_recorded"] = why_not
+        print(f"# SM clock and power not recorded: {why_not}", flush=True)
     settle_clocks()
-    with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:
-        for n, h, v in shapes:
-            results["shapes"].append(bench_shape(n, h, v, methods, args, plans))
-            torch.cuda.empty_cache()
+    try:
+        with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:
+            for n, h, v in shapes:
+                results["shapes"].append(bench_shape(n, h, v, methods, args, plans, meter))
+                torch.cuda.empty_cache()
+    finally:
+        if meter is not None:
+            meter.close()
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..support.reports import pyplot
+from .bench_clocks import clocks_table
 
 
 def _fmt(value, reference=None):
@@ -62,6 +63,9 @@ def markdown(results: dict) -> str:
                 full, half = r.get("fwd_bwd_ms"), r.get("half_masked_fwd_bwd_ms")
                 cells.append(_fmt(half, full) if isinstance(full, float) else _fmt(half))
             lines.append(f"| {row['N']}, {row['H']}, {row['V']} | " + " | ".join(cells) + " |")
+    lines += clocks_table(results)
+    if results.get("clocks_not_recorded"):
+        lines += ["", f"SM clock and power not recorded: {results['clocks_not_recorded']}."]
     if results.get("accuracy"):
         n, h, v = results["accuracy_shape"]
         lines += ["", f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):", "",

@@ -31,18 +31,20 @@ def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 
 def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats: int,
                    guard: Callable[[str, Callable[[], object]], object],
-                   clock: Callable[[Callable[[], object]], float] = event_ms) -> dict[str, object]:
+                   clock: Callable[[str, Callable[[], object]], float] | None = None) -> dict[str, object]:
     """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
     returned for a step that failed (it then leaves the rounds). The first warm-up is timed: a step slower than
-    SLOW_MS gets no other and at most three timed repeats. `clock(step)`: runs the step once and returns its ms."""
+    SLOW_MS gets no other and at most three timed repeats. `clock(name, step)`: runs the step once and returns its
+    ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the name)."""
+    clock = clock or (lambda name, step: event_ms(step))
     result: dict[str, object] = {}
     times: dict[str, list[float]] = {}
     allowed: dict[str, int] = {}
     for name, step in steps.items():
-        first = guard(name, lambda: clock(step)) if warmup > 0 else 0.0
+        first = guard(name, lambda: clock(name, step)) if warmup > 0 else 0.0
         outcome = first
         for _ in range(warmup - 1 if isinstance(first, float) and first <= SLOW_MS else 0):
-            outcome = guard(name, lambda: clock(step))  # a warm-up that fails is a failure like a timed one
+            outcome = guard(name, lambda: clock(name, step))  # a warm-up that fails is a failure like a timed one
             if not isinstance(outcome, float):
                 break
         if not isinstance(outcome, float):
@@ -53,7 +55,7 @@ def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats:
         for name in list(times):
             if round_ >= allowed[name] or name in result:
                 continue
-            timed = guard(name, lambda: clock(steps[name]))
+            timed = guard(name, lambda: clock(name, steps[name]))
             if isinstance(timed, float):
                 times[name].append(timed)
             else:

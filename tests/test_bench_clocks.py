@@ -1,0 +1,90 @@
+"""bench's SM clock and power readings (bench_clocks.py): filed under the step that ran, summarized, reported.
+
+NVML needs an NVIDIA driver, which this machine lacks: the meter reads a named stand-in for pynvml here that
+returns a programmed clock and power per step. The real readings come from bench runs on the GPU
+(docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from verl_fused_hook_harness.commands.bench_clocks import ClockMeter, clocks_table, megacycles
+from verl_fused_hook_harness.commands.bench_report import markdown
+
+
+class NvmlStandIn:
+    """pynvml's four calls the meter makes, answering with `reading` (clock MHz, power mW) set by the test."""
+
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.reading = (1980, 100_000)
+        self.shut_down = False
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert which == self.NVML_CLOCK_SM
+        return self.reading[0]
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self.reading[1]
+
+    def nvmlShutdown(self):
+        self.shut_down = True
+
+
+def _hold(meter, name, nvml, reading, seconds=0.06):
+    nvml.reading = reading
+    with meter.naming(name):
+        time.sleep(seconds)
+
+
+def test_readings_are_filed_under_the_step_running_and_summarized_as_medians():
+    nvml = NvmlStandIn()
+    meter = ClockMeter(nvml, handle=None, interval_s=0.002)
+    try:
+        _hold(meter, "triton", nvml, (1470, 690_000))
+        nvml.reading = (1980, 90_000)  # between steps (idle): never filed
+        time.sleep(0.03)
+        _hold(meter, "liger_sm90", nvml, (1560, 695_000))
+        _hold(meter, "triton", nvml, (1470, 690_000))
+        triton, liger = meter.take("triton"), meter.take("liger_sm90")
+    finally:
+        meter.close()
+    assert triton["sm_clock_mhz"] == 1470 and triton["power_w"] == pytest.approx(690.0)
+    assert liger["sm_clock_mhz"] == 1560 and liger["power_w"] == pytest.approx(695.0)
+    assert triton["clock_samples"] >= 20 and liger["clock_samples"] >= 10  # ~30 and ~15 at 2 ms
+    assert meter.take("triton") == {}  # taken once: the next shape starts empty
+    assert nvml.shut_down
+
+
+def test_without_nvml_the_meter_says_why_and_the_report_says_so(tmp_path):
+    meter, why = ClockMeter.open()  # no NVIDIA driver here, and maybe no nvidia-ml-py
+    assert meter is None
+    assert "nvidia-ml-py" in why or "NVML" in why
+    results = {"methods": ["floor", "triton"], "shapes": [{"N": 8, "H": 4, "V": 16, "triton": {"fwd_bwd_ms": 2.0}}],
+               "temperature": 0.7, "clocks_not_recorded": why}
+    assert f"SM clock and power not recorded: {why}." in markdown(results)
+    assert clocks_table(results) == []
+
+
+def test_the_report_gives_each_methods_clock_power_and_cycles_against_the_floors():
+    row = {"N": 8192, "H": 4096, "V": 151936,
+           "floor": {"fwd_bwd_ms": 60.0, "sm_clock_mhz": 1500.0, "power_w": 690.0},
+           "triton": {"fwd_bwd_ms": 61.2, "sm_clock_mhz": 1470.0, "power_w": 691.0},
+           "liger_sm90": {"fwd_bwd_ms": 57.0, "sm_clock_mhz": 1600.0, "power_w": 694.0},
+           "verl": {"fwd_bwd_ms": "out of memory: ..."}}
+    results = {"methods": ["floor", "triton", "liger_sm90", "verl"], "shapes": [row], "temperature": 0.7}
+    table = "\n".join(clocks_table(results))
+    assert "| N, H, V | floor | triton | liger_sm90 |" in table  # verl recorded no clock: not a column
+    floor_cycles = 60.0 * 1500 / 1e3
+    assert megacycles(61.2, 1470.0) == pytest.approx(89.964)
+    assert f"1470 MHz, 691 W, 90 Mcycles ({61.2 * 1470 / 1e3 / floor_cycles:.2f}x)" in table
+    assert f"1600 MHz, 694 W, 91 Mcycles ({57.0 * 1600 / 1e3 / floor_cycles:.2f}x)" in table
+    assert "1500 MHz, 690 W, 90 Mcycles (1.00x)" in table
+    assert megacycles("failed", 1500.0) is None and megacycles(1.0, None) is None
+    assert "SM clock and power during forward+backward" in markdown(results)
