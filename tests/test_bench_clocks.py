@@ -1,8 +1,8 @@
 """bench's SM clock and power readings (bench_clocks.py): filed under the step that ran, summarized, reported.
 
-NVML needs an NVIDIA driver, which this machine lacks: the meter reads a named stand-in for pynvml here that
-returns a programmed clock and power per step. The real readings come from bench runs on the GPU
-(docs/benchmarks.md)."""
+NVML needs an NVIDIA driver, which this machine lacks: the meter's reading process (a real spawned process)
+imports a named stand-in for pynvml here, tests/nvml_stand_in.py, that returns the clock and power the test
+writes into a file. The real readings come from bench runs on the GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,52 +14,33 @@ from verl_fused_hook_harness.commands.bench_clocks import ClockMeter, clocks_tab
 from verl_fused_hook_harness.commands.bench_report import markdown
 
 
-class NvmlStandIn:
-    """pynvml's four calls the meter makes, answering with `reading` (clock MHz, power mW) set by the test."""
-
-    NVML_CLOCK_SM = 1
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self):
-        self.reading = (1980, 100_000)
-        self.shut_down = False
-
-    def nvmlDeviceGetClockInfo(self, handle, which):
-        assert which == self.NVML_CLOCK_SM
-        return self.reading[0]
-
-    def nvmlDeviceGetPowerUsage(self, handle):
-        return self.reading[1]
-
-    def nvmlShutdown(self):
-        self.shut_down = True
-
-
-def _hold(meter, name, nvml, reading, seconds=0.06):
-    nvml.reading = reading
+def _hold(meter, name, reading_file, reading, seconds=0.08):
+    reading_file.write_text(reading)
+    time.sleep(0.02)  # the reading process's next readings see the new values
     with meter.naming(name):
         time.sleep(seconds)
 
 
-def test_readings_are_filed_under_the_step_running_and_summarized_as_medians():
-    nvml = NvmlStandIn()
-    meter = ClockMeter(nvml, handle=None, interval_s=0.002)
+def test_readings_are_filed_under_the_step_whose_window_holds_them_and_summarized_as_medians(tmp_path, monkeypatch):
+    reading_file = tmp_path / "nvml.txt"
+    reading_file.write_text("1980,100000")
+    monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
+    meter = ClockMeter("GPU-stand-in", nvml_module="nvml_stand_in", interval_s=0.002)
     try:
-        _hold(meter, "triton", nvml, (1470, 690_000))
-        nvml.reading = (1980, 90_000)  # between steps (idle): never filed
-        time.sleep(0.03)
-        _hold(meter, "liger_sm90", nvml, (1560, 695_000))
-        _hold(meter, "triton", nvml, (1470, 690_000))
+        time.sleep(1.0)  # the spawned process is reading
+        _hold(meter, "triton", reading_file, "1470,690000")
+        reading_file.write_text("1980,90000")  # between steps (idle): never filed
+        time.sleep(0.05)
+        _hold(meter, "liger_sm90", reading_file, "1560,695000")
+        _hold(meter, "triton", reading_file, "1470,690000")
         triton, liger = meter.take("triton"), meter.take("liger_sm90")
+        assert meter.take("triton") == {}  # taken once: the next shape starts empty
     finally:
         meter.close()
     assert triton["sm_clock_mhz"] == 1470 and triton["power_w"] == pytest.approx(690.0)
     assert liger["sm_clock_mhz"] == 1560 and liger["power_w"] == pytest.approx(695.0)
-    assert triton["clock_samples"] >= 20 and liger["clock_samples"] >= 10  # ~30 and ~15 at 2 ms
-    assert meter.take("triton") == {}  # taken once: the next shape starts empty
-    assert nvml.shut_down
+    assert triton["clock_samples"] >= 30 and liger["clock_samples"] >= 15  # ~80 and ~40 at 2 ms
+    assert not meter._process.is_alive()
 
 
 def test_without_nvml_the_meter_says_why_and_the_report_says_so(tmp_path):

@@ -4,35 +4,39 @@ Why: under these workloads the H200 sits at its 700 W cap and lowers its SM cloc
 of 1470 MHz against a 1980 MHz boost in one run). Two methods can then differ in time because one needs
 more cycles, or because the card runs it at a lower clock for the same power: a kernel that moves less data
 per product draws less power and is clocked higher. The clock during a method's steps tells which, and time
-x clock is the cycles it took.
+x clock is the cycles it took. NVML's power is the driver's average over a window: it reads right for steps
+of 100 ms and more, low for shorter ones; the clock is read as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import statistics
-import threading
+import time
 from typing import Callable
 
 import torch
 
+from ..support.nvml_readings import read_until_stopped
 from .bench_timing import event_ms
 
-# Seconds between readings: ~12 per 60 ms step, each reading a few tens of microseconds of a host thread.
+# Seconds between readings: ~12 per 60 ms step.
 SAMPLE_INTERVAL_S = 0.005
 
 
 class ClockMeter:
-    """Reads the SM clock (MHz) and power (W) every SAMPLE_INTERVAL_S on a thread and files each reading under
-    the step running at that moment (`naming`). `nvml` is the pynvml module, `handle` the GPU's NVML handle."""
+    """A spawned process reads the SM clock (MHz) and power (W) every SAMPLE_INTERVAL_S with timestamps
+    (support/nvml_readings.py); the meter files each reading under the step whose time window holds it."""
 
-    def __init__(self, nvml, handle, interval_s: float = SAMPLE_INTERVAL_S):
-        self._nvml, self._handle, self._interval = nvml, handle, interval_s
-        self._current: str | None = None
-        self._samples: dict[str, list[tuple[float, float]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="bench-clock-meter", daemon=True)
-        self._thread.start()
+    def __init__(self, uuid: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S):
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=read_until_stopped, args=(nvml_module, uuid, interval_s, child), daemon=True)
+        self._process.start()
+        child.close()
+        self._windows: dict[str, list[tuple[float, float]]] = {}
+        self._readings: list[tuple[float, float, float]] = []
 
     @classmethod
     def open(cls, device: torch.device | int | None = None) -> tuple[ClockMeter | None, str | None]:
@@ -44,52 +48,53 @@ class ClockMeter:
         try:
             pynvml.nvmlInit()
             uuid = str(torch.cuda.get_device_properties(device or torch.cuda.current_device()).uuid)
-            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)  # fails here, not on the thread
-        except pynvml.NVMLError as error:
+            uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid), pynvml.NVML_CLOCK_SM)
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as error:  # fails here, not in the reading process
             return None, f"NVML cannot read this GPU ({error})"
-        return cls(pynvml, handle), None
-
-    def _sample(self) -> None:
-        nvml, handle = self._nvml, self._handle
-        while not self._stop.wait(self._interval):
-            name = self._current
-            if name is None:
-                continue
-            clock = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-            power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
-            if self._current == name:  # still the same step: a reading taken across a switch is dropped
-                self._samples.setdefault(name, []).append((float(clock), power))
+        return cls(uuid), None
 
     @contextlib.contextmanager
     def naming(self, name: str):
-        """Readings taken inside this block are `name`'s."""
-        self._current = name
+        """Readings taken while this block runs are `name`'s."""
+        start = time.time()
         try:
             yield
         finally:
-            self._current = None
+            self._windows.setdefault(name, []).append((start, time.time()))
+            self._fetch()  # outside the window: the reading process's buffer stays short
 
-    def clock(self, name: str, step: Callable[[], object]) -> float:
+    def clock(self, name: str | None, step: Callable[[], object]) -> float:
         """A `bench_timing.time_in_rounds` clock: the step's CUDA-event time, its readings filed under `name`
-        (the block ends after the closing synchronize, so the readings cover the GPU's whole run of it)."""
+        (the window closes after the closing synchronize, so it covers the GPU's whole run of the step); None
+        (a warm-up) files nothing."""
+        if name is None:
+            return event_ms(step)
         with self.naming(name):
             return event_ms(step)
 
+    def _fetch(self, message: str = "flush") -> None:
+        self._conn.send(message)
+        self._readings += self._conn.recv()
+
     def take(self, name: str) -> dict:
-        """The median SM clock and power of `name`'s readings since the last take, and their count (then forgets
-        them); {} when none was taken (a step shorter than one interval)."""
-        samples = self._samples.pop(name, [])
-        if not samples:
+        """The median SM clock and power of the readings inside `name`'s windows since the last take, and their
+        count (then forgets those windows); {} when none fell inside (steps shorter than one interval)."""
+        windows = self._windows.pop(name, [])
+        inside = [r for r in self._readings if any(start <= r[0] <= end for start, end in windows)]
+        still_open = [start for spans in self._windows.values() for start, _ in spans]
+        self._readings = [r for r in self._readings if still_open and r[0] >= min(still_open)]
+        if not inside:
             return {}
-        return {"sm_clock_mhz": statistics.median(s[0] for s in samples),
-                "power_w": statistics.median(s[1] for s in samples), "clock_samples": len(samples)}
+        return {"sm_clock_mhz": statistics.median(r[1] for r in inside),
+                "power_w": statistics.median(r[2] for r in inside), "clock_samples": len(inside)}
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        with contextlib.suppress(self._nvml.NVMLError):
-            self._nvml.nvmlShutdown()
+        with contextlib.suppress(BrokenPipeError, EOFError):
+            self._fetch("stop")
+        self._process.join(timeout=10)
+        self._conn.close()
 
 
 def megacycles(ms, mhz) -> float | None:

@@ -35,16 +35,17 @@ def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats:
     """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
     returned for a step that failed (it then leaves the rounds). The first warm-up is timed: a step slower than
     SLOW_MS gets no other and at most three timed repeats. `clock(name, step)`: runs the step once and returns its
-    ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the name)."""
+    ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the name); warm-ups pass
+    name None, so nothing of a warm-up (a JIT compile with the GPU idle, say) is filed under the step."""
     clock = clock or (lambda name, step: event_ms(step))
     result: dict[str, object] = {}
     times: dict[str, list[float]] = {}
     allowed: dict[str, int] = {}
     for name, step in steps.items():
-        first = guard(name, lambda: clock(name, step)) if warmup > 0 else 0.0
+        first = guard(name, lambda: clock(None, step)) if warmup > 0 else 0.0
         outcome = first
         for _ in range(warmup - 1 if isinstance(first, float) and first <= SLOW_MS else 0):
-            outcome = guard(name, lambda: clock(name, step))  # a warm-up that fails is a failure like a timed one
+            outcome = guard(name, lambda: clock(None, step))  # a warm-up that fails is a failure like a timed one
             if not isinstance(outcome, float):
                 break
         if not isinstance(outcome, float):
