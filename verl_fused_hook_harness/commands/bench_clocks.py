@@ -37,6 +37,7 @@ class ClockMeter:
         child.close()
         self._windows: dict[str, list[tuple[float, float]]] = {}
         self._readings: list[tuple[float, float, float]] = []
+        self._stopped = False
 
     @classmethod
     def open(cls, device: torch.device | int | None = None) -> tuple[ClockMeter | None, str | None]:
@@ -75,8 +76,16 @@ class ClockMeter:
             return event_ms(step)
 
     def _fetch(self, message: str = "flush") -> None:
-        self._conn.send(message)
-        self._readings += self._conn.recv()
+        if self._stopped:
+            return
+        try:
+            self._conn.send(message)
+            self._readings += self._conn.recv()
+        except (BrokenPipeError, ConnectionResetError, EOFError):  # the reading process died (an NVML error)
+            self._stopped = True
+            self._process.join(timeout=10)
+            print(f"# SM clock readings stopped: the reading process exited (code {self._process.exitcode}); "
+                  "later steps have no clock", flush=True)
 
     def take(self, name: str) -> dict:
         """The median SM clock and power of the readings inside `name`'s windows since the last take, and their
@@ -91,8 +100,8 @@ class ClockMeter:
                 "power_w": statistics.median(r[2] for r in inside), "clock_samples": len(inside)}
 
     def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError, EOFError):
-            self._fetch("stop")
+        self._fetch("stop")
+        self._stopped = True
         self._process.join(timeout=10)
         self._conn.close()
 
