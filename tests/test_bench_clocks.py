@@ -39,44 +39,45 @@ def _wait_until_reading(meter, reading_file, seconds=60.0) -> None:
     raise AssertionError(f"the reading process gave no reading within {seconds} s")
 
 
-def test_readings_are_filed_under_the_step_whose_window_holds_them_and_summarized_as_medians(tmp_path, monkeypatch):
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """(a meter whose reading process reads the NVML stand-in, already reading; the stand-in's file)."""
     reading_file = tmp_path / "nvml.txt"
     _program(reading_file, "1980,100000")
     monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
     meter = ClockMeter("GPU-stand-in", nvml_module="nvml_stand_in", interval_s=0.002)
     try:
         _wait_until_reading(meter, reading_file)
-        _hold(meter, "triton", reading_file, "1470,690000")
-        _program(reading_file, "1980,90000")  # between steps (idle): never filed
-        time.sleep(0.05)
-        _hold(meter, "liger_sm90", reading_file, "1560,695000")
-        _hold(meter, "triton", reading_file, "1470,690000")
-        triton, liger = meter.take("triton"), meter.take("liger_sm90")
-        assert meter.take("triton") == {}  # taken once: the next shape starts empty
+        yield meter, reading_file
     finally:
         meter.close()
+
+
+def test_readings_are_filed_under_the_step_whose_window_holds_them_and_summarized_as_medians(stand_in):
+    meter, reading_file = stand_in
+    _hold(meter, "triton", reading_file, "1470,690000")
+    _program(reading_file, "1980,90000")  # between steps (idle): never filed
+    time.sleep(0.05)
+    _hold(meter, "liger_sm90", reading_file, "1560,695000")
+    _hold(meter, "triton", reading_file, "1470,690000")
+    triton, liger = meter.take("triton"), meter.take("liger_sm90")
+    assert meter.take("triton") == {}  # taken once: the next shape starts empty
+    meter.close()
     assert triton["sm_clock_mhz"] == 1470 and triton["power_w"] == pytest.approx(690.0)
     assert liger["sm_clock_mhz"] == 1560 and liger["power_w"] == pytest.approx(695.0)
     assert triton["clock_samples"] >= 10 and liger["clock_samples"] >= 5  # ~80 and ~40 at 2 ms on an idle machine
     assert not meter._process.is_alive()
 
 
-def test_a_reading_process_that_dies_leaves_the_run_going_without_clocks_and_says_so(tmp_path, monkeypatch, capsys):
-    reading_file = tmp_path / "nvml.txt"
-    _program(reading_file, "1470,690000")
-    monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
-    meter = ClockMeter("GPU-stand-in", nvml_module="nvml_stand_in", interval_s=0.002)
-    try:
-        _wait_until_reading(meter, reading_file)
-        _program(reading_file, "not a reading")  # the stand-in raises: the process exits with an error
-        deadline = time.time() + 60
-        while meter._process.is_alive() and time.time() < deadline:
-            time.sleep(0.05)
-        with meter.naming("triton"):
-            time.sleep(0.02)
-        assert meter.take("triton") == {}
-    finally:
-        meter.close()
+def test_a_reading_process_that_dies_leaves_the_run_going_without_clocks_and_says_so(stand_in, capsys):
+    meter, reading_file = stand_in
+    _program(reading_file, "not a reading")  # the stand-in raises: the process exits with an error
+    deadline = time.time() + 60
+    while meter._process.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    with meter.naming("triton"):
+        time.sleep(0.02)
+    assert meter.take("triton") == {}
     assert "SM clock readings stopped: the reading process exited (code 1)" in capsys.readouterr().out
 
 
