@@ -30,8 +30,9 @@ class ClockMeter:
     (support/nvml_readings.py); the meter files each reading under the step whose time window holds it."""
 
     def __init__(self, uuid: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S):
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(
             target=read_until_stopped, args=(nvml_module, uuid, interval_s, child), daemon=True)
         self._process.start()
         child.close()

@@ -1,9 +1,11 @@
 """A process that reads the GPU's SM clock and power from NVML every few milliseconds, with timestamps.
 
-Why a process and not a thread: a thread of the benchmark's own interpreter reads only when the main thread
-lets go of the GIL, which happens mostly in the gaps between steps, so its readings lean toward an idle GPU (a
-thread gave a 402 W median during steps that ran at the 690 W cap). This module imports nothing heavy, so
-the spawned process starts in a moment.
+Why a process and not a thread: a thread of the benchmark's own interpreter can read only when the main
+thread lets go of the GIL, so when it reads would depend on what the steps do on the host; a process keeps its
+own schedule. (On the H200, warm-ups left out, a thread reader and this process both read power far below the
+cap during 8192-token steps, 402 W and 381 W for ours, so that was not the GIL's doing: this is a guard, not
+a measured correction.) This module imports nothing heavy, so the
+spawned process starts in a moment.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import importlib
 import time
 
-# Readings sent to the parent at once, at most (it asks for them with "flush").
-BATCH = 256
+# Readings kept while the parent asks for none (~2 minutes at 5 ms); past that the oldest are dropped.
+MAX_KEPT = 25_600
 
 
 def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> None:
@@ -35,7 +37,7 @@ def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> 
             clock = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
             power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
             readings.append((time.time(), float(clock), power))
-            if len(readings) > 100 * BATCH:  # nobody asked for a long while: keep the newest
-                del readings[:BATCH]
+            if len(readings) > MAX_KEPT:
+                del readings[0]
     finally:
         nvml.nvmlShutdown()
