@@ -8,7 +8,8 @@ the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass,
 d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
 (keep_logits_bytes), on one rank and over two gloo ranks with a padded vocabulary. Named fakes, for what the CPU cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
-- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `GRAD_CONFIG`, `_num_sms`);
+- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `triton_recompute.GRAD_CONFIG`,
+  `triton_launch.num_sms`);
 - `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
 - the backend's availability check (CUDA, Hopper, bf16) answered "available".
 The interpreter is set at import time, so the checks run in a fresh subprocess.
@@ -32,14 +33,14 @@ GRAD_TOL = 1e-3  # fp16 d_logits (2^-11 rounding) and fp16 outputs: relative, Fr
 
 
 def _interpret_on_cpu():
-    """The named fakes above; returns the Triton backend module."""
+    """The named fakes above; returns the Triton backend module (its backward's budgets are in triton_recompute)."""
     import torch
 
-    from verl_fused_hook.ops import triton_backend
+    from verl_fused_hook.ops import triton_backend, triton_launch, triton_recompute
 
-    small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
-    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = small
-    triton_backend._num_sms = lambda device: 4
+    small = triton_launch.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
+    triton_backend.FORWARD_CONFIG = triton_recompute.GRAD_CONFIG = small
+    triton_launch.num_sms = lambda device: 4
     real_addmm = torch.addmm
 
     def addmm_fp32_output(accumulator, a, b, *, out_dtype=None, out=None, beta=1, **kwargs):
@@ -72,16 +73,16 @@ def _interpreted_two_pass_cases() -> list[dict]:
     """Run in the subprocess: `log_probs_and_entropy(backend="triton")`, each case's errors against fp64."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
 
-    triton_backend = _interpret_on_cpu()
+    _interpret_on_cpu()
     results = []
     n, h, v = 70, 64, 301
     budgets = {"one tile, one chunk": (8192, 1024**3), "row tiles x vocabulary chunks": (64, 1)}
     cases = [(budget, masked, wants) for budget in budgets for masked in (True, False) for wants in ("both", "weight")]
     cases.append(("row tiles x vocabulary chunks", True, "no entropy"))
     for index, (budget, masked, wants) in enumerate(cases):
-        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(100 + index)
         hidden = (torch.randn(n, h, generator=g)).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -103,7 +104,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
         results.append(
             {
                 "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
-                "tiles": len(triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32).tiles(int(active.sum()))),
+                "tiles": len(triton_recompute.backward_tiling(int(active.sum()), h, v, 16, 32).tiles(int(active.sum()))),
                 "log_prob": (lp.double() - ref[0]).abs().max().item(),
                 "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
                 "entropy_is_none": ent is None,
@@ -122,7 +123,7 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     with how many rows were kept and how many recompute launches the backward made (a counting wrapper)."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels, triton_recompute
     from verl_fused_hook.ops.interface import build_problem
 
     triton_backend = _interpret_on_cpu()
@@ -145,7 +146,7 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     for index, (budget, keep, wants) in enumerate(
         [(b, k, "both") for b in budgets for k in keeps] + [("row tiles x vocabulary chunks", "some rows", "weight")]
     ):
-        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(200 + index)
         hidden = torch.randn(n, h, generator=g).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -362,6 +363,54 @@ def _interpreted_groups_and_memory() -> dict:
     return results
 
 
+def _interpreted_row_group_cases() -> list[dict]:
+    """Run in the subprocess: the two-pass backward over groups of rows (more rows than vocabulary columns, groups
+    of 32 rows, each walking the vocabulary in two 32-column chunks and two 16-row tiles; groups taken for any
+    saving) against fp64: both gradients (some rows masked), d_hidden only (every row scored: each group's
+    d_hidden lands in its span; no d_weight sum), d_weight only (no groups: no d_hidden accumulator to spare);
+    with the groups the backward's passes took."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
+    from verl_fused_hook.ops.interface import build_problem
+
+    triton_backend = _interpret_on_cpu()
+    triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET, triton_recompute.ROW_GROUP_ROWS = 32, 1, 32
+    triton_recompute.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    n, h, v = 200, 64, 61
+    results = []
+    for index, wants in enumerate(("both", "hidden", "weight")):
+        g = torch.Generator().manual_seed(400 + index)
+        hidden = torch.randn(n, h, generator=g).half()
+        weight = (torch.randn(v, h, generator=g) * 0.5).half()
+        labels = torch.randint(0, v, (n,), generator=g)
+        score_mask = torch.rand(n, generator=g) > 0.1
+        if wants == "hidden":  # every row scored: each group's d_hidden lands in its span, no index copy
+            score_mask = torch.ones(n, dtype=torch.bool)
+        temperature = torch.rand(n, generator=g) + 0.5
+        g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        hid = hidden.clone().requires_grad_(wants != "weight")
+        w = weight.clone().requires_grad_(wants != "hidden")
+        problem = build_problem(hid, w, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
+                                ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None)
+        tensors, rebuild = triton_backend.two_pass_passes(problem, True).for_backward()
+        groups = [(b.span.start, b.span.stop) for b in rebuild(*tensors).blocks()]
+        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask, backend="triton")
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        ref = _fp64_reference(hidden, weight, labels, score_mask, temperature, g_lp, g_ent)
+        results.append({
+            "case": wants,
+            "scored": int(score_mask.sum()),
+            "groups": groups,
+            "log_prob": (lp.double() - ref[0]).abs().max().item(),
+            "entropy": (ent.double() - ref[1]).abs().max().item(),
+            "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
+            "d_hidden_inactive_zero": hid.grad is None or bool((hid.grad[~score_mask] == 0).all()),
+            "d_weight": None if w.grad is None else _rel(w.grad, ref[3]),
+        })
+    return results
+
+
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
@@ -388,6 +437,22 @@ def test_two_pass_triton_path_in_the_interpreter():
         assert (case["tiles"] > 1) == label.startswith("row tiles"), (label, case)
 
 
+def test_two_pass_row_groups_in_the_interpreter():
+    cases = {case["case"]: case for case in _run_interpreted("_interpreted_row_group_cases")}
+    for label, case in cases.items():
+        assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
+        assert case["d_hidden_inactive_zero"], label
+        assert case["d_hidden"] is None if label == "weight" else case["d_hidden"] <= GRAD_TOL, (label, case)
+        assert case["d_weight"] is None if label == "hidden" else case["d_weight"] <= GRAD_TOL, (label, case)
+        spans = case["groups"]
+        assert spans[0][0] == 0 and spans[-1][1] == case["scored"], (label, spans)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (label, spans)
+        if label == "weight":  # no d_hidden accumulator to spare: every row in one walk
+            assert len(spans) == 1, spans
+        else:  # equal groups of whole 16-row blocks, about 32 rows each
+            assert len(spans) == -(-case["scored"] // 32) and all(b - a == 32 for a, b in spans[:-1]), (label, spans)
+
+
 def test_two_pass_keep_logits_in_the_interpreter():
     cases = _run_interpreted("_interpreted_keep_logits_cases")
     assert len(cases) == 5
@@ -409,11 +474,11 @@ def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature
     import torch
     import torch.distributed as dist
 
-    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
     from verl_fused_hook.ops.interface import build_problem
 
     triton_backend = _interpret_on_cpu()
-    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = 64, 1
+    triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = 64, 1
     shard = weight.shape[0] // world_size
     h = hidden.clone().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()

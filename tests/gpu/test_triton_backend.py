@@ -250,11 +250,11 @@ def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
 def small_backward_budgets(monkeypatch):
     """Budgets small enough that a few hundred rows take several row tiles and vocabulary chunks: the
     long-context tiling, checked against fp64 at a size the reference can afford."""
-    from verl_fused_hook.ops import triton_backend
+    from verl_fused_hook.ops import triton_recompute
 
-    monkeypatch.setattr(triton_backend, "CHUNK_COLUMNS", 1024)
-    monkeypatch.setattr(triton_backend, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
-    tiling = triton_backend.backward_tiling(700, 512, 5003, 128, 128)
+    monkeypatch.setattr(triton_recompute, "CHUNK_COLUMNS", 1024)
+    monkeypatch.setattr(triton_recompute, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
+    tiling = triton_recompute.backward_tiling(700, 512, 5003, 128, 128)
     assert len(tiling.tiles(700)) == 6 and tiling.columns == 1024
 
 
@@ -266,39 +266,52 @@ def test_row_tiled_backward_matches_fp64(small_backward_budgets):
     _check(hidden, weight, labels, temperature=temperature, score_mask=score_mask)
 
 
-def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size):
-    from verl_fused_hook.ops import triton_backend
+def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size, group_rows):
+    from verl_fused_hook.ops import triton_recompute
 
-    triton_backend.CHUNK_COLUMNS = 1024
-    triton_backend.TILE_MEMORY_BUDGET = 1
-    return _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size)
+    triton_recompute.CHUNK_COLUMNS = 1024
+    triton_recompute.TILE_MEMORY_BUDGET = 1
+    triton_recompute.ROW_GROUP_ROWS = group_rows
+    triton_recompute.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    shard = weight.shape[0] // world_size
+    valid = min(shard, vocab_size - rank * shard)
+    groups = len(triton_recompute.row_groups(hidden.shape[0], hidden.shape[1], valid, True, True))
+    return groups, *_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size)
 
 
-def test_row_tiled_backward_tensor_parallel():
-    n, h, v, vocab_size = 600, 256, 2 * 3000, 5990
+# The vocabulary walked outside (a 3000-column shard), or groups of 256 rows walked outside (a 100-column shard;
+# rank 1's ends in padding): three groups on each rank.
+@pytest.mark.parametrize("v, vocab_size, groups", [(2 * 3000, 5990, 1), (2 * 100, 190, 3)])
+def test_row_tiled_backward_tensor_parallel(v, vocab_size, groups):
+    n, h = 600, 256
     hidden, weight, g = _inputs(n, h, v, seed=41)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
     results = run_on_gloo(
-        _tiled_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size
+        _tiled_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, 256
     )
     ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
-    for lp, ent, *_ in results:
+    assert [r[0] for r in results] == [groups, groups]
+    for _, lp, ent, *_ in results:
         assert max_abs(lp, ref[0].cpu()) <= VALUE_TOL
         assert max_abs(ent, ref[1].cpu()) <= VALUE_TOL
-    assert _rel(sum(r[2] for r in results), ref[2].cpu()) <= GRAD_TOL
-    assert _rel(torch.cat([r[3] for r in results]), ref[3].cpu()) <= GRAD_TOL
+    assert _rel(sum(r[3] for r in results), ref[2].cpu()) <= GRAD_TOL
+    assert _rel(torch.cat([r[4] for r in results]), ref[3].cpu()) <= GRAD_TOL
+    assert bool((results[1][4][vocab_size - v // 2 :] == 0).all())
 
 
-def test_long_context_against_fp64_rows_and_row_chunks():
-    """N*H far past where the old backward narrowed its chunks (131072 x 4096, V=248320). A full fp64
-    reference does not fit, so: sampled rows' log-probs, entropy and d_hidden against fp64 (a row's values
-    depend on that row alone), and d_weight against the fp64 sum of the op's d_weight over row chunks small
-    enough to take one tile each (the short-context path the other tests hold to fp64)."""
-    from verl_fused_hook.ops import triton_backend
+@pytest.mark.parametrize("n, h, v, groups", [(131072, 4096, 248320, 1), (98304, 4096, 16384, 3)])
+def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
+    """N*H far past where the old backward narrowed its chunks: 131072 x 4096, V=248320 (the vocabulary walked
+    outside), and 98304 rows over a 16384-column shard (a tensor-parallel shard at long context: three groups
+    of rows walked outside, d_weight summed over them in fp32). A full fp64 reference does not fit, so: sampled
+    rows' log-probs, entropy and d_hidden against fp64 (a row's values depend on that row alone), and d_weight
+    against the fp64 sum of the op's d_weight over row chunks small enough to take one tile each (the
+    short-context path the other tests hold to fp64)."""
+    from verl_fused_hook.ops import triton_recompute
 
-    n, h, v = 131072, 4096, 248320
-    assert len(triton_backend.backward_tiling(n, h, v, 128, 128).tiles(n)) > 1
+    assert len(triton_recompute.backward_tiling(n, h, v, 128, 128).tiles(n)) > 1
+    assert len(triton_recompute.row_groups(n, h, v, True, True)) == groups
     hidden, weight, g = _inputs(n, h, v, seed=43)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
@@ -315,7 +328,8 @@ def test_long_context_against_fp64_rows_and_row_chunks():
 
     pieces = torch.zeros(v, h, dtype=torch.float64, device="cuda")
     chunk = 16384
-    assert len(triton_backend.backward_tiling(chunk, h, v, 128, 128).tiles(chunk)) == 1
+    assert len(triton_recompute.backward_tiling(chunk, h, v, 128, 128).tiles(chunk)) == 1
+    assert len(triton_recompute.row_groups(chunk, h, v, True, True)) == 1
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
         w = weight.clone().requires_grad_()

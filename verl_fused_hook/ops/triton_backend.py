@@ -1,16 +1,12 @@
 """Fused Triton backend for CUDA (Hopper first): logits never reach memory in the forward,
-and the backward recomputes them one vocabulary chunk at a time.
+and the backward recomputes them one vocabulary chunk at a time (triton_recompute.py).
 
-Two-pass op (`RecomputingPasses`): every scored row is one block; its kernels tile rows and
-vocabulary themselves. Statistics: one kernel reduces each scored row's logits, tile by tile,
+Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows
+and vocabulary themselves. Statistics: one kernel reduces each scored row's logits, tile by tile,
 to a Partial; the vocabulary is split across programs when rows are few, and the splits are
-merged with softmax_math's formulas. Gradients: per vocabulary chunk and tile of rows, a kernel
-recomputes the logits and writes d_logits (bf16); two cuBLAS GEMMs then add that tile's share of
-d_hidden into an fp32 accumulator and of the chunk's d_weight rows. Chunk width and tile height
-come from fixed budgets, not from the token count, so the time per row does not change with N.
-The fp32 d_hidden accumulator (4 bytes per scored row and hidden unit) is the one buffer that
-grows with N: it keeps d_hidden a sum of fp32 partials over the vocabulary, rounded once. With
-keep_logits_bytes the forward kernel also keeps some rows' logits, and those skip the recompute.
+merged with softmax_math's formulas. Gradients: triton_recompute.py, over every row at once or, where that
+needs less memory, over groups of rows (`row_groups`). With keep_logits_bytes the forward kernel also keeps
+some rows' logits, and those skip the recompute.
 Loss-inside op (`StoredLogitsPasses`): the chunks chunking.py plans from this backend's
 `loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass
 overwrites them in place with d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
@@ -20,24 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from . import triton_launch as launch
 from .chunking import ChunkCost
 from .kept_logits import StoredLogits, kept_rows_buffer, stored_layout
 from .problem import LogProbProblem, RowBlock
 from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
+from .triton_recompute import recomputed_gradients, row_groups
 from .weight_gradient import WeightGradientSum
 
-# Working memory of the backward beside the fp32 d_hidden accumulator: the bf16 d_logits tile and, when the
-# rows need more than one tile, the fp32 accumulator of the chunk's d_weight rows.
-TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
-# Vocabulary columns per backward chunk. The fp32 d_hidden accumulator is read and written once per chunk:
-# 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
-# what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
-CHUNK_COLUMNS = 8192
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
 # Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
@@ -49,25 +39,7 @@ MIN_SPLITS = 8
 # 4 GiB (5 chunks) 0.84x the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
 STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Block shape and pipelining of one kernel launch; ctas_per_sm feeds the wave arithmetic."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    ctas_per_sm: int
-
-
-FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
-# One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
-# tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
-# programs per SM, one tile each).
-GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
+FORWARD_CONFIG = launch.TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -106,25 +78,6 @@ def _triton_import_error() -> str | None:
     return None
 
 
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """Row-major with a 16-byte aligned base, as TMA descriptors require (copies only if not)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
 def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
     """Column tiles per program minimizing (waves x tiles per program), with at least
@@ -143,7 +96,7 @@ def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
 
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
     """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
-    hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
+    hidden = launch.tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
     return RowBlock(span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows))
 
 
@@ -158,14 +111,14 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
     c = FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = choose_tiles_per_split(row_blocks, col_tiles, _num_sms(hidden.device) * c.ctas_per_sm)
+    per = choose_tiles_per_split(row_blocks, col_tiles, launch.num_sms(hidden.device) * c.ctas_per_sm)
     splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
-        _descriptor(hidden, [c.block_m, c.block_k]),
-        _descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
+        launch.descriptor(hidden, [c.block_m, c.block_k]),
+        launch.descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
         label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
-        None if store is None else _descriptor(store.shifted, [c.block_m, c.block_n]),
+        None if store is None else launch.descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
         n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
@@ -176,82 +129,6 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
     return merge_partials(*parts.unbind(0))
 
 
-@dataclass(frozen=True)
-class BackwardTiling:
-    """How the backward walks [rows x vocabulary]: `columns` per chunk, `rows` per d_logits tile."""
-
-    columns: int
-    rows: int
-
-    def tiles(self, total_rows: int) -> list[tuple[int, int]]:
-        return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
-
-
-def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int) -> BackwardTiling:
-    """Chunks of CHUNK_COLUMNS (fewer when the shard is narrower); all rows in one d_logits tile when it fits
-    TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit it beside the chunk's fp32 d_weight
-    accumulator. Neither depends on anything but budgets and shapes, so the work per row is the same at every N."""
-    columns = min(CHUNK_COLUMNS, -(-valid_columns // block_n) * block_n)
-    rows = max(rows, 1)
-    if 2 * rows * columns <= TILE_MEMORY_BUDGET:
-        return BackwardTiling(columns, rows)
-    fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
-    balanced = -(-rows // -(-rows // fit))  # as many rows in every tile as the tile count allows
-    return BackwardTiling(columns, -(-balanced // block_m) * block_m)
-
-
-def _recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, row_max, log_sum, shifted_mean,
-                          g_lp, g_ent, want_hidden: bool, weight_sum: WeightGradientSum | None,
-                          kept: StoredLogits | None = None) -> Tensor | None:
-    """fp32 d_hidden of the block (or None); d_weight[:valid_columns] chunk by chunk through weight_sum. The block's
-    first rows, when `kept` holds their logits, are one more row tile whose d_logits come from there."""
-    from . import triton_kernels as kernels
-    from .triton_chunk_kernels import stored_grad_logits
-
-    hidden = block.hidden
-    n, h = hidden.shape
-    c = GRAD_CONFIG
-    k = 0 if kept is None else kept.shifted.shape[0]
-    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n)
-    tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
-    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
-    d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
-    # Several row tiles add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
-    dw_chunk = None
-    if weight_sum is not None and len(tiles) > 1:
-        dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
-    w_desc = _descriptor(weight[:valid_columns], [c.block_n, c.block_k])
-    slots = _num_sms(hidden.device) * c.ctas_per_sm
-    row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
-    for start in range(0, valid_columns, tiling.columns):
-        cols = min(tiling.columns, valid_columns - start)
-        w_chunk = weight[start : start + cols]
-        chunk_sum = None
-        if weight_sum is not None:
-            chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
-        for first, count in tiles:
-            rows = slice(first, first + count)
-            if first < k:  # the kept rows: d_logits over their stored logits, in place
-                dz = stored_grad_logits(kept, *(t[rows] for t in row_args), hidden.dtype, columns=(start, start + cols))
-            else:
-                dz = dz_buffer[:count, :cols]
-                programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
-                kernels.grad_logits_kernel[(programs,)](
-                    _descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc, _descriptor(dz, [c.block_m, c.block_n]),
-                    *(t[rows] for t in row_args),
-                    count, h, start, cols, programs,
-                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                    num_warps=c.num_warps, num_stages=c.num_stages,
-                )
-            if d_hidden is not None:
-                torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
-            if chunk_sum is not None:
-                chunk_sum.add(dz, hidden[rows])
-        if chunk_sum is not None:
-            chunk_sum.finish()
-    return d_hidden
-
-
 def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
     return grad if grad is not None else torch.zeros(like.shape, dtype=torch.float32, device=like.device)
 
@@ -259,16 +136,22 @@ def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
 class RecomputingPasses:
     """Two-pass primitives: every scored row in one block (compacted when some are masked); statistics run the
     forward kernel, gradients recompute the logits chunk by chunk, except the first rows' when `kept` holds them.
+    The backward's passes walk `groups` of those rows as blocks of their own (triton_recompute.row_groups).
     Saved for backward: the block (rows, int32 label column, 1/T), the weight, the kept logits."""
 
-    block_count = 1
-
     def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock,
-                 kept: StoredLogits | None = None):
+                 kept: StoredLogits | None = None, groups: list[slice] | None = None):
         self.p, self.valid_columns, self.weight, self.block, self.kept = p, valid_columns, weight, block, kept
+        self.groups = groups
+        self.block_count = 1 if groups is None else len(groups)
 
     def blocks(self):
-        yield self.block
+        if self.groups is None:
+            yield self.block
+            return
+        b = self.block
+        for group in self.groups:
+            yield RowBlock(group, b.rows[group], b.hidden[group], b.label_col[group], b.inv_temp[group])
 
     def statistics(self, block: RowBlock):
         if self.kept is None:
@@ -288,20 +171,28 @@ class RecomputingPasses:
 
             return kept_gradients(self.kept, block, self.weight[: self.valid_columns], row_max, log_sum, shifted_mean,
                                   g_lp, g_ent, want_hidden, weight_sum)
-        return _recomputed_gradients(block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, g_lp, g_ent,
-                                     want_hidden, weight_sum, self.kept)
+        return recomputed_gradients(block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, g_lp, g_ent,
+                                    want_hidden, weight_sum, self.kept)
 
     def for_backward(self):
+        """The saved tensors, and the backward's passes: the kept rows' block, or the groups of rows that
+        need the least memory for the gradients these inputs want."""
         b = self.block
         kept = () if self.kept is None else (self.kept.shifted, self.kept.tile_max)
+        groups = None
+        if self.kept is None:
+            groups = row_groups(b.rows.numel(), b.hidden.shape[1], self.valid_columns, self.p.hidden.requires_grad,
+                                self.p.weight.requires_grad)
         return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept), functools.partial(
-            _rebuilt_recomputing, self.valid_columns
+            _rebuilt_recomputing, self.valid_columns, groups
         )
 
 
-def _rebuilt_recomputing(valid_columns: int, hidden, weight, rows, label_col, inv_temp, *kept) -> RecomputingPasses:
+def _rebuilt_recomputing(valid_columns: int, groups: list[slice] | None, hidden, weight, rows, label_col, inv_temp,
+                         *kept) -> RecomputingPasses:
     stored = StoredLogits(*kept, FORWARD_CONFIG.block_n) if kept else None
-    return RecomputingPasses(None, valid_columns, weight, RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp), stored)
+    block = RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp)
+    return RecomputingPasses(None, valid_columns, weight, block, stored, None if groups is None or len(groups) == 1 else groups)
 
 
 def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> RecomputingPasses:
@@ -312,7 +203,7 @@ def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> Recomputin
     if for_backward and p.keep_logits_bytes:
         kept = kept_rows_buffer(p.keep_logits_bytes, block.rows.numel(), p.valid_columns, FORWARD_CONFIG.block_m,
                                 FORWARD_CONFIG.block_n, p.weight.device)
-    return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block, kept)
+    return RecomputingPasses(p, p.valid_columns, launch.tma_ready(p.weight), block, kept)
 
 
 class StoredLogitsPasses:
@@ -325,7 +216,7 @@ class StoredLogitsPasses:
     overlap_final_evaluation = True
 
     def __init__(self, p: LogProbProblem, keep: bool, spans: list[slice]):
-        self.p, self.weight, self.spans = p, tma_ready(p.weight), spans
+        self.p, self.weight, self.spans = p, launch.tma_ready(p.weight), spans
         self.columns = p.valid_columns
         pitch, tiles = stored_layout(self.columns, FORWARD_CONFIG.block_n)
         self.block_count = len(spans)

@@ -191,18 +191,18 @@ class _TwoPass(torch.autograd.Function):
             return grad_hidden, grad_weight, None, None
         passes = ctx.rebuild_passes(*tensors)
         weight_sum = None if grad_weight is None else WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
+        every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
         for block in passes.blocks():
             span = block.span
             d_hidden = passes.gradients(
                 block, row_max[span], log_sum[span], shifted_mean[span], _scored(grad_log_probs, block.rows),
                 _scored(grad_entropy, block.rows), grad_hidden is not None, weight_sum,
             )
-            if d_hidden is None:
-                continue
-            if d_hidden.shape[0] == hidden_shape[0]:  # every row in one block
-                grad_hidden.copy_(d_hidden)
-            else:
+            if d_hidden is not None and every_row_scored:
+                grad_hidden[span].copy_(d_hidden)
+            elif d_hidden is not None:
                 grad_hidden.index_copy_(0, block.rows, d_hidden.to(hidden_dtype))
+            del d_hidden  # gone before the next block's fp32 d_hidden is allocated
         if weight_sum is not None:
             weight_sum.finish()
         return grad_hidden, grad_weight, None, None

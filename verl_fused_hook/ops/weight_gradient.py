@@ -31,11 +31,12 @@ class WeightGradientSum:
             self.total = buffer
         else:
             self.total = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+        self._column_spans: set[tuple[int, int]] = set()  # columns() of a sum of several products
 
     def add(self, a: Tensor, b: Tensor) -> None:
         beta = min(self.added, 1)
         self.added += 1
-        if self.products == 1:
+        if self.total.dtype != torch.float32:  # the one product, straight into a 16-bit target
             if a.dtype == self.target.dtype:
                 torch.mm(a.t(), b, out=self.target)
             else:  # fp32 d_logits of a low-precision weight on the CPU: one rounding
@@ -46,12 +47,18 @@ class WeightGradientSum:
             torch.addmm(self.total, a.t(), b, beta=beta, out_dtype=torch.float32, out=self.total)
 
     def columns(self, start: int, stop: int, products: int, buffer: Tensor | None = None) -> WeightGradientSum:
-        """The sum of columns [start, stop) (rows of d_weight) built from `products` products of its own,
-        for a backend whose one block walks the vocabulary in chunks. Only for a sum of one product."""
-        if self.products != 1:
-            raise ValueError(f"columns: a sum of {self.products} products cannot be split by columns")
-        self.added = 1
-        return WeightGradientSum(self.target[start:stop], products, buffer)
+        """The sum of columns [start, stop) (rows of d_weight) built from `products` products of its own, for a
+        backend whose block walks the vocabulary in chunks. Of a sum of one product: those columns of `target`
+        (`buffer`, if given, holds their fp32 sum). Of a sum of several (blocks of rows, each walking the
+        vocabulary): this block's share, added into the fp32 total over what earlier blocks put in those columns
+        (the first to ask for them overwrites)."""
+        self.added = max(self.added, 1)
+        if self.products == 1:
+            return WeightGradientSum(self.target[start:stop], products, buffer)
+        share = WeightGradientSum(self.total[start:stop], products)
+        share.added = int((start, stop) in self._column_spans)
+        self._column_spans.add((start, stop))
+        return share
 
     def finish(self) -> Tensor:
         if self.added == 0:

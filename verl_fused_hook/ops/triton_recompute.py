@@ -1,0 +1,154 @@
+"""The two-pass op's backward on CUDA: the logits recomputed one vocabulary chunk at a time.
+
+Per vocabulary chunk and tile of rows, `triton_kernels.grad_logits_kernel` recomputes the logits and writes
+d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of
+the chunk's d_weight rows. Chunk width, tile height and group size come from fixed budgets, never from the
+token count, so the time per row does not change with N.
+
+Why row groups: each gradient is a sum over the other's dimension, and the one summed across the outer loop
+needs an fp32 buffer to be rounded once. With the vocabulary outside (the default), that is d_hidden: 4 H
+bytes per scored row, growing with N. When the rows outnumber the shard's vocabulary (long context,
+tensor-parallel shards), the rows go outside in groups of ROW_GROUP_ROWS, each walking the whole
+vocabulary, and d_weight is the sum kept in fp32 instead: 4 H bytes per shard column plus one group's
+d_hidden, whatever N. `row_groups` picks whichever needs less memory; the arithmetic of every product is
+the same, so both round each gradient once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import triton_launch as launch
+from .kept_logits import StoredLogits
+from .problem import RowBlock
+from .weight_gradient import WeightGradientSum
+
+# Working memory of the backward beside the fp32 accumulator: the bf16 d_logits tile and, when the rows need
+# more than one tile, the fp32 accumulator of the chunk's d_weight rows.
+TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
+# Vocabulary columns per backward chunk. The fp32 d_hidden accumulator is read and written once per chunk:
+# 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
+# what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
+CHUNK_COLUMNS = 8192
+# Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
+# 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
+# byte at 32768 rows, against Hopper's balance of ~165).
+ROW_GROUP_ROWS = 32768
+# Groups cost up to ~1% of time (H200, against one walk: -0.4% to +0.1% at 131072 rows of 37984-62080-column
+# shards, +1.3% at 65536 x 4096 x 18992 and +1.2% at 262144 x 4096 x 151936), so they are taken only where they
+# spare at least this much memory (those five shapes: 0.68-1.61 GiB).
+GROUPS_MIN_SAVING_BYTES = 512 * 1024**2
+# One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
+# tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
+# programs per SM, one tile each).
+GRAD_CONFIG = launch.TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
+
+
+@dataclass(frozen=True)
+class BackwardTiling:
+    """How the backward walks [rows x vocabulary]: `columns` per chunk, `rows` per d_logits tile."""
+
+    columns: int
+    rows: int
+
+    def tiles(self, total_rows: int) -> list[tuple[int, int]]:
+        return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
+
+
+def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int) -> BackwardTiling:
+    """Chunks of CHUNK_COLUMNS (fewer when the shard is narrower); all rows in one d_logits tile when it fits
+    TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit it beside the chunk's fp32 d_weight
+    accumulator. Neither depends on anything but budgets and shapes, so the work per row is the same at every N."""
+    columns = min(CHUNK_COLUMNS, -(-valid_columns // block_n) * block_n)
+    rows = max(rows, 1)
+    if 2 * rows * columns <= TILE_MEMORY_BUDGET:
+        return BackwardTiling(columns, rows)
+    fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
+    balanced = -(-rows // -(-rows // fit))  # as many rows in every tile as the tile count allows
+    return BackwardTiling(columns, -(-balanced // block_m) * block_m)
+
+
+def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> int:
+    """Working memory of one walk over the vocabulary for `rows` rows: the fp32 d_hidden accumulator, the d_logits
+    tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles."""
+    c = GRAD_CONFIG
+    tiling = backward_tiling(rows, hidden_size, valid_columns, c.block_m, c.block_n)
+    several = len(tiling.tiles(rows)) > 1
+    return (4 * rows * hidden_size * want_hidden + 2 * tiling.rows * tiling.columns
+            + 4 * tiling.columns * hidden_size * (several and want_weight))
+
+
+def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> list[slice]:
+    """The backward's groups of rows (slices of the scored rows): one of every row, unless equal groups of
+    about ROW_GROUP_ROWS (whole row blocks) need GROUPS_MIN_SAVING_BYTES less memory: their fp32 d_weight sum
+    (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring)."""
+    block_m = GRAD_CONFIG.block_m
+    group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
+    if rows <= group or not want_hidden:
+        return [slice(0, rows)]
+    count = -(-rows // group)
+    size = -(-(-(-rows // count)) // block_m) * block_m
+    grouped = (4 * valid_columns * hidden_size * want_weight
+               + _vocabulary_outside_bytes(size, hidden_size, valid_columns, want_hidden, False))
+    if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(rows, hidden_size, valid_columns, want_hidden,
+                                                                     want_weight):
+        return [slice(0, rows)]
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, row_max, log_sum, shifted_mean,
+                         g_lp, g_ent, want_hidden: bool, weight_sum: WeightGradientSum | None,
+                         kept: StoredLogits | None = None) -> Tensor | None:
+    """fp32 d_hidden of the block (or None); its share of d_weight[:valid_columns] chunk by chunk through
+    weight_sum. The block's first rows, when `kept` holds their logits, are one more row tile whose d_logits
+    come from there."""
+    from . import triton_kernels as kernels
+    from .triton_chunk_kernels import stored_grad_logits
+
+    hidden = block.hidden
+    n, h = hidden.shape
+    c = GRAD_CONFIG
+    k = 0 if kept is None else kept.shifted.shape[0]
+    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n)
+    tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
+    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
+    d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
+    # Several row tiles of the only block add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
+    # (Row groups add into the sum's own fp32 buffer.)
+    dw_chunk = None
+    if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1:
+        dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
+    w_desc = launch.descriptor(weight[:valid_columns], [c.block_n, c.block_k])
+    slots = launch.num_sms(hidden.device) * c.ctas_per_sm
+    row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
+    for start in range(0, valid_columns, tiling.columns):
+        cols = min(tiling.columns, valid_columns - start)
+        w_chunk = weight[start : start + cols]
+        chunk_sum = None
+        if weight_sum is not None:
+            chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
+        for first, count in tiles:
+            rows = slice(first, first + count)
+            if first < k:  # the kept rows: d_logits over their stored logits, in place
+                dz = stored_grad_logits(kept, *(t[rows] for t in row_args), hidden.dtype, columns=(start, start + cols))
+            else:
+                dz = dz_buffer[:count, :cols]
+                programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
+                kernels.grad_logits_kernel[(programs,)](
+                    launch.descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc,
+                    launch.descriptor(dz, [c.block_m, c.block_n]),
+                    *(t[rows] for t in row_args),
+                    count, h, start, cols, programs,
+                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    num_warps=c.num_warps, num_stages=c.num_stages,
+                )
+            if d_hidden is not None:
+                torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
+            if chunk_sum is not None:
+                chunk_sum.add(dz, hidden[rows])
+        if chunk_sum is not None:
+            chunk_sum.finish()
+    return d_hidden
