@@ -143,7 +143,10 @@ class RecomputingPasses:
                  kept: StoredLogits | None = None, groups: list[slice] | None = None):
         self.p, self.valid_columns, self.weight, self.block, self.kept = p, valid_columns, weight, block, kept
         self.groups = groups
-        self.block_count = 1 if groups is None else len(groups)
+
+    @property
+    def block_count(self) -> int:
+        return 1 if self.groups is None else len(self.groups)
 
     def blocks(self):
         if self.groups is None:
