@@ -28,13 +28,11 @@ from .softmax_math import inverse_temperature, label_columns, merge_partials, no
 from .triton_recompute import recomputed_gradients, row_groups
 from .weight_gradient import WeightGradientSum
 
-# A row block's statistics stores and restart inside a program's flattened walk, in tile times.
-FLUSH_TILES = 0.25
-# Programs running together share their row blocks and column tiles through L2 (50 MB on the H100/H200): each
-# lane reads its row block once per tile, and each column tile is read again for every wave of row blocks. At most
-# this many hidden rows plus weight columns in flight (16 row blocks and 8 column tiles of 128 x 256 make 4096;
-# weight columns not counted when one wave of lanes covers every row block).
-IN_FLIGHT_LIMIT = 5120
+# Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
+SPLIT_OVERHEAD_TILES = 0.5
+# Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
+# split, 132 programs would each stream their own 1 MiB row block per tile.
+MIN_SPLITS = 8
 # The loss-inside op's chunk of stored logits (fp16, then d_logits in place). More rows per chunk add fewer times
 # into the fp32 d_weight accumulator (V_local x H x 4 bytes; none with one chunk) and leave more GPU work queued
 # behind loss_fn's final host evaluation (~21 ms for verl's ppo_loss at 65k tokens). H200, 65536 x 2048 x 151936:
@@ -81,19 +79,18 @@ def _triton_import_error() -> str | None:
 
 
 @functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
-def forward_layout(row_blocks: int, col_tiles: int, slots: int, block_m: int, block_n: int) -> tuple[int, int]:
-    """(row lanes, column splits) of the persistent forward: the fewest tile times per program, lanes x splits
-    filling at most `slots`, within IN_FLIGHT_LIMIT. E.g. 512 row blocks x 75 tiles (65536 rows of a TP=8 shard
-    of 151936) on 132 SMs: 26 x 5, 300 tile times each where 290.9 is the even share (one program per row block
-    and split, in waves: 322.5 at best)."""
-    best, best_cost = (1, 1), math.inf
-    for splits in range(1, min(col_tiles, slots) + 1):
-        lanes = min(row_blocks, slots // splits)
-        if lanes * block_m + (splits * block_n if lanes < row_blocks else 0) > IN_FLIGHT_LIMIT:
+def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
+    """Column tiles per program minimizing (waves x tiles per program), with at least
+    MIN_SPLITS splits when there are that many tiles (L2 locality, see MIN_SPLITS)."""
+    best, best_cost = 1, math.inf
+    for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1):
+        splits = -(-col_tiles // per)
+        if splits * per - col_tiles >= per:  # an empty last split: same as a smaller `per`
             continue
-        cost = -(-row_blocks // lanes) * (-(-col_tiles // splits) + FLUSH_TILES)
+        waves = -(-(row_blocks * splits) // slots)
+        cost = waves * (per + SPLIT_OVERHEAD_TILES)
         if cost < best_cost:
-            best, best_cost = (lanes, splits), cost
+            best, best_cost = per, cost
     return best
 
 
@@ -112,18 +109,19 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
     if p.valid_columns == 0 or n == 0:
         return no_column_partials(n, hidden.device)
     c = FORWARD_CONFIG
+    row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    lanes, splits = forward_layout(-(-n // c.block_m), col_tiles, launch.num_sms(hidden.device) * c.ctas_per_sm,
-                                   c.block_m, c.block_n)
+    per = choose_tiles_per_split(row_blocks, col_tiles, launch.num_sms(hidden.device) * c.ctas_per_sm)
+    splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
-    kernels.forward_statistics_kernel[(lanes * splits,)](
+    kernels.forward_statistics_kernel[(row_blocks * splits,)](
         launch.descriptor(hidden, [c.block_m, c.block_k]),
         launch.descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
         label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
         None if store is None else launch.descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
-        n, hidden.shape[1], p.valid_columns, col_tiles, lanes, splits,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
         ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if splits == 1:

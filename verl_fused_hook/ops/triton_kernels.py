@@ -53,15 +53,12 @@ def forward_statistics_kernel(
     inv_temp_ptr,  # fp32 [rows]: 1 / temperature
     max_ptr, sum_ptr, dot_ptr, label_ptr,  # fp32 [num_splits, rows] partial statistics
     store_desc, tile_max_ptr,  # STORE only: fp16 [rows, valid_columns] logits - tile max; fp32 [rows, num_col_tiles]
-    rows, H, valid_columns, num_col_tiles, row_lanes, num_splits,
+    rows, H, valid_columns, num_col_tiles, tiles_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ENTROPY: tl.constexpr, STORE: tl.constexpr,
+    GROUP_M: tl.constexpr, ENTROPY: tl.constexpr, STORE: tl.constexpr,
 ):
-    """Persistent: program (lane, split) of row_lanes x num_splits walks the row blocks lane, lane + row_lanes, ...
-    and in each its split's contiguous column tiles (splits differ by at most one tile), reducing them online to
-    (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row, stored once per row block. The walk is one
-    flattened loop, so the next tile's loads are in flight during a tile's epilogue, across row blocks too, and
-    the programs share the tiles evenly whatever the wave count (triton_backend.forward_layout).
+    """One program: one row block against one contiguous split of column tiles,
+    reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
     With STORE it also keeps the raw logits for a later gradient pass (the fused loss):
     each tile relative to its own row max, in fp16 (a difference <= 0 whose fp16 rounding
     is far below the bf16 rounding of d_logits), saturated at fp16's lowest value (where
@@ -74,29 +71,26 @@ def forward_statistics_kernel(
     the same single rounding, so a label that is the row's max cancels exactly in
     log p = z_y - m - log s.
     """
-    lane = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
-    first_tile = split * num_col_tiles // num_splits
-    width = (split + 1) * num_col_tiles // num_splits - first_tile
-    my_row_blocks = tl.cdiv(tl.cdiv(rows, BLOCK_M) - lane, row_lanes)
+    pid_m, split = _grouped_tile(tl.program_id(0), tl.cdiv(rows, BLOCK_M), num_splits, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    row_ids = off_m + tl.arange(0, BLOCK_M)
+    row_ok = row_ids < rows
+    label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
+    inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
+    scale = inv_temp * LOG2E  # raw dot product -> base-2 logit
 
     run_max = tl.full((BLOCK_M,), NEG, tl.float32)  # raw units
     run_sum = tl.zeros((BLOCK_M,), tl.float32)
     run_dot = tl.zeros((BLOCK_M,), tl.float32)  # base-2 units
     label_raw = tl.zeros((BLOCK_M,), tl.float32)
-    for step in tl.range(0, my_row_blocks * width, flatten=True):
-        visit = step // width
-        tile = first_tile + step - visit * width
-        off_m = (lane + visit * row_lanes) * BLOCK_M
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_col_tiles)
+    for tile in range(first_tile, last_tile):
         off_n = tile * BLOCK_N
         acc = _logits_tile(h_desc, w_desc, off_m, off_n, H, BLOCK_K, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
-        row_ids = off_m + tl.arange(0, BLOCK_M)
-        row_ok = row_ids < rows
-        label_col = tl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
-        inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
-        scale = inv_temp * LOG2E  # raw dot product -> base-2 logit
         cols = off_n + tl.arange(0, BLOCK_N)
-        acc = tl.where(cols[None, :] < valid_columns, acc, NEG)  # padding columns (no branch: see below)
+        if off_n + BLOCK_N > valid_columns:  # only the last tile holds padding columns
+            acc = tl.where(cols[None, :] < valid_columns, acc, NEG)
         label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
         tile_max = tl.max(acc, axis=1)
         if STORE:
@@ -112,18 +106,12 @@ def forward_statistics_kernel(
             run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted, axis=1)
         run_sum = run_sum * rescale + tl.sum(e, axis=1)
         run_max = new_max
-        # This row block's last tile of the split: store, then start afresh. Selects, not branches: Triton 3.6's
-        # loop flattening (TritonGPUFuseNestedLoops) fails on a branch that yields values inside the loop.
-        done = step - visit * width == width - 1
-        out = split * rows + row_ids
-        tl.store(max_ptr + out, run_max * inv_temp, mask=row_ok & done)
-        tl.store(sum_ptr + out, run_sum, mask=row_ok & done)
-        tl.store(dot_ptr + out, run_dot * LN2, mask=row_ok & done)
-        tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok & done)
-        run_max = tl.where(done, NEG, run_max)
-        run_sum = tl.where(done, 0.0, run_sum)
-        run_dot = tl.where(done, 0.0, run_dot)
-        label_raw = tl.where(done, 0.0, label_raw)
+
+    out = split * rows + row_ids
+    tl.store(max_ptr + out, run_max * inv_temp, mask=row_ok)
+    tl.store(sum_ptr + out, run_sum, mask=row_ok)
+    tl.store(dot_ptr + out, run_dot * LN2, mask=row_ok)
+    tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok)
 
 
 @triton.jit
