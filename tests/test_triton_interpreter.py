@@ -2,7 +2,7 @@
 
 Why: the GPU tests (tests/gpu/test_triton_backend.py, test_triton_chunk_kernels.py) need an H200; this runs
 the same kernels' arithmetic and the same host code in CI. The two-pass op: the statistics kernel over
-compacted (or all) rows, the recomputing gradient pass over vocabulary chunks and row tiles, d_weight
+compacted (or all) rows (its label logit picked only from tiles holding labels), the recomputing gradient pass over vocabulary chunks and row tiles, d_weight
 written directly or summed in fp32 per chunk, d_hidden only or d_weight only, no gradients. The fused loss:
 the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the chunking and the
 d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
@@ -411,6 +411,46 @@ def _interpreted_row_group_cases() -> list[dict]:
     return results
 
 
+def _interpreted_label_tile_cases() -> list[dict]:
+    """Run in the subprocess: the forward kernel picks each label logit only from tiles that hold some row's label
+    (16-row blocks, 32-column tiles, 10 tiles over 301 columns): every label in one tile (the blocks skip nine),
+    a block whose labels are only tiles' first columns, one with only last columns (300 in the padded last tile),
+    and that one again with its rows masked; log-probs and entropy against fp64."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_and_entropy
+
+    _interpret_on_cpu()
+    n, h, v = 48, 64, 301
+    first = torch.arange(0, v, 32)  # a block whose labels are only tiles' first columns, one with only last ones
+    last = torch.minimum(first + 31, torch.tensor(v - 1))
+    edges = torch.cat([first, first[:6], last, last[:6], last[:8], first[:8]])
+    placements = {
+        "one tile": torch.randint(96, 128, (n,), generator=torch.Generator().manual_seed(7)),
+        "tile edges": edges,
+        "edges, middle block masked": edges,
+    }
+    results = []
+    for index, (name, labels) in enumerate(placements.items()):
+        g = torch.Generator().manual_seed(500 + index)
+        hidden = torch.randn(n, h, generator=g).half()
+        weight = (torch.randn(v, h, generator=g) * 0.5).half()
+        active = torch.ones(n, dtype=torch.bool)
+        if name.endswith("masked"):
+            active[16:32] = False
+            labels = labels.clone()
+            labels[20] = -100
+        temperature = torch.rand(n, generator=g) + 0.5
+        with torch.no_grad():
+            lp, ent = log_probs_and_entropy(hidden, weight, labels, temperature=temperature, score_mask=active,
+                                            backend="triton")
+        ref = _fp64_reference(hidden, weight, labels, active & (labels != -100), temperature, torch.zeros(n),
+                              torch.zeros(n))
+        results.append({"case": name, "log_prob": (lp.double() - ref[0]).abs().max().item(),
+                        "entropy": (ent.double() - ref[1]).abs().max().item()})
+    return results
+
+
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
@@ -451,6 +491,13 @@ def test_two_pass_row_groups_in_the_interpreter():
             assert len(spans) == 1, spans
         else:  # equal groups of whole 16-row blocks, about 32 rows each
             assert len(spans) == -(-case["scored"] // 32) and all(b - a == 32 for a, b in spans[:-1]), (label, spans)
+
+
+def test_forward_label_logit_from_the_tiles_holding_labels_in_the_interpreter():
+    cases = _run_interpreted("_interpreted_label_tile_cases")
+    assert [case["case"] for case in cases] == ["one tile", "tile edges", "edges, middle block masked"]
+    for case in cases:
+        assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, case
 
 
 def test_two_pass_keep_logits_in_the_interpreter():
