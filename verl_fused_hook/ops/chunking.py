@@ -138,6 +138,14 @@ def _size(count: int) -> str:
     return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 1024**2:.1f} MiB"
 
 
+def equal_piece_rows(rows: int, most: int, multiple: int = 1) -> int:
+    """Rows per piece when `rows` are cut into as few pieces of at most `most` as will do, every piece as long as
+    that count allows, rounded up to a `multiple` (whole row blocks, `most` itself being one): the last piece is
+    the shortest."""
+    per_piece = -(-rows // -(-rows // most))
+    return -(-per_piece // multiple) * multiple
+
+
 def _round_down(rows: int, multiple: int) -> int:
     return rows // multiple * multiple if rows >= multiple else rows
 
@@ -232,7 +240,7 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     elif rows == chunk_rows:  # as asked (every rank: the same arguments, the same agreed rows)
         spans = [slice(start, min(start + rows, active)) for start in range(0, active, rows)]
     else:
-        size = -(-active // -(-active // rows))  # equal chunks
+        size = equal_piece_rows(active, rows)
         spans = [slice(start, min(start + size, active)) for start in range(0, active, size)]
     logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in %d chunks of up to %d rows (set by %s)",
                  loss_name, active, len(spans), max(s.stop - s.start for s in spans), bound)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import triton_launch as launch
+from .chunking import equal_piece_rows
 from .kept_logits import StoredLogits
 from .problem import RowBlock
 from .weight_gradient import WeightGradientSum
@@ -67,8 +68,7 @@ def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: in
     if 2 * rows * columns <= TILE_MEMORY_BUDGET:
         return BackwardTiling(columns, rows)
     fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
-    balanced = -(-rows // -(-rows // fit))  # as many rows in every tile as the tile count allows
-    return BackwardTiling(columns, -(-balanced // block_m) * block_m)
+    return BackwardTiling(columns, equal_piece_rows(rows, fit, block_m))
 
 
 def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> int:
@@ -89,8 +89,7 @@ def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: boo
     group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
     if rows <= group or not want_hidden:
         return [slice(0, rows)]
-    count = -(-rows // group)
-    size = -(-(-(-rows // count)) // block_m) * block_m
+    size = equal_piece_rows(rows, group, block_m)
     grouped = (4 * valid_columns * hidden_size * want_weight
                + _vocabulary_outside_bytes(size, hidden_size, valid_columns, want_hidden, False))
     if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(rows, hidden_size, valid_columns, want_hidden,
