@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from verl_fused_hook_harness.commands import bench
@@ -173,3 +174,40 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
                             clock=lambda name, thunk: (thunk(), 2.0)[1])
     assert result == {"ok": 2.0, "late": "RuntimeError: out of room"}
     assert calls == {"ok": 7, "late": 2}
+
+
+def test_bench_times_back_to_back_calls_and_reports_the_time_per_call():
+    """--back-to-back K: each timing (warm-ups too) runs the step K times with nothing between them, and the time
+    per call is what is kept; a step slower than SLOW_MS a call gets at most three repeats."""
+    from verl_fused_hook_harness.commands.bench_timing import SLOW_MS, time_in_rounds
+
+    runs = {"fast": 0, "slow": 0}
+    per_run_ms = {"fast": 10.0, "slow": SLOW_MS / 2}  # two slow calls take > SLOW_MS, one call does not
+
+    def step(name):
+        def run():
+            runs[name] += 1
+        return run
+
+    def clock(name, thunk):  # the timing of one thunk: what it ran, at per_run_ms a run
+        before = dict(runs)
+        thunk()
+        return sum((runs[n] - before[n]) * per_run_ms[n] for n in runs)
+
+    result = time_in_rounds({n: step(n) for n in runs}, warmup=2, repeats=5, guard=lambda name, thunk: thunk(),
+                            clock=clock, calls=3)
+    assert result == {"fast": 10.0, "slow": SLOW_MS / 2}
+    assert runs == {"fast": 3 * (2 + 5), "slow": 3 * (2 + 5)}  # per call under SLOW_MS: every warm-up and repeat
+    with pytest.raises(ValueError, match="calls: must be >= 1, got 0"):
+        time_in_rounds({"fast": step("fast")}, 1, 1, guard=lambda name, thunk: thunk(), clock=clock, calls=0)
+
+
+def test_the_report_says_when_timings_ran_calls_back_to_back(tmp_path, capsys):
+    run = json.loads(_run(tmp_path).read_text()) | {"back_to_back": 6}
+    path = tmp_path / "b2b.json"
+    path.write_text(json.dumps(run))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    assert "Each timing: 6 calls back to back" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--back-to-back", "0"])
+    assert "--back-to-back: must be >= 1, got 0" in capsys.readouterr().err

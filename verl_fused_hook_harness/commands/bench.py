@@ -82,17 +82,17 @@ def _fwd_bwd(fn, hidden, weight, labels, temperature, g_lp, g_ent, score_mask=No
     return torch.autograd.grad(outputs, (h, w), grads)
 
 
-def _floor_chunk_ms(hidden, weight, rows, warmup, repeats) -> dict:
+def _floor_chunk_ms(hidden, weight, rows, warmup, repeats, calls) -> dict:
     """cuBLAS times of the forward GEMM (also the recompute), dX and dW of `rows` rows."""
     v = weight.shape[0]
     h_rows = hidden[:rows]
     logits = torch.empty(rows, v, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.empty_like(h_rows)
     d_weight = torch.empty_like(weight)
-    fwd = time_ms(lambda: torch.mm(h_rows, weight.t(), out=logits), warmup, repeats)
+    fwd = time_ms(lambda: torch.mm(h_rows, weight.t(), out=logits), warmup, repeats, calls)
     logits.normal_()
-    dx = time_ms(lambda: torch.mm(logits, weight, out=d_hidden), warmup, repeats)
-    dw = time_ms(lambda: torch.mm(logits.t(), h_rows, out=d_weight), warmup, repeats)
+    dx = time_ms(lambda: torch.mm(logits, weight, out=d_hidden), warmup, repeats, calls)
+    dw = time_ms(lambda: torch.mm(logits.t(), h_rows, out=d_weight), warmup, repeats, calls)
     return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw}
 
 
@@ -104,17 +104,17 @@ def floor_chunk_bytes(weight: torch.Tensor) -> int:
     return max(1, min(FLOOR_CHUNK_BYTES, free // 3))
 
 
-def floor_ms(hidden, weight, warmup, repeats) -> dict:
+def floor_ms(hidden, weight, warmup, repeats, calls=1) -> dict:
     """cuBLAS floor of these shapes: one GEMM forward, 4 GEMMs forward+backward with recompute. Past
     `floor_chunk_bytes` of [N, V] logits the GEMMs are timed on row chunks and summed (the same FLOPs; a
-    single-shot floor would need the whole [N, V] gradient in memory)."""
+    single-shot floor would need the whole [N, V] gradient in memory). `calls`: GEMMs back to back per timing."""
     n, v = hidden.shape[0], weight.shape[0]
     rows = max(1, min(n, floor_chunk_bytes(weight) // (hidden.element_size() * v)))
     full, rest = divmod(n, rows)
-    chunk = _floor_chunk_ms(hidden, weight, rows, warmup, repeats)
+    chunk = _floor_chunk_ms(hidden, weight, rows, warmup, repeats, calls)
     total = {key: full * value for key, value in chunk.items()}
     if rest:
-        for key, value in _floor_chunk_ms(hidden, weight, rest, warmup, repeats).items():
+        for key, value in _floor_chunk_ms(hidden, weight, rest, warmup, repeats, calls).items():
             total[key] += value
     torch.cuda.empty_cache()
     gradients_ms = total["dx_ms"] + total["dw_ms"]
@@ -161,7 +161,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
     row = {"N": n, "H": h, "V": v} | ({} if held is None else {"held_gib": held.numel() / GIB})
     if args.floor:
         with metered("floor"):
-            floor_before = floor_ms(hidden, weight, args.warmup, args.repeats)
+            floor_before = floor_ms(hidden, weight, args.warmup, args.repeats, args.back_to_back)
     method_plans = {name: [] for name in methods}  # the chunk plans each method's steps logged
 
     def collect(name):  # what was logged since the last collect was `name`'s
@@ -176,7 +176,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
 
     steps = {name: functools.partial(step, name, fn) for name, fn in methods.items()}
     fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk),
-                             clock=meter.clock if meter else None)
+                             clock=meter.clock if meter else None, calls=args.back_to_back)
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
         result = {"fwd_bwd_ms": fwd_bwd[name]} | (meter.take(name) if meter else {})
@@ -193,11 +193,12 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
             with torch.no_grad():
                 fn(hidden, weight, labels, t, None)
 
-        result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats))
+        result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats, args.back_to_back))
         if name in ("triton", "triton_keep", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
-                lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats))
+                lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats,
+                args.back_to_back))
         collect(name)
         if method_plans[name]:
             result["chunk_plans"] = method_plans[name]
@@ -205,7 +206,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
         print(f"# {label} {result}", flush=True)
     if args.floor:  # clocks drift under sustained load: the floor is the mean of before and after
         with metered("floor"):
-            floor_after = floor_ms(hidden, weight, args.warmup, args.repeats)
+            floor_after = floor_ms(hidden, weight, args.warmup, args.repeats, args.back_to_back)
         row["floor"] = {key: (floor_before[key] + floor_after[key]) / 2 for key in floor_before if key.endswith("_ms")}
         row["floor"] |= meter.take("floor") if meter else {}
         row["floor_runs"] = [floor_before, floor_after]
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
+                        help="each timing runs K calls with no wait between them and reports the time per call: the "
+                        "GPU held at its power cap, as inside a training step (default 1: one call per timing)")
     parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
     parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
     parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png "
@@ -295,6 +299,8 @@ def main(argv=None) -> int:
     add_verbose_argument(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.back_to_back < 1:
+        parser.error(f"--back-to-back: must be >= 1, got {args.back_to_back}")
     if args.plot_only:
         return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
@@ -336,6 +342,7 @@ def measure(args, argv: list[str]) -> int:
         "methods": (["floor"] if args.floor else []) + list(methods),
         "skipped": skipped,
         "leave_free_gib": args.leave_free_gib,
+        "back_to_back": args.back_to_back,
         "shapes": [],
     }
     if args.accuracy_shape:

@@ -30,6 +30,9 @@ def markdown(results: dict) -> str:
         "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
     ]
+    if results.get("back_to_back", 1) > 1:
+        lines[1:1] = ["", f"Each timing: {results['back_to_back']} calls back to back (the GPU held at its power cap, as "
+                      "inside a training step); times per call."]
     for row in results["shapes"]:
         floor = row.get("floor", {}).get("fwd_bwd_ms")
         cells = [_fmt(row.get("floor", {}).get("fwd_bwd_3gemm_ms"), floor)]

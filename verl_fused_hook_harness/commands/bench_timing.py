@@ -3,6 +3,11 @@
 Why rounds: the H200's clocks drift under sustained load (power and heat), by a few percent over a minute. Timing
 one method's repeats after another's hands that drift to whichever ran first or last; timed A, B, C, A, B, C, ...
 every method meets the same drift, so the ratios between methods (and to the floor) are fair in one run.
+
+Why back-to-back calls (`calls`): the card sits at its power cap and lowers its clock to stay there. Between two
+timings it waits for the host, and a step of ~60 ms after such a pause can run at a higher clock than the same
+step inside a training step, where the GPU never pauses. Timing several calls back to back, with no wait between
+them, holds the card at the cap as a training step does; the time per call is reported.
 """
 
 from __future__ import annotations
@@ -24,20 +29,37 @@ def event_ms(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end)
 
 
-def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median of `repeats` CUDA-event timings after `warmup` untimed calls (one step's `time_in_rounds`)."""
-    return time_in_rounds({"fn": fn}, warmup, repeats, lambda name, thunk: thunk())["fn"]
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int, calls: int = 1) -> float:
+    """Median of `repeats` CUDA-event timings after `warmup` untimed ones (one step's `time_in_rounds`)."""
+    return time_in_rounds({"fn": fn}, warmup, repeats, lambda name, thunk: thunk(), calls=calls)["fn"]
+
+
+def back_to_back(step: Callable[[], object], calls: int) -> Callable[[], None]:
+    """The step `calls` times in a row, nothing waited for between them."""
+    def run() -> None:
+        for _ in range(calls):
+            step()
+    return run
 
 
 def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats: int,
                    guard: Callable[[str, Callable[[], object]], object],
-                   clock: Callable[[str, Callable[[], object]], float] | None = None) -> dict[str, object]:
+                   clock: Callable[[str, Callable[[], object]], float] | None = None,
+                   calls: int = 1) -> dict[str, object]:
     """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
-    returned for a step that failed (it then leaves the rounds). The first warm-up is timed: a step slower than
-    SLOW_MS gets no other and at most three timed repeats. `clock(name, step)`: runs the step once and returns its
-    ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the name); warm-ups pass
-    name None, so nothing of a warm-up (a JIT compile with the GPU idle, say) is filed under the step."""
-    clock = clock or (lambda name, step: event_ms(step))
+    returned for a step that failed (it then leaves the rounds). Each timing (warm-ups too) runs the step `calls`
+    times back to back and is divided by `calls`: the time per call. The first warm-up is timed: a step slower
+    than SLOW_MS a call gets no other and at most three timed repeats. `clock(name, step)`: runs the step once
+    and returns its ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the
+    name); warm-ups pass name None, so nothing of a warm-up (a JIT compile with the GPU idle, say) is filed under
+    the step."""
+    if calls < 1:
+        raise ValueError(f"calls: must be >= 1, got {calls}")
+    timing = clock or (lambda name, step: event_ms(step))
+
+    def clock(name: str | None, step: Callable[[], object]) -> float:
+        return timing(name, back_to_back(step, calls)) / calls
+
     result: dict[str, object] = {}
     times: dict[str, list[float]] = {}
     allowed: dict[str, int] = {}
