@@ -3,7 +3,8 @@
 Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
 times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
-rounds over the methods, bench_timing.py), records the
+rounds over the methods, bench_timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
+its power cap as in a training step), records the
 peak memory a method allocates beyond its inputs and returned gradients, the SM clock
 and power while each method's steps run (bench_clocks.py, NVML), checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
