@@ -178,7 +178,7 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
 
 def test_bench_times_back_to_back_calls_and_reports_the_time_per_call():
     """--back-to-back K: each timing (warm-ups too) runs the step K times with nothing between them, and the time
-    per call is what is kept; a step slower than SLOW_MS a call gets at most three repeats."""
+    per call is what is kept; SLOW_MS applies per call (K calls past it, one call under it: every repeat)."""
     from verl_fused_hook_harness.commands.bench_timing import SLOW_MS, time_in_rounds
 
     runs = {"fast": 0, "slow": 0}

@@ -55,19 +55,19 @@ def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats:
     the step."""
     if calls < 1:
         raise ValueError(f"calls: must be >= 1, got {calls}")
-    timing = clock or (lambda name, step: event_ms(step))
+    clock = clock or (lambda name, step: event_ms(step))
 
-    def clock(name: str | None, step: Callable[[], object]) -> float:
-        return timing(name, back_to_back(step, calls)) / calls
+    def per_call(name: str | None, step: Callable[[], object]) -> float:
+        return clock(name, back_to_back(step, calls)) / calls
 
     result: dict[str, object] = {}
     times: dict[str, list[float]] = {}
     allowed: dict[str, int] = {}
     for name, step in steps.items():
-        first = guard(name, lambda: clock(None, step)) if warmup > 0 else 0.0
+        first = guard(name, lambda: per_call(None, step)) if warmup > 0 else 0.0
         outcome = first
         for _ in range(warmup - 1 if isinstance(first, float) and first <= SLOW_MS else 0):
-            outcome = guard(name, lambda: clock(None, step))  # a warm-up that fails is a failure like a timed one
+            outcome = guard(name, lambda: per_call(None, step))  # a warm-up that fails is a failure like a timed one
             if not isinstance(outcome, float):
                 break
         if not isinstance(outcome, float):
@@ -78,7 +78,7 @@ def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats:
         for name in list(times):
             if round_ >= allowed[name] or name in result:
                 continue
-            timed = guard(name, lambda: clock(name, steps[name]))
+            timed = guard(name, lambda: per_call(name, steps[name]))
             if isinstance(timed, float):
                 times[name].append(timed)
             else:
