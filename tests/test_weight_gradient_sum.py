@@ -67,3 +67,46 @@ def test_a_sum_without_products_is_zero():
     target = torch.full((5, 3), 7.0, dtype=torch.bfloat16)
     WeightGradientSum(target, 2).finish()
     assert bool((target == 0).all())
+
+
+def test_accumulating_into_an_fp32_target_needs_no_buffer():
+    """`accumulate` (megatron's fp32 main_grad): one product, several, and several blocks walking column chunks all
+    add onto what the target held, in place; a sum that got no product leaves it as it was."""
+    v, h = 29, 8
+    before = torch.randn(v, h, generator=torch.Generator().manual_seed(5))
+    for blocks, chunked in ((1, False), (4, False), (3, True)):
+        products = _products(blocks, 7, v, h, seed=10 + blocks)
+        target = before.clone()
+        total = WeightGradientSum(target, len(products), accumulate=True)
+        assert total.total is target
+        for a, b in products:
+            if not chunked:
+                total.add(a, b)
+                continue
+            for start in range(0, v, 8):
+                share = total.columns(start, min(start + 8, v), 2)
+                assert share.total.data_ptr() == target[start:].data_ptr()
+                share.add(a[:3, start : start + 8], b[:3])
+                share.add(a[3:, start : start + 8], b[3:])
+                share.finish()
+        total.finish()
+        exact = before.double() + _exact(products)
+        assert (target.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    untouched = before.clone()
+    WeightGradientSum(untouched, 2, accumulate=True).finish()
+    assert torch.equal(untouched, before)
+
+
+def test_accumulating_into_a_16_bit_target_rounds_once():
+    """A bf16 target (a bf16 main_grad): several products summed in an fp32 buffer (NaN-filled: the first product
+    overwrites it), then added onto the target in one rounding; one product adds straight into it."""
+    v, h = 37, 8
+    before = torch.randn(v, h, generator=torch.Generator().manual_seed(6)).bfloat16()
+    for blocks in (1, 3):
+        products = _products(blocks, 10, v, h, seed=20 + blocks)
+        target = before.clone()
+        total = WeightGradientSum(target, blocks, buffer=torch.full((v, h), float("nan")), accumulate=True)
+        for a, b in products:
+            total.add(a, b)
+        total.finish()
+        assert _within_one_rounding(target, before.double() + _exact(products))

@@ -19,6 +19,7 @@ import torch
 from .context import FusedOutputProcessorContext
 from .ops import log_probs_and_entropy, log_probs_entropy_and_loss
 from .output_layer import (
+    adds_weight_grad_to_main_grad,
     check_output_layer_has_no_bias,
     logit_multiplier,
     resolve_output_weight,
@@ -84,6 +85,8 @@ def fused_output_processor(
     labels are [b, s]. With tensor parallelism the op sums the hidden-state gradient
     over the group exactly as Megatron's output layer does in the default path:
     reduce-scatter under sequence parallelism, all-reduce without (`tp_hidden`).
+    With the output layer's `gradient_accumulation_fusion` (megatron's config field) and a DDP-wrapped weight,
+    d_weight goes into the weight's `main_grad`, as megatron's layer would put it (ops/main_grad.py).
     Returns verl's CausalLMOutputForPPO (or LogProbsOutput without verl), or a
     `(log_probs, entropy)` tuple when `context.as_tuple`.
     """
@@ -124,6 +127,7 @@ def fused_output_processor(
         vocab_size=context.vocab_size,
         calculate_entropy=context.calculate_entropy,
         backend=context.backend,
+        gradient_accumulation_fusion=adds_weight_grad_to_main_grad(output_layer, weight, context.backend),
     )
     if context.loss_fn is not None:
         if context.loss_row_groups is not None and context.loss_row_groups.shape != labels.shape:

@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper, roll_tensor
 
 from .ops import log_probs_and_entropy
-from .output_layer import logit_multiplier, resolve_output_weight, tensor_parallel_layout
+from .output_layer import adds_weight_grad_to_main_grad, logit_multiplier, resolve_output_weight, tensor_parallel_layout
 
 
 def fused_process_mtp_loss(
@@ -85,6 +85,7 @@ def fused_process_mtp_loss(
             calculate_entropy=False,
             backend=backend,
             return_label_is_max=True,
+            gradient_accumulation_fusion=adds_weight_grad_to_main_grad(output_layer, weight, backend),
         )
         mtp_loss = loss_mask * -log_probs.t()
 

@@ -10,11 +10,15 @@ turns into megatron's gather / all-reduce of the hidden-state gradient.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+_said_no_main_grad: set[str] = set()
 
 
 def resolve_output_weight(output_layer, output_weight) -> torch.Tensor:
@@ -30,6 +34,26 @@ def resolve_output_weight(output_layer, output_weight) -> torch.Tensor:
             "so adapters on the output layer (e.g. LoRA) are not supported"
         )
     return weight
+
+
+def adds_weight_grad_to_main_grad(output_layer, weight: torch.Tensor, backend: str) -> bool:
+    """What megatron's output layer would do with its weight gradient, for the op's gradient_accumulation_fusion:
+    with its `gradient_accumulation_fusion` (megatron's config field, copied onto the layer) and a `main_grad` on
+    the weight (DDP-wrapped), add it into main_grad; otherwise return it, as megatron's layer also does for a
+    weight without main_grad (a model not wrapped in DDP, Megatron-FSDP's main_grad made later). Backend "verl"
+    returns it too (its kernel computes d_weight itself), for every call of the step alike: a placeholder from one
+    call beside a real gradient from another would make DDP drop the real one. Both said once in the log."""
+    if not getattr(output_layer, "gradient_accumulation_fusion", False):
+        return False
+    if hasattr(weight, "main_grad") and backend != "verl":
+        return True
+    reason = "backend 'verl' computes it in its own kernel" if backend == "verl" else (
+        "its weight has no main_grad (not wrapped in megatron's DistributedDataParallel), as megatron's layer does")
+    if weight.requires_grad and torch.is_grad_enabled() and reason not in _said_no_main_grad:
+        _said_no_main_grad.add(reason)
+        logger.info("%s has gradient_accumulation_fusion, but the output layer's d_weight is returned: %s",
+                    type(output_layer).__name__, reason)
+    return False
 
 
 def check_output_layer_has_no_bias(output_layer) -> None:

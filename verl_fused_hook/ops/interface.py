@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .main_grad import check_main_grad
 from .problem import LogProbProblem, default_tile_rows
 from .tensor_parallel import check_tp_hidden, full_hidden
 
@@ -115,6 +116,7 @@ def build_problem(
     return_label_is_max: bool = False,
     tp_hidden: str = "replicated",
     keep_logits_bytes: int = 0,
+    gradient_accumulation_fusion: bool = False,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it).
 
@@ -151,6 +153,12 @@ def build_problem(
         raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
     if isinstance(keep_logits_bytes, bool) or not isinstance(keep_logits_bytes, int) or keep_logits_bytes < 0:
         raise ValueError(f"keep_logits_bytes: must be an int >= 0 (0: recompute every row), got {keep_logits_bytes!r}")
+    if not isinstance(gradient_accumulation_fusion, bool):
+        raise ValueError(f"gradient_accumulation_fusion: expected a bool, got {gradient_accumulation_fusion!r}")
+    # no gradient (a frozen weight, or a no-grad forward such as a reference model's, maybe never DDP-wrapped): no
+    # main_grad to check
+    wants_main_grad = gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled()
+    main_grad_dtype = check_main_grad(weight) if wants_main_grad else None
 
     local_vocab = weight.shape[0]
     padded_vocab = local_vocab * tp_world_size
@@ -206,6 +214,7 @@ def build_problem(
         label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
         vocab_size=vocab_size,
         keep_logits_bytes=keep_logits_bytes,
+        main_grad_dtype=main_grad_dtype,
     )
     return problem
 

@@ -27,6 +27,7 @@ from .chunking import check_row_groups, log_fallback, plan_chunks, row_group_uni
 from .fallback import two_pass_loss
 from .host_evaluation import HostCopy, evaluate_on_host, evaluation_stream
 from .interface import build_problem
+from .main_grad import returned_weight_grad
 from .problem import LogProbProblem
 from .separability import (
     LossCall,
@@ -164,6 +165,7 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, p: LogProbProblem, call: LossCall, workspace):
         loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, *workspace)
         ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
+        ctx.main_grad_owner = weight if p.main_grad_dtype is not None else None
         ctx.set_materialize_grads(False)
         return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
 
@@ -176,7 +178,13 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None
         grad_hidden = _scaled(ctx.d_hidden, grad_loss) if ctx.needs_input_grad[0] else None
-        grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
+        owner, ctx.main_grad_owner = ctx.main_grad_owner, None
+        if owner is not None:  # one rounding, into main_grad's own dtype
+            owner.main_grad.add_(ctx.d_weight, alpha=float(grad_loss))
+            ctx.d_weight = None
+            grad_weight = returned_weight_grad(owner)
+        else:
+            grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
         ctx.d_hidden = ctx.d_weight = None
         return grad_hidden, grad_weight, None, None, None
 
@@ -201,6 +209,7 @@ def log_probs_entropy_and_loss(
     host_loss_fn: LossFunction | None = None,
     chunk_bytes: int | None = None,
     row_groups: torch.Tensor | None = None,
+    gradient_accumulation_fusion: bool = False,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -231,6 +240,9 @@ def log_probs_entropy_and_loss(
             their group (sequence-level losses: GSPO, geo_mean). A group's scored rows must be contiguous in
             flattened labels order (ValueError naming row_groups), identical on every TP rank (checked). A
             group longer than a chunk sends the call to the two-pass path, with a warning.
+        gradient_accumulation_fusion: True: the loss's backward adds d_weight (scaled) into `weight.main_grad`
+            and returns Megatron's placeholder, as `log_probs_and_entropy`'s does. d_weight is computed in the
+            forward, before that scale is known, so its buffer is kept as without it.
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (d_hidden as `tp_hidden` says);
     `metrics` come from the final evaluation. Backward raises LossGradientError if a gradient reaches the
@@ -262,6 +274,7 @@ def log_probs_entropy_and_loss(
         calculate_entropy=calculate_entropy,
         tile_rows=chunk_rows,
         tp_hidden=tp_hidden,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
     )
     call = LossCall(
         loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn,

@@ -29,7 +29,8 @@ class LogProbProblem:
     so acceptance needs no logits and no backend change; vocab_size: the true
     global vocabulary (None: V_local * tp size, no padding anywhere);
     keep_logits_bytes: memory the two-pass op may hold from forward to backward to keep scored
-    rows' logits (fp16) instead of recomputing them (0: recompute every row).
+    rows' logits (fp16) instead of recomputing them (0: recompute every row); main_grad_dtype: None, or the
+    dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (main_grad.py).
     """
 
     hidden: torch.Tensor
@@ -46,6 +47,7 @@ class LogProbProblem:
     label_is_max: torch.Tensor | None = None
     vocab_size: int | None = None
     keep_logits_bytes: int = 0
+    main_grad_dtype: torch.dtype | None = None
 
     @property
     def num_rows(self) -> int:

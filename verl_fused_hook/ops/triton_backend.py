@@ -185,7 +185,7 @@ class RecomputingPasses:
         groups = None
         if self.kept is None:
             groups = row_groups(b.rows.numel(), b.hidden.shape[1], self.valid_columns, self.p.hidden.requires_grad,
-                                self.p.weight.requires_grad)
+                                self.p.weight.requires_grad, self.p.main_grad_dtype == torch.float32)
         return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept), functools.partial(
             _rebuilt_recomputing, self.valid_columns, groups
         )

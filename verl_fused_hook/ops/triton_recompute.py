@@ -12,6 +12,8 @@ tensor-parallel shards), the rows go outside in groups of ROW_GROUP_ROWS, each w
 vocabulary, and d_weight is the sum kept in fp32 instead: 4 H bytes per shard column plus one group's
 d_hidden, whatever N. `row_groups` takes the groups where they need GROUPS_MIN_SAVING_BYTES less memory
 (they cost up to ~1% of time); either way each gradient is summed in fp32 and rounded once.
+When d_weight goes into an fp32 `main_grad` (main_grad.py), that is already the fp32 sum: the groups then
+cost no memory of their own and are as small as IN_PLACE_WALK_BYTES says, whatever N.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ ROW_GROUP_ROWS = 32768
 # shards, +1.3% at 65536 x 4096 x 18992 and +1.2% at 262144 x 4096 x 151936), so they are taken only where they
 # spare at least this much memory (those five shapes: 0.68-1.61 GiB).
 GROUPS_MIN_SAVING_BYTES = 512 * 1024**2
+# A group's walk (its fp32 d_hidden and bf16 d_logits tile) when d_weight sums in place into an fp32 main_grad.
+IN_PLACE_WALK_BYTES = 512 * 1024**2
 # One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
 # tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
 # programs per SM, one tile each).
@@ -81,15 +85,25 @@ def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, w
             + 4 * tiling.columns * hidden_size * (several and want_weight))
 
 
-def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> list[slice]:
+def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool,
+               weight_sum_in_place: bool = False) -> list[slice]:
     """The backward's groups of rows (slices of the scored rows): one of every row, unless equal groups of
     about ROW_GROUP_ROWS (whole row blocks) need GROUPS_MIN_SAVING_BYTES less memory: their fp32 d_weight sum
-    (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring)."""
+    (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring).
+    weight_sum_in_place (d_weight added into an fp32 main_grad): equal groups whose walk fits IN_PLACE_WALK_BYTES."""
     block_m = GRAD_CONFIG.block_m
-    group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
-    if rows <= group or not want_hidden:
+    in_place = weight_sum_in_place and want_weight
+    if in_place:
+        columns = min(CHUNK_COLUMNS, -(-valid_columns // GRAD_CONFIG.block_n) * GRAD_CONFIG.block_n)
+        per_row = 4 * hidden_size * want_hidden + 2 * columns
+        group = max(block_m, IN_PLACE_WALK_BYTES // per_row // block_m * block_m)
+    else:
+        group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
+    if rows <= group or not (want_hidden or in_place):
         return [slice(0, rows)]
     size = equal_piece_rows(rows, group, block_m)
+    if in_place:
+        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
     grouped = (4 * valid_columns * hidden_size * want_weight
                + _vocabulary_outside_bytes(size, hidden_size, valid_columns, want_hidden, False))
     if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(rows, hidden_size, valid_columns, want_hidden,
@@ -118,7 +132,7 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, ro
     # Several row tiles of the only block add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
     # (Row groups add into the sum's own fp32 buffer.)
     dw_chunk = None
-    if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1:
+    if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1 and weight_sum.total.dtype != torch.float32:
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = launch.descriptor(weight[:valid_columns], [c.block_n, c.block_k])
     slots = launch.num_sms(hidden.device) * c.ctas_per_sm

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from .backends import check_backend_name, resolve_backend
 from .interface import build_problem
+from .main_grad import returned_weight_grad
 from .precision import fp32_backward
 from .problem import LogProbProblem
 from .softmax_math import combine_row_statistics, no_column_partials, scatter_rows
@@ -43,6 +44,7 @@ def log_probs_and_entropy(
     tile_rows: int | None = None,
     return_label_is_max: bool = False,
     keep_logits_bytes: int = 0,
+    gradient_accumulation_fusion: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row log-probability of `labels` and entropy of softmax(hidden @ weight.T / temperature).
 
@@ -85,6 +87,12 @@ def log_probs_and_entropy(
             row), so the backward skips their recompute: one GEMM of four per kept row. 0
             (default): recompute every row, extra memory one tile whatever the rows. Taken by
             the "triton" backend; the others recompute every row and say so once in a log line.
+        gradient_accumulation_fusion: True: the backward adds d_weight into `weight.main_grad` (set by
+            Megatron's DistributedDataParallel; ValueError here without it) instead of returning it, and returns
+            Megatron's placeholder (main_grad.py), as megatron's linear layers do with the config field of that
+            name. An fp32 main_grad is then also the backward's fp32 sum of d_weight, so the Triton backend
+            walks small groups of rows, its working memory flat in the row count. Not with backend "verl"
+            (its kernel returns d_weight itself): ValueError.
 
     Returns:
         (log_probs, entropy): float32, shaped like labels; entropy None if not asked.
@@ -109,6 +117,7 @@ def log_probs_and_entropy(
         return_label_is_max=return_label_is_max,
         tp_hidden=tp_hidden,
         keep_logits_bytes=keep_logits_bytes,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
     )
     # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
     # recomputes in fp32, see precision.fp32_backward) working against bf16 statistics.
@@ -119,6 +128,12 @@ def log_probs_and_entropy(
             logger.info("log_probs_and_entropy: keep_logits_bytes=%d ignored: backend %r recomputes every row's "
                         "logits (only 'triton' keeps them)", keep_logits_bytes, chosen.name)
         module = chosen.load()
+        if problem.main_grad_dtype is not None and chosen.whole_problem:
+            raise ValueError(
+                f"gradient_accumulation_fusion=True: backend {chosen.name!r} returns d_weight from its own kernel and "
+                "cannot add it into main_grad; choose backend 'auto', 'triton' or 'torch', or turn "
+                "gradient_accumulation_fusion off (on the output layer: megatron's config field of that name)"
+            )
         if chosen.whole_problem:
             log_probs, entropy = module.run(problem)
         else:
@@ -166,6 +181,8 @@ class _TwoPass(torch.autograd.Function):
         ctx.save_for_backward(*tensors, row_max, log_sum, shifted_mean)
         ctx.inputs = (hidden.shape, hidden.dtype, weight.shape, weight.dtype)
         ctx.layout = (p.valid_columns, p.calculate_entropy)
+        # d_weight goes to its main_grad (main_grad_dtype is set only for a weight that requires grad)
+        ctx.main_grad_owner = weight if p.main_grad_dtype is not None else None
         ctx.set_materialize_grads(False)
         return scatter_rows(p, log_probs), scatter_rows(p, entropy)
 
@@ -179,18 +196,25 @@ class _TwoPass(torch.autograd.Function):
         device = row_max.device
         if not calculate_entropy:
             grad_entropy = None
-        grad_hidden = grad_weight = None
+        owner, ctx.main_grad_owner = ctx.main_grad_owner, None
+        grad_hidden = grad_weight = weight_sum = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and owner is None:
             grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
             grad_weight[valid_columns:].zero_()
-        if valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None):
+        nothing = valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None)
+        if nothing and owner is not None:
+            return grad_hidden, returned_weight_grad(owner), None, None
+        if nothing:
             if grad_weight is not None:
                 grad_weight.zero_()
             return grad_hidden, grad_weight, None, None
         passes = ctx.rebuild_passes(*tensors)
-        weight_sum = None if grad_weight is None else WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
+        if owner is not None:  # main_grad read now, as megatron's layers do
+            weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
+        elif grad_weight is not None:
+            weight_sum = WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
         every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
         for block in passes.blocks():
             span = block.span
@@ -205,4 +229,7 @@ class _TwoPass(torch.autograd.Function):
             del d_hidden  # gone before the next block's fp32 d_hidden is allocated
         if weight_sum is not None:
             weight_sum.finish()
+        if owner is not None:
+            del weight_sum  # its fp32 buffer (a 16-bit main_grad's) is free before the placeholder is allocated
+            grad_weight = returned_weight_grad(owner)
         return grad_hidden, grad_weight, None, None

@@ -3,6 +3,8 @@
 Why: d_weight is a sum over blocks of rows (d_logits^T @ hidden rows). Summing bf16 partial
 products would round at every block; summing in fp32 and rounding once keeps the gradient's
 error that of a single GEMM, at the cost of an fp32 buffer only when there is more than one block.
+With `accumulate` the sum goes on top of what `target` holds (Megatron's fp32 `main_grad`, main_grad.py):
+then an fp32 target is its own buffer, however many blocks there are.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ from torch import Tensor
 
 class WeightGradientSum:
     """`target` (rows of d_weight, in the weight's dtype) as the sum of `products` products a_k.T @ b_k,
-    a_k: d_logits [R, C], b_k: the block's hidden rows [R, H].
+    a_k: d_logits [R, C], b_k: the block's hidden rows [R, H]; with `accumulate`, target plus that sum.
 
     One product: its GEMM writes `target` directly (no buffer). Several: they add into an fp32 total
     (`target` itself when fp32; else `buffer`, for a caller that reuses one, or a new one) that
-    `finish()` rounds into `target` once. The first product overwrites (beta=0), so a reused
-    buffer's old contents, NaN included, never count; a sum that got no product is zero.
+    `finish()` rounds into `target` once. The first product overwrites (beta=0) unless it adds onto `target`
+    itself under `accumulate`, so a reused buffer's old contents, NaN included, never count; a sum that got
+    no product leaves zero (or, with `accumulate`, target as it was).
     """
 
-    def __init__(self, target: Tensor, products: int, buffer: Tensor | None = None):
+    def __init__(self, target: Tensor, products: int, buffer: Tensor | None = None, accumulate: bool = False):
         self.target = target
         self.products = products
+        self.accumulate = accumulate
         self.added = 0
         if products <= 1 or target.dtype == torch.float32:
             self.total = target
@@ -33,13 +37,20 @@ class WeightGradientSum:
             self.total = torch.empty(target.shape, dtype=torch.float32, device=target.device)
         self._column_spans: set[tuple[int, int]] = set()  # columns() of a sum of several products
 
+    @property
+    def onto_target(self) -> bool:
+        """Products add onto what `target` already holds (never overwrite it)."""
+        return self.accumulate and self.total is self.target
+
     def add(self, a: Tensor, b: Tensor) -> None:
-        beta = min(self.added, 1)
+        beta = 1 if self.added or self.onto_target else 0
         self.added += 1
         if self.total.dtype != torch.float32:  # the one product, straight into a 16-bit target
             if a.dtype == self.target.dtype:
-                torch.mm(a.t(), b, out=self.target)
-            else:  # fp32 d_logits of a low-precision weight on the CPU: one rounding
+                torch.addmm(self.target, a.t(), b, beta=beta, out=self.target)
+            elif beta:  # fp32 d_logits of a low-precision weight on the CPU: one rounding
+                self.target.add_(a.t() @ b)
+            else:
                 self.target.copy_(a.t() @ b)
         elif a.dtype == torch.float32:
             self.total.addmm_(a.t(), b, beta=beta)
@@ -51,18 +62,23 @@ class WeightGradientSum:
         backend whose block walks the vocabulary in chunks. Of a sum of one product: those columns of `target`
         (`buffer`, if given, holds their fp32 sum). Of a sum of several (blocks of rows, each walking the
         vocabulary): this block's share, added into the fp32 total over what earlier blocks put in those columns
-        (the first to ask for them overwrites)."""
+        (the first to ask for them overwrites, unless the total is an accumulating target)."""
         self.added = max(self.added, 1)
         if self.products == 1:
-            return WeightGradientSum(self.target[start:stop], products, buffer)
-        share = WeightGradientSum(self.total[start:stop], products)
+            return WeightGradientSum(self.target[start:stop], products, buffer, self.accumulate)
+        share = WeightGradientSum(self.total[start:stop], products, accumulate=self.onto_target)
         share.added = int((start, stop) in self._column_spans)
         self._column_spans.add((start, stop))
         return share
 
     def finish(self) -> Tensor:
-        if self.added == 0:
-            self.target.zero_()
-        elif self.total is not self.target:
+        if self.total is self.target:
+            if self.added == 0 and not self.accumulate:
+                self.target.zero_()
+        elif self.added and self.accumulate:
+            self.target.add_(self.total)
+        elif self.added:
             self.target.copy_(self.total)
+        elif not self.accumulate:
+            self.target.zero_()
         return self.target

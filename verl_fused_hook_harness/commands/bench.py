@@ -11,7 +11,8 @@ accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
 
 Methods: triton (this package), triton_keep (the same keeping logits for the
-backward within 4 GiB: keep_logits_bytes), torch (the portable backend), naive (full
+backward within 4 GiB: keep_logits_bytes), triton_main_grad (the same adding d_weight into an fp32 main_grad,
+as under megatron's DDP with gradient_accumulation_fusion), torch (the portable backend), naive (full
 logits), verl (verl's Triton kernel, loaded from its file without `import verl`),
 liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
@@ -195,7 +196,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
                 fn(hidden, weight, labels, t, None)
 
         result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats, args.back_to_back))
-        if name in ("triton", "triton_keep", "torch"):
+        if name in ("triton", "triton_keep", "triton_main_grad", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
                 lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats,
@@ -240,6 +241,9 @@ def accuracy(methods, n, h, v, temperature) -> dict:
         def measure():
             h = hidden.detach().requires_grad_()
             w = weight.detach().requires_grad_()
+            if getattr(fn, "adds_to_main_grad", False):  # d_weight is what lands in a zeroed main_grad
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                w.grad_added_to_main_grad = False
             lp, ent = fn(h, w, labels, temperature, None)
             ref = references[ent is not None]
             outputs, grads = [lp], [g_lp]
@@ -247,6 +251,7 @@ def accuracy(methods, n, h, v, temperature) -> dict:
                 outputs.append(ent)
                 grads.append(g_ent)
             dh, dw = torch.autograd.grad(outputs, (h, w), grads)
+            dw = getattr(w, "main_grad", dw)
             rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
             return {
                 "log_prob_max_err": (lp.double() - ref[0]).abs().max().item(),

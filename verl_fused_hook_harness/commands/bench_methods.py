@@ -18,7 +18,7 @@ from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
 from . import bench_liger, bench_loss
 
 ALL_METHODS = (
-    "floor", "triton", "triton_keep", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
+    "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
     "fused_loss_gspo", "verl_loss_gspo",
 )  # fmt: skip
 
@@ -32,6 +32,27 @@ def ours(backend: str, keep_logits_bytes: int = 0):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend,
                                      keep_logits_bytes=keep_logits_bytes)
 
+    return fn
+
+
+def ours_into_main_grad():
+    """The op under megatron's DDP with gradient_accumulation_fusion: d_weight added into the weight's fp32
+    `main_grad`, one buffer per weight shape kept across calls (DDP's gradient buffer, not the op's memory; a
+    caller that sets `main_grad` first, as the accuracy check does, gets its own used)."""
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def fn(h, w, labels, temperature, score_mask=None):
+        if w.requires_grad and torch.is_grad_enabled() and not hasattr(w, "main_grad"):
+            key = (tuple(w.shape), w.device)
+            if key not in buffers:
+                buffers.clear()
+                buffers[key] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            w.main_grad = buffers[key]
+            w.grad_added_to_main_grad = False
+        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend="triton",
+                                     gradient_accumulation_fusion=True)
+
+    fn.adds_to_main_grad = True
     return fn
 
 
@@ -86,6 +107,7 @@ def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
     loaders = {
         "triton": lambda: ours("triton"),
         "triton_keep": lambda: ours("triton", KEEP_LOGITS_BYTES),
+        "triton_main_grad": ours_into_main_grad,
         "torch": lambda: ours("torch"),
         "naive": lambda: naive,
         "verl": lambda: verl_kernel(verl_kernel_dir),
