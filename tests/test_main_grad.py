@@ -117,6 +117,10 @@ def test_bad_main_grad_is_refused_at_the_call():
         bare.main_grad = main_grad
         with pytest.raises(ValueError, match="must be shaped like the weight"):
             log_probs_and_entropy(hidden, bare, labels, backend="torch", gradient_accumulation_fusion=True)
+    fsdp = _as_ddp_parameter(weight)
+    fsdp.__fsdp_param__ = True
+    with pytest.raises(ValueError, match="Megatron-FSDP parameter"):
+        log_probs_and_entropy(hidden, fsdp, labels, backend="torch", gradient_accumulation_fusion=True)
     with pytest.raises(ValueError, match="gradient_accumulation_fusion: expected a bool"):
         log_probs_and_entropy(hidden, weight, labels, backend="torch", gradient_accumulation_fusion=1)
     # no gradient wanted (a reference model's forward, never DDP-wrapped): nothing to check
@@ -247,7 +251,7 @@ def test_hook_without_ddp_returns_the_gradient_and_says_so():
 
 def test_hook_with_backend_verl_returns_the_gradient_on_every_call():
     """Backend "verl" computes d_weight in its own kernel: the rule answers no whatever the weight has, so no call of
-    the step leaves a placeholder beside another's real gradient."""
+    the step leaves a placeholder beside another's real gradient; nor for a Megatron-FSDP parameter."""
     from verl_fused_hook.output_layer import adds_weight_grad_to_main_grad
 
     layer = torch.nn.Module()
@@ -255,6 +259,8 @@ def test_hook_with_backend_verl_returns_the_gradient_on_every_call():
     weight = _as_ddp_parameter(torch.zeros(4, 2))
     assert adds_weight_grad_to_main_grad(layer, weight, "auto") and adds_weight_grad_to_main_grad(layer, weight, "torch")
     assert not adds_weight_grad_to_main_grad(layer, weight, "verl")
+    weight.__fsdp_param__ = True  # Megatron-FSDP: its own hook makes main_grad
+    assert not adds_weight_grad_to_main_grad(layer, weight, "auto")
     layer.gradient_accumulation_fusion = False
     assert not adds_weight_grad_to_main_grad(layer, weight, "auto")
 

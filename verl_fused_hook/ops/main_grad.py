@@ -18,9 +18,15 @@ MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_main_grad(weight: torch.Tensor) -> torch.dtype:
     """The dtype of `weight.main_grad`; ValueError naming the field unless it is a tensor shaped like the weight,
-    on its device, in one of MAIN_GRAD_DTYPES (what Megatron's DDP gives every parameter it wraps)."""
+    on its device, in one of MAIN_GRAD_DTYPES (what Megatron's DDP gives every parameter it wraps), and the weight
+    is not a Megatron-FSDP parameter."""
     main_grad = getattr(weight, "main_grad", None)
     where = "gradient_accumulation_fusion=True adds d_weight into weight.main_grad"
+    if getattr(weight, "__fsdp_param__", False):
+        raise ValueError(
+            f"{where}, but the weight is a Megatron-FSDP parameter, whose main_grad its own gradient hook makes "
+            "(and may overwrite); pass gradient_accumulation_fusion=False to get d_weight returned"
+        )
     if not isinstance(main_grad, torch.Tensor):
         raise ValueError(
             f"{where}, but the weight has no main_grad tensor (got {type(main_grad).__name__}); Megatron's "
