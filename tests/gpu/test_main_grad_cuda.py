@@ -3,7 +3,8 @@
 d_weight added into an fp32 `main_grad` (as megatron's DDP gives every parameter) over several groups of rows,
 each walking the whole vocabulary (triton_recompute.row_groups with the sum in place): log-probs, entropy and
 d_hidden as without it, d_weight without its bf16 rounding, and the backward's working memory one group's walk.
-The `main_grad` / `grad_added_to_main_grad` attributes set here are the ones megatron's DDP sets.
+The `main_grad` / `grad_added_to_main_grad` attributes set by hand in the first test are the ones megatron's DDP
+sets; the last runs the hook on a tiny GPTModel in megatron's real DDP.
 """
 
 from __future__ import annotations
@@ -91,3 +92,55 @@ def test_verl_backend_refuses_it():
     w.main_grad = torch.zeros(weight.shape, device="cuda")
     with pytest.raises(ValueError, match="backend 'verl'"):
         log_probs_and_entropy(hidden[:64], w, labels[:64], backend="verl", gradient_accumulation_fusion=True)
+
+
+def _ddp_worker(rank, world_size, tied):
+    """A tiny bf16 GPTModel in megatron's real DDP (fp32 main_grad) on the GPU, the hook with the Triton backend,
+    two micro-batches without and with the output layer's gradient_accumulation_fusion (set on the built layer:
+    megatron's own fused linear needs apex, which the hook never calls). Deterministic steps, so that every
+    gradient but the output weight's must come out bitwise equal."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.support.determinism import deterministic_steps, prepare_cublas_workspace
+
+    prepare_cublas_workspace()
+    init_model_parallel(1)
+    config = tiny_transformer_config(params_dtype=torch.bfloat16)
+    model = build_cpu_gpt(config, vocab_size=1024, tied=tied).cuda()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    weight = ddp.module.shared_embedding_or_output_weight() if tied else ddp.module.output_layer.weight
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [(torch.randint(0, 1000, (1, 256), device="cuda", generator=g),
+                torch.randint(0, 1000, (1, 256), device="cuda", generator=g)) for _ in range(2)]
+    position_ids = torch.arange(256, device="cuda")[None]
+    main_grads, flags = [], []
+    with deterministic_steps(ddp):
+        for fusion in (False, True):
+            ddp.zero_grad_buffer()
+            ddp.module.output_layer.gradient_accumulation_fusion = fusion
+            for input_ids, labels in batches:
+                context = FusedOutputProcessorContext(temperature=0.8, vocab_size=1000, backend="triton")
+                out = ddp(input_ids=input_ids, position_ids=position_ids, attention_mask=None, labels=labels,
+                          output_processor=fused_output_processor, output_processor_context=context)
+                (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+                flags.append(weight.grad_added_to_main_grad)
+            ddp.finish_grad_sync()
+            main_grads.append({name: p.main_grad.cpu().clone() for name, p in ddp.module.named_parameters()})
+    output_name = next(name for name, p in ddp.module.named_parameters() if p is weight)
+    return main_grads, flags, output_name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hook_under_megatron_ddp_on_the_gpu(tied):
+    from verl_fused_hook_harness.support.distributed import run_in_processes
+
+    (returned, fused), flags, output_name = run_in_processes(_ddp_worker, 1, tied, backend="nccl")[0]
+    assert flags == [False, False, True, True]
+    for name, expected in returned.items():
+        if name == output_name:  # bf16-rounded d_weight added twice, against fp32 sums: within bf16 rounding
+            assert _rel(fused[name], expected) <= 2.0**-8, _rel(fused[name], expected)
+            assert _rel(fused[name], expected) > 0
+        else:
+            assert torch.equal(fused[name], expected), name
