@@ -41,20 +41,19 @@ def adds_weight_grad_to_main_grad(output_layer, weight: torch.Tensor, backend: s
     with its `gradient_accumulation_fusion` (megatron's config field, copied onto the layer) and a `main_grad` on
     the weight (DDP-wrapped), add it into main_grad; otherwise return it, as megatron's layer also does for a
     weight without main_grad (a model not wrapped in DDP) or a Megatron-FSDP one (its own hook makes main_grad,
-    and may overwrite it rather than add). Backend "verl"
-    returns it too (its kernel computes d_weight itself), for every call of the step alike: a placeholder from one
-    call beside a real gradient from another would make DDP drop the real one. Both said once in the log."""
+    and may overwrite it rather than add). Backend "verl" returns it too (its kernel computes d_weight itself), for
+    every call of the step alike: a placeholder from one call beside a real gradient from another would make DDP
+    drop the real one. Each reason is said once in the log."""
     if not getattr(output_layer, "gradient_accumulation_fusion", False):
         return False
-    fsdp = getattr(weight, "__fsdp_param__", False)
-    if hasattr(weight, "main_grad") and backend != "verl" and not fsdp:
-        return True
     if backend == "verl":
         reason = "backend 'verl' computes it in its own kernel"
-    elif fsdp:
+    elif getattr(weight, "__fsdp_param__", False):
         reason = "its weight is a Megatron-FSDP parameter, whose own gradient hook makes main_grad"
-    else:
+    elif not hasattr(weight, "main_grad"):
         reason = "its weight has no main_grad (not wrapped in megatron's DistributedDataParallel), as megatron's layer does"
+    else:
+        return True
     if weight.requires_grad and torch.is_grad_enabled() and reason not in _said_no_main_grad:
         _said_no_main_grad.add(reason)
         logger.info("%s has gradient_accumulation_fusion, but the output layer's d_weight is returned: %s",

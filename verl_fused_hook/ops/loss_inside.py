@@ -181,7 +181,6 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
         owner, ctx.main_grad_owner = ctx.main_grad_owner, None
         if owner is not None:  # one rounding, into main_grad's own dtype
             owner.main_grad.add_(ctx.d_weight, alpha=float(grad_loss))
-            ctx.d_weight = None
             grad_weight = returned_weight_grad(owner)
         else:
             grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None

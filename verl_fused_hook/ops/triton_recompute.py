@@ -94,7 +94,7 @@ def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: boo
     block_m = GRAD_CONFIG.block_m
     in_place = weight_sum_in_place and want_weight
     if in_place:
-        columns = min(CHUNK_COLUMNS, -(-valid_columns // GRAD_CONFIG.block_n) * GRAD_CONFIG.block_n)
+        columns = backward_tiling(1, hidden_size, valid_columns, block_m, GRAD_CONFIG.block_n).columns
         per_row = 4 * hidden_size * want_hidden + 2 * columns
         group = max(block_m, IN_PLACE_WALK_BYTES // per_row // block_m * block_m)
     else:

@@ -203,13 +203,10 @@ class _TwoPass(torch.autograd.Function):
         if ctx.needs_input_grad[1] and owner is None:
             grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
             grad_weight[valid_columns:].zero_()
-        nothing = valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None)
-        if nothing and owner is not None:
-            return grad_hidden, returned_weight_grad(owner), None, None
-        if nothing:
+        if valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None):
             if grad_weight is not None:
                 grad_weight.zero_()
-            return grad_hidden, grad_weight, None, None
+            return grad_hidden, grad_weight if owner is None else returned_weight_grad(owner), None, None
         passes = ctx.rebuild_passes(*tensors)
         if owner is not None:  # main_grad read now, as megatron's layers do
             weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
