@@ -272,7 +272,7 @@ def test_in_place_groups_keep_the_walk_within_its_budget(h, v):
     bf16 d_logits tile) fits IN_PLACE_WALK_BYTES at every N: the working memory does not grow with the tokens."""
     from verl_fused_hook.ops import triton_recompute as t
 
-    block_m, columns = t.GRAD_CONFIG.block_m, min(t.CHUNK_COLUMNS, -(-v // t.GRAD_CONFIG.block_n) * t.GRAD_CONFIG.block_n)
+    block_m, columns = t.GRAD_CONFIG.block_m, t.nominal_chunk_columns(v, t.GRAD_CONFIG.block_n)
     sizes = set()
     for n in (1, 127, 8192, 32768, 65536, 262144, 1_000_003):
         groups = t.row_groups(n, h, v, True, True, True)

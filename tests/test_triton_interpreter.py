@@ -104,7 +104,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
         results.append(
             {
                 "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
-                "tiles": len(triton_recompute.backward_tiling(int(active.sum()), h, v, 16, 32).tiles(int(active.sum()))),
+                "tiles": len(triton_recompute.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))),
                 "log_prob": (lp.double() - ref[0]).abs().max().item(),
                 "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
                 "entropy_is_none": ent is None,

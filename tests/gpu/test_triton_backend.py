@@ -254,8 +254,10 @@ def small_backward_budgets(monkeypatch):
 
     monkeypatch.setattr(triton_recompute, "CHUNK_COLUMNS", 1024)
     monkeypatch.setattr(triton_recompute, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
-    tiling = triton_recompute.backward_tiling(700, 512, 5003, 128, 128)
-    assert len(tiling.tiles(700)) == 6 and tiling.columns == 1024
+    tiling = triton_recompute.backward_tiling(700, 512, 5003, 128, 128, 132)
+    # six tiles of one row block each: every launch is one wave, so the widest chunk (fewest launches) is taken,
+    # and the walk's chunks are widened ones with a ragged last
+    assert len(tiling.tiles(700)) == 6 and tiling.columns == 1280 and 5003 % 1280
 
 
 def test_row_tiled_backward_matches_fp64(small_backward_budgets):
@@ -310,7 +312,8 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
     short-context path the other tests hold to fp64)."""
     from verl_fused_hook.ops import triton_recompute
 
-    assert len(triton_recompute.backward_tiling(n, h, v, 128, 128).tiles(n)) > 1
+    grad = triton_recompute.GRAD_CONFIG
+    assert len(triton_recompute.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1
     assert len(triton_recompute.row_groups(n, h, v, True, True)) == groups
     hidden, weight, g = _inputs(n, h, v, seed=43)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
@@ -328,7 +331,7 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
 
     pieces = torch.zeros(v, h, dtype=torch.float64, device="cuda")
     chunk = 16384
-    assert len(triton_recompute.backward_tiling(chunk, h, v, 128, 128).tiles(chunk)) == 1
+    assert len(triton_recompute.backward_tiling(chunk, h, v, grad.block_m, grad.block_n, 132).tiles(chunk)) == 1
     assert len(triton_recompute.row_groups(chunk, h, v, True, True)) == 1
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)

@@ -2,8 +2,9 @@
 
 Per vocabulary chunk and tile of rows, `triton_kernels.grad_logits_kernel` recomputes the logits and writes
 d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of
-the chunk's d_weight rows. Chunk width, tile height and group size come from fixed budgets, never from the
-token count, so the time per row does not change with N.
+the chunk's d_weight rows. Tile height and group size come from fixed budgets, never from the token count, and
+the chunk width from a fixed width, moved by at most a quarter so that the launches fill whole waves of the GPU's
+SMs (`backward_tiling`), so the time per row does not change with N.
 
 Why row groups: each gradient is a sum over the other's dimension, and the one summed across the outer loop
 needs an fp32 buffer to be rounded once. With the vocabulary outside (the default), that is d_hidden: 4 H
@@ -36,6 +37,11 @@ TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
 # 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
 # what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
 CHUNK_COLUMNS = 8192
+# The width walked is CHUNK_COLUMNS widened by at most a CHUNK_WIDTH_SLACK-th (whole column tiles) so that the
+# gradient kernel's launches fill whole waves of the GPU's programs (`backward_tiling`). On the H200 (132 SMs),
+# 8448 columns (33 tiles) against 8192 in rounds: 0.963-0.968x the forward+backward time at 8192 x 4096 x 151936,
+# 0.982-0.994x at 16384-32768 rows, H 2048-8192 (docs/benchmarks.md).
+CHUNK_WIDTH_SLACK = 4
 # Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
 # 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
 # byte at 32768 rows, against Hopper's balance of ~165).
@@ -44,7 +50,8 @@ ROW_GROUP_ROWS = 32768
 # shards, +1.3% at 65536 x 4096 x 18992 and +1.2% at 262144 x 4096 x 151936), so they are taken only where they
 # spare at least this much memory (those five shapes: 0.68-1.61 GiB).
 GROUPS_MIN_SAVING_BYTES = 512 * 1024**2
-# A group's walk (its fp32 d_hidden and bf16 d_logits tile) when d_weight sums in place into an fp32 main_grad.
+# A group's walk (its fp32 d_hidden and bf16 d_logits tile, at the nominal chunk width) when d_weight sums in place
+# into an fp32 main_grad.
 IN_PLACE_WALK_BYTES = 512 * 1024**2
 # One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
 # tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
@@ -63,11 +70,9 @@ class BackwardTiling:
         return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
 
 
-def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int) -> BackwardTiling:
-    """Chunks of CHUNK_COLUMNS (fewer when the shard is narrower); all rows in one d_logits tile when it fits
-    TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit it beside the chunk's fp32 d_weight
-    accumulator. Neither depends on anything but budgets and shapes, so the work per row is the same at every N."""
-    columns = min(CHUNK_COLUMNS, -(-valid_columns // block_n) * block_n)
+def _row_tiling(rows: int, hidden_size: int, columns: int, block_m: int) -> BackwardTiling:
+    """All rows in one d_logits tile when it fits TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit
+    it beside the chunk's fp32 d_weight accumulator."""
     rows = max(rows, 1)
     if 2 * rows * columns <= TILE_MEMORY_BUDGET:
         return BackwardTiling(columns, rows)
@@ -75,11 +80,47 @@ def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: in
     return BackwardTiling(columns, equal_piece_rows(rows, fit, block_m))
 
 
+def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
+    """(nominal, most) column tiles per chunk: CHUNK_COLUMNS, and a CHUNK_WIDTH_SLACK-th wider; none past the shard's
+    own tiles. Never narrower: each chunk reads and writes the fp32 d_hidden accumulator once (module docstring)."""
+    total = -(-valid_columns // block_n)
+    nominal = max(1, CHUNK_COLUMNS // block_n)
+    return min(nominal, total), min(nominal + nominal // CHUNK_WIDTH_SLACK, total)
+
+
+def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
+    """CHUNK_COLUMNS, or the shard's width when narrower: the width the memory models of `row_groups` assume (the
+    walk may widen it to fill waves, by at most a CHUNK_WIDTH_SLACK-th of its d_logits tile)."""
+    return _chunk_tile_range(valid_columns, block_n)[0] * block_n
+
+
+def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int,
+                    slots: int) -> BackwardTiling:
+    """Chunk width and row tiles of the backward's walk. Of the widths in `_chunk_tile_range`, the one whose
+    gradient-kernel launches (a row tile's blocks x a chunk's column tiles, `slots` programs at a time) take the
+    fewest waves over the whole walk, then the narrowest. 32 tiles over 64 row blocks leave the last of 16 waves
+    half empty on 132 SMs; 33 fill them. Nothing depends on anything but budgets, shapes and the SM count, so the
+    work per row is the same at every N."""
+    total = -(-valid_columns // block_n)
+    nominal, most = _chunk_tile_range(valid_columns, block_n)
+    best, best_waves = None, None
+    for tiles in range(nominal, most + 1):
+        tiling = _row_tiling(rows, hidden_size, tiles * block_n, block_m)
+        full, last = divmod(total, tiles)
+        waves = 0
+        for _, count in tiling.tiles(max(rows, 1)):
+            blocks = -(-count // block_m)
+            waves += full * -(-blocks * tiles // slots) + -(-blocks * last // slots)
+        if best_waves is None or waves < best_waves:
+            best, best_waves = tiling, waves
+    return best
+
+
 def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> int:
     """Working memory of one walk over the vocabulary for `rows` rows: the fp32 d_hidden accumulator, the d_logits
-    tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles."""
+    tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles (at the nominal width)."""
     c = GRAD_CONFIG
-    tiling = backward_tiling(rows, hidden_size, valid_columns, c.block_m, c.block_n)
+    tiling = _row_tiling(rows, hidden_size, nominal_chunk_columns(valid_columns, c.block_n), c.block_m)
     several = len(tiling.tiles(rows)) > 1
     return (4 * rows * hidden_size * want_hidden + 2 * tiling.rows * tiling.columns
             + 4 * tiling.columns * hidden_size * (several and want_weight))
@@ -94,8 +135,7 @@ def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: boo
     block_m = GRAD_CONFIG.block_m
     in_place = weight_sum_in_place and want_weight
     if in_place:
-        columns = backward_tiling(1, hidden_size, valid_columns, block_m, GRAD_CONFIG.block_n).columns
-        per_row = 4 * hidden_size * want_hidden + 2 * columns
+        per_row = 4 * hidden_size * want_hidden + 2 * nominal_chunk_columns(valid_columns, GRAD_CONFIG.block_n)
         group = max(block_m, IN_PLACE_WALK_BYTES // per_row // block_m * block_m)
     else:
         group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
@@ -125,7 +165,8 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, ro
     n, h = hidden.shape
     c = GRAD_CONFIG
     k = 0 if kept is None else kept.shifted.shape[0]
-    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n)
+    slots = launch.num_sms(hidden.device) * c.ctas_per_sm
+    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n, slots)
     tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
     dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
@@ -135,7 +176,6 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, ro
     if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1 and weight_sum.total.dtype != torch.float32:
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = launch.descriptor(weight[:valid_columns], [c.block_n, c.block_k])
-    slots = launch.num_sms(hidden.device) * c.ctas_per_sm
     row_args = (block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
     for start in range(0, valid_columns, tiling.columns):
         cols = min(tiling.columns, valid_columns - start)
