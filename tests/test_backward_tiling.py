@@ -1,6 +1,6 @@
 """The Triton backward's chunk width (`triton_recompute.backward_tiling`): pure arithmetic, checked on the CPU.
 
-The width is the nominal CHUNK_COLUMNS widened by at most a CHUNK_WIDTH_SLACK-th so that the gradient kernel's
+The width is the nominal CHUNK_COLUMNS widened by at most MAX_CHUNK_WIDENING (a quarter) so that the gradient kernel's
 launches (a row tile's row blocks x a chunk's column tiles, one program per SM) fill whole waves. These tests
 hold the rule to a brute-force count of waves, the memory budget and the bounds, at the SM counts of the
 H100/H200 (132), H100 PCIe (114) and H20 (78).
@@ -36,11 +36,11 @@ def test_width_fills_waves_within_bounds_and_budget(n, h, v, slots):
     tiling = t.backward_tiling(n, h, v, BLOCK_M, BLOCK_N, slots)
     nominal = t.nominal_chunk_columns(v, BLOCK_N)
     assert tiling.columns % BLOCK_N == 0
-    assert nominal <= tiling.columns <= nominal + nominal // t.CHUNK_WIDTH_SLACK
+    assert nominal <= tiling.columns <= nominal + int(nominal * t.MAX_CHUNK_WIDENING) // BLOCK_N * BLOCK_N
     assert 2 * tiling.rows * tiling.columns <= t.TILE_MEMORY_BUDGET
     # no width in the range takes fewer waves (the rule's own count agrees with a launch-by-launch count)
     waves = _waves(tiling, n, v, slots)
-    for columns in range(nominal, nominal + nominal // t.CHUNK_WIDTH_SLACK + 1, BLOCK_N):
+    for columns in range(nominal, nominal + int(nominal * t.MAX_CHUNK_WIDENING) // BLOCK_N * BLOCK_N + 1, BLOCK_N):
         other = t._row_tiling(n, h, columns, BLOCK_M)
         assert waves <= _waves(other, n, v, slots)
 

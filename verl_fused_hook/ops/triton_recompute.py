@@ -37,11 +37,11 @@ TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
 # 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
 # what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
 CHUNK_COLUMNS = 8192
-# The width walked is CHUNK_COLUMNS widened by at most a CHUNK_WIDTH_SLACK-th (whole column tiles) so that the
+# The width walked is CHUNK_COLUMNS widened by at most this fraction (in whole column tiles) so that the
 # gradient kernel's launches fill whole waves of the GPU's programs (`backward_tiling`). On the H200 (132 SMs),
-# 8448 columns (33 tiles) against 8192 in rounds: 0.963-0.968x the forward+backward time at 8192 x 4096 x 151936,
-# 0.982-0.994x at 16384-32768 rows, H 2048-8192 (docs/benchmarks.md).
-CHUNK_WIDTH_SLACK = 4
+# 8448 columns (33 tiles) against 8192, A/B in rounds over three runs: 0.956-0.968x the forward+backward time at
+# 8192 x 4096 x 151936, 0.97-1.00x at 16384-65536 rows, H 2048-8192 (docs/benchmarks.md).
+MAX_CHUNK_WIDENING = 0.25
 # Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
 # 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
 # byte at 32768 rows, against Hopper's balance of ~165).
@@ -81,16 +81,16 @@ def _row_tiling(rows: int, hidden_size: int, columns: int, block_m: int) -> Back
 
 
 def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
-    """(nominal, most) column tiles per chunk: CHUNK_COLUMNS, and a CHUNK_WIDTH_SLACK-th wider; none past the shard's
+    """(nominal, most) column tiles per chunk: CHUNK_COLUMNS, and MAX_CHUNK_WIDENING wider; none past the shard's
     own tiles. Never narrower: each chunk reads and writes the fp32 d_hidden accumulator once (module docstring)."""
     total = -(-valid_columns // block_n)
     nominal = max(1, CHUNK_COLUMNS // block_n)
-    return min(nominal, total), min(nominal + nominal // CHUNK_WIDTH_SLACK, total)
+    return min(nominal, total), min(nominal + int(nominal * MAX_CHUNK_WIDENING), total)
 
 
 def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
     """CHUNK_COLUMNS, or the shard's width when narrower: the width the memory models of `row_groups` assume (the
-    walk may widen it to fill waves, by at most a CHUNK_WIDTH_SLACK-th of its d_logits tile)."""
+    walk may widen it to fill waves, by at most MAX_CHUNK_WIDENING of its d_logits tile)."""
     return _chunk_tile_range(valid_columns, block_n)[0] * block_n
 
 
