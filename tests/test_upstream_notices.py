@@ -4,9 +4,14 @@ other line passed on unchanged, a child process's lines included, and nothing to
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+import threading
+import time
+import types
 
+from verl_fused_hook_harness.support import upstream_notices
 from verl_fused_hook_harness.support.upstream_notices import UpstreamNotices
 
 WARNING = (b"/venv/site-packages/megatron/core/models/backends.py:34: UserWarning: Apex is not installed. Falling back "
@@ -15,14 +20,16 @@ OWN = b"INFO:2026-01-01 00:00:00,000:verl_fused_hook: MegatronEngineWithLMHead u
 
 
 def _noise_and_results():
-    print("result 1", flush=True)
+    """A command's output. Its own lines go to fd 1 as a command's `print` does: under pytest's capfd `print` writes
+    to the capture file directly, past the collector, and would race the lines the collector passes on."""
+    os.write(1, b"result 1\n")
     os.write(2, WARNING)
     os.write(1, b"[GPTModel(\n  (embedding): LanguageModelEmbedding()\n)]\n")  # verl's patch_engine_mtp print
     os.write(2, OWN * 3)
     os.write(2, b"  an indented line of the command's own\n")
     child = "import warnings; warnings.warn('Transformer Engine and Apex are not installed.'); print('child result')"
     subprocess.run([sys.executable, "-c", child], check=True)  # inherits the command's stdout and stderr
-    print("PASS", flush=True)
+    os.write(1, b"PASS\n")
 
 
 def test_known_notices_are_counted_and_everything_else_passes(capfd):
@@ -53,6 +60,30 @@ def test_model_prints_of_two_ranks_interleaved_stay_hidden(capfd):
     with UpstreamNotices() as notices:
         os.write(1, b"[GPTModel(\n  (embedding): LanguageModelEmbedding(\n    (word_emb[GPTModel(\n  (embedding): X\n)]\n"
                     b"eddings): VocabParallelEmbedding()\n  )\n)]\n")
-        print("result", flush=True)
+        os.write(1, b"result\n")
     out, err = capfd.readouterr()
     assert out == "result\n" and notices.counts["verl model prints"] == 2
+
+
+def test_lines_written_as_the_block_ends_are_passed_on(capfd, monkeypatch):
+    """A reader whose wait timed out just before the command's last lines were written, and whose thread runs again
+    only after the block has ended (a loaded 2-core machine: train-parity lost its PASS line this way once in CI),
+    still passes them on. The stand-in `select` holds each timed-out wait until the block has ended."""
+    notices = UpstreamNotices()
+    held = threading.Event()
+    real_select = select.select
+
+    def select_held_after_timeout(read, write, error, timeout):
+        ready = real_select(read, write, error, timeout)
+        if not ready[0] and held.is_set():
+            notices._stopping.wait()
+        return ready
+
+    monkeypatch.setattr(upstream_notices, "select", types.SimpleNamespace(select=select_held_after_timeout))
+    with notices:
+        held.set()
+        time.sleep(0.5)  # both readers' waits time out and are held
+        os.write(1, b"result\n")
+        os.write(1, b"PASS\n")
+    out, _ = capfd.readouterr()
+    assert out == "result\nPASS\n"

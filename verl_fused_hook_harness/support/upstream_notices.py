@@ -115,12 +115,15 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
 
     def _pump(self, read_fd: int, out_fd: int) -> None:
         """Pass the pipe's lines on to `out_fd`, less the known notices, until the pipe is closed or, once the
-        block has ended, quiet (a process that inherited the pipe may hold it open)."""
+        block has ended, quiet (a process that inherited the pipe may hold it open). Quiet means a whole wait begun
+        after the block ended: a wait that timed out before the command's last lines were written, its thread run
+        again only after the block ended (a loaded machine), must not drop those lines."""
         pending, state = b"", {"open_prints": 0, "source_line": False}
         while True:
+            ended = self._stopping.is_set()
             ready, _, _ = select.select([read_fd], [], [], 0.2)
             if not ready:
-                if self._stopping.is_set():
+                if ended:
                     break
                 continue
             chunk = os.read(read_fd, 1 << 16)
