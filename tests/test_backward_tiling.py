@@ -35,12 +35,13 @@ SHAPES = [(2048, 4096, 151936), (8192, 4096, 151936), (16384, 3584, 152064), (32
 def test_width_fills_waves_within_bounds_and_budget(n, h, v, slots):
     tiling = t.backward_tiling(n, h, v, BLOCK_M, BLOCK_N, slots)
     nominal = t.nominal_chunk_columns(v, BLOCK_N)
+    widest = nominal + int(nominal * t.MAX_CHUNK_WIDENING) // BLOCK_N * BLOCK_N
     assert tiling.columns % BLOCK_N == 0
-    assert nominal <= tiling.columns <= nominal + int(nominal * t.MAX_CHUNK_WIDENING) // BLOCK_N * BLOCK_N
+    assert nominal <= tiling.columns <= widest
     assert 2 * tiling.rows * tiling.columns <= t.TILE_MEMORY_BUDGET
     # no width in the range takes fewer waves (the rule's own count agrees with a launch-by-launch count)
     waves = _waves(tiling, n, v, slots)
-    for columns in range(nominal, nominal + int(nominal * t.MAX_CHUNK_WIDENING) // BLOCK_N * BLOCK_N + 1, BLOCK_N):
+    for columns in range(nominal, widest + 1, BLOCK_N):
         other = t._row_tiling(n, h, columns, BLOCK_M)
         assert waves <= _waves(other, n, v, slots)
 

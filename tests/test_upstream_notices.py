@@ -67,8 +67,8 @@ def test_model_prints_of_two_ranks_interleaved_stay_hidden(capfd):
 
 def test_lines_written_as_the_block_ends_are_passed_on(capfd, monkeypatch):
     """A reader whose wait timed out just before the command's last lines were written, and whose thread runs again
-    only after the block has ended (a loaded 2-core machine: train-parity lost its PASS line this way once in CI),
-    still passes them on. The stand-in `select` holds each timed-out wait until the block has ended."""
+    only after the block has ended (a loaded 2-core machine; most likely how train-parity lost its PASS line once in
+    CI), still passes them on. The stand-in `select` holds each timed-out wait until the block has ended."""
     notices = UpstreamNotices()
     held = threading.Event()
     real_select = select.select
