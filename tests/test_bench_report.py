@@ -34,6 +34,18 @@ def test_plot_only_redraws_and_prints_the_tables_marking_out_of_memory(tmp_path,
     assert "n/a" in out  # a forward that was not measured is said to be missing, not shown as a number
 
 
+def test_the_plot_title_folds_a_long_command_within_the_figure_width_and_keeps_all_of_it():
+    from verl_fused_hook_harness.commands.bench_report import TITLE_CHARACTERS_PER_INCH, figure_title
+
+    shapes = ";".join(f"{n},4096,151936" for n in (8192, 16384, 32768, 65536, 131072, 262144))
+    command = f"verl-fused-hook bench --shapes {shapes} --methods floor,triton,liger_sm90 --out /root/out/run"
+    results = {"device": "NVIDIA H200", "temperature": 0.7, "command": command}
+    title = figure_title(results, 12.0)
+    lines = title.splitlines()
+    assert len(lines) >= 2 and max(map(len, lines)) <= 12 * TITLE_CHARACTERS_PER_INCH  # 168 characters a line
+    assert " ".join(lines) == f"NVIDIA H200, bf16, T=0.7: {command}"  # folded at spaces, nothing dropped
+
+
 def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger():
     import logging
 

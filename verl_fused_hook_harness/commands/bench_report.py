@@ -6,6 +6,7 @@ Why apart from the measuring: the tables and the plot are redrawn from a finishe
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from ..support.reports import pyplot
@@ -105,6 +106,16 @@ def three_gemm_ratio(row: dict) -> float | None:
     return three / floor["fwd_bwd_ms"] if three and floor.get("fwd_bwd_ms") else None
 
 
+TITLE_CHARACTERS_PER_INCH = 14  # 9-point text: a line this long fits the figure's width
+
+
+def figure_title(results: dict, width_inches: float) -> str:
+    """The device, dtype, temperature and the whole command, folded into lines the figure's width holds (a
+    command of many shapes ran past both edges, its start lost)."""
+    text = f"{results['device']}, bf16, T={results['temperature']}: {results.get('command', '')}"
+    return textwrap.fill(text, width=int(TITLE_CHARACTERS_PER_INCH * width_inches), break_on_hyphens=False)
+
+
 def plot(results: dict, path: Path) -> None:
     """Per shape, one bar per method of this run (peers included): forward+backward time over the 4-GEMM cuBLAS
     floor measured in the same run (left, the 3-GEMM floor marked), and the extra memory (right). Methods that
@@ -156,7 +167,7 @@ def plot(results: dict, path: Path) -> None:
         axis.grid(True, axis="y", which="both", alpha=0.3)
         if axis.patches:
             axis.legend(fontsize=8)
-    figure.suptitle(f"{results['device']}, bf16, T={results['temperature']}: {results.get('command', '')}", fontsize=9)
+    figure.suptitle(figure_title(results, figure.get_figwidth()), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
