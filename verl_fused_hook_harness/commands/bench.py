@@ -20,10 +20,10 @@ the backward's recompute, 3 without). fused_loss (the op with verl's ppo_loss
 inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
 layer plus the policy loss (bench_loss.py; they need `import verl`).
 
-    verl-fused-hook bench --out docs/bench
+    verl-fused-hook bench --out results/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
     verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
-    verl-fused-hook bench --plot-only docs/benchmarks.json --out docs/benchmarks.png   # redraw, no GPU
+    verl-fused-hook bench --plot-only results/bench_every_peer.json --out docs/images/bench_every_peer.png  # redraw, no GPU
 """
 
 from __future__ import annotations
