@@ -1,4 +1,4 @@
-"""The Triton backward's chunk width (`triton_recompute.backward_tiling`): pure arithmetic, checked on the CPU.
+"""The Triton backward's chunk width (`triton_backend.backward_tiling`): pure arithmetic, checked on the CPU.
 
 The width is the nominal CHUNK_COLUMNS widened by at most MAX_CHUNK_WIDENING (a quarter) so that the gradient kernel's
 launches (a row tile's row blocks x a chunk's column tiles, one program per SM) fill whole waves. These tests
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_fused_hook.ops import triton_recompute as t
+from verl_fused_hook.ops import triton_backend as t
 
 BLOCK_M, BLOCK_N = t.GRAD_CONFIG.block_m, t.GRAD_CONFIG.block_n
 

@@ -17,7 +17,7 @@ import torch
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
-from verl_fused_hook.verl_integration.engine_forward import VERL_TEMPERATURE_FLOOR, sample_temperatures
+from verl_fused_hook.verl_integration.forward_step import VERL_TEMPERATURE_FLOOR, sample_temperatures
 
 install()
 import verl.workers.engine.megatron.transformer_impl as transformer_impl  # noqa: E402  (fires install's gate)

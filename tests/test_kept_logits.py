@@ -1,4 +1,4 @@
-"""The kept-logits buffer of the two-pass op (ops/kept_logits.py) on the CPU: how many rows a budget keeps, and
+"""The kept-logits buffer of the two-pass op (ops/triton_backend.py) on the CPU: how many rows a budget keeps, and
 what happens when the allocator refuses. The refusal is a named fake (torch.empty raising the CUDA allocator's
 torch.OutOfMemoryError, which a CPU allocation does not raise); the kernels that fill the buffer are tested in
 tests/test_triton_interpreter.py (CPU) and tests/gpu/test_triton_backend.py."""
@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from verl_fused_hook.ops import kept_logits
+from verl_fused_hook import log_once
+from verl_fused_hook.ops import triton_backend
 
 COLUMNS, TILE = 301, 32  # a row: fp16 logits at a pitch of 304, an fp32 max for each of 10 column tiles
 ROW_BYTES = 2 * 304 + 4 * 10
@@ -28,7 +29,7 @@ ROW_BYTES = 2 * 304 + 4 * 10
     ],
 )
 def test_a_budget_keeps_every_row_or_whole_row_blocks(budget, rows, kept):
-    store = kept_logits.kept_rows_buffer(budget, rows, COLUMNS, 16, TILE, torch.device("cpu"))
+    store = triton_backend.kept_rows_buffer(budget, rows, COLUMNS, 16, TILE, torch.device("cpu"))
     if kept == 0:
         assert store is None
         return
@@ -42,11 +43,11 @@ def test_a_refused_allocation_recomputes_and_warns_once(monkeypatch, caplog):
     def refuse(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
 
-    kept_logits._warned.clear()
-    monkeypatch.setattr(kept_logits.torch, "empty", refuse)
-    with caplog.at_level(logging.DEBUG, logger=kept_logits.__name__):
+    monkeypatch.setattr(log_once, "_said", set())  # nothing said yet
+    monkeypatch.setattr(triton_backend.torch, "empty", refuse)
+    with caplog.at_level(logging.DEBUG, logger=triton_backend.__name__):
         for _ in range(2):
-            assert kept_logits.kept_rows_buffer(10**9, 70, COLUMNS, 16, TILE, torch.device("cpu")) is None
+            assert triton_backend.kept_rows_buffer(10**9, 70, COLUMNS, 16, TILE, torch.device("cpu")) is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (level, "log_probs_and_entropy: keep_logits_bytes: 70 rows of kept logits could not be allocated (CUDA out of "
                 "memory. Tried to allocate 4.00 GiB); this call recomputes every row's logits in its backward")

@@ -1,9 +1,11 @@
 """The layering of docs/architecture.md, read from the source: a violation fails here, not in review.
 
 - the runtime (`verl_fused_hook`) imports nothing of the harness (`verl_fused_hook_harness`) or of `tests`;
-- `verl_fused_hook.ops` imports nothing of the package outside `ops` (only torch, triton, verl lazily);
+- `verl_fused_hook.ops` imports nothing of the package outside `ops` (only torch, triton, verl lazily) but the
+  LEAF_MODULES (the argument checks and the log-once), which import nothing of the package themselves;
 - no import cycle among the modules of either package;
-- no module over MAX_LINES lines.
+- no module over MAX_LINES lines. The limit is a backstop, not a design rule: merge by concept, split by concept
+  (a module is one concept: a kernel and its launch, a driver and its helpers), never by line count.
 
 Every `import` statement counts, function-local ones too. A package's `__init__` is imported implicitly by
 its submodules; that is Python's machinery, not an edge of ours, so only written import statements count.
@@ -18,7 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME, HARNESS = "verl_fused_hook", "verl_fused_hook_harness"
-MAX_LINES = 400
+MAX_LINES = 600
+# Modules of the runtime that `ops` may import: each imports nothing of the package
+LEAF_MODULES = (f"{RUNTIME}.checks", f"{RUNTIME}.log_once")
 
 
 def _module_name(path: Path) -> str:
@@ -78,7 +82,17 @@ def test_the_runtime_never_imports_the_harness_or_tests(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(f"{RUNTIME}.ops")))
 def test_ops_import_nothing_else_of_the_package(module):
-    bad = sorted(t for t in GRAPH[module] if t.split(".")[0] in (RUNTIME, HARNESS) and not t.startswith(f"{RUNTIME}.ops"))
+    bad = sorted(
+        t for t in GRAPH[module]
+        if t.split(".")[0] in (RUNTIME, HARNESS) and not t.startswith(f"{RUNTIME}.ops") and t not in LEAF_MODULES
+    )
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module", LEAF_MODULES)
+def test_leaf_modules_import_nothing_of_the_package(module):
+    assert module in GRAPH
+    bad = sorted(t for t in GRAPH[module] if t.split(".")[0] in (RUNTIME, HARNESS, "tests"))
     assert not bad, f"{module} imports {bad}"
 
 

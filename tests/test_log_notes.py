@@ -9,7 +9,7 @@ import logging
 
 
 def _log_on_rank(rank, world_size):
-    from verl_fused_hook.verl_integration.log_once import log_once, note
+    from verl_fused_hook.log_once import log_once, note
 
     records = []
 
@@ -47,7 +47,7 @@ def test_one_process_without_torch_distributed_says_its_notes():
 
     logger.setLevel(logging.DEBUG)
     logger.addHandler(Keep())
-    from verl_fused_hook.verl_integration.log_once import note
+    from verl_fused_hook.log_once import note
 
     note(logger, "plan")
     assert records == ["INFO"]

@@ -23,7 +23,7 @@ from verl_fused_hook.ops import (
     log_probs_and_entropy,
     log_probs_entropy_and_loss,
 )
-from verl_fused_hook.ops.interface import build_problem
+from verl_fused_hook.ops.arguments import build_problem
 from verl_fused_hook.ops.torch_backend import loss_inside_cost
 
 RTOL = 1e-5

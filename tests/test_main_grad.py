@@ -270,7 +270,7 @@ def test_in_place_groups_keep_the_walk_within_its_budget(h, v):
     """With d_weight summed in place (an fp32 main_grad), the Triton backward's groups of rows (pure arithmetic,
     checked here on the CPU) cover every row once, in whole row blocks, and each group's walk (fp32 d_hidden and
     bf16 d_logits tile) fits IN_PLACE_WALK_BYTES at every N: the working memory does not grow with the tokens."""
-    from verl_fused_hook.ops import triton_recompute as t
+    from verl_fused_hook.ops import triton_backend as t
 
     block_m, columns = t.GRAD_CONFIG.block_m, t.nominal_chunk_columns(v, t.GRAD_CONFIG.block_n)
     sizes = set()

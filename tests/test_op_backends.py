@@ -49,10 +49,11 @@ def test_keep_logits_bytes_must_be_a_non_negative_int(value):
         log_probs_and_entropy(hidden, weight, labels, keep_logits_bytes=value)
 
 
-def test_keep_logits_on_a_backend_that_recomputes_says_so_once_and_changes_nothing(caplog):
+def test_keep_logits_on_a_backend_that_recomputes_says_so_once_and_changes_nothing(caplog, monkeypatch):
+    from verl_fused_hook import log_once
     from verl_fused_hook.ops import two_pass
 
-    two_pass._ignored_keep_logits.discard("torch")
+    monkeypatch.setattr(log_once, "_said", set())  # nothing said yet
     hidden, weight, labels = inputs()
     plain = log_probs_and_entropy(hidden, weight, labels, backend="torch")
     with caplog.at_level(logging.INFO, logger=two_pass.__name__):

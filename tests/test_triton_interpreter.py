@@ -8,8 +8,8 @@ the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass,
 d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
 (keep_logits_bytes), on one rank and over two gloo ranks with a padded vocabulary. Named fakes, for what the CPU cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
-- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `triton_recompute.GRAD_CONFIG`,
-  `triton_launch.num_sms`);
+- a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `triton_backend.GRAD_CONFIG`,
+  `triton_backend.num_sms`);
 - `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
 - the backend's availability check (CUDA, Hopper, bf16) answered "available".
 The interpreter is set at import time, so the checks run in a fresh subprocess.
@@ -33,14 +33,14 @@ GRAD_TOL = 1e-3  # fp16 d_logits (2^-11 rounding) and fp16 outputs: relative, Fr
 
 
 def _interpret_on_cpu():
-    """The named fakes above; returns the Triton backend module (its backward's budgets are in triton_recompute)."""
+    """The named fakes above; returns the Triton backend module (its backward's budgets are in it too)."""
     import torch
 
-    from verl_fused_hook.ops import triton_backend, triton_launch, triton_recompute
+    from verl_fused_hook.ops import triton_backend
 
-    small = triton_launch.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
-    triton_backend.FORWARD_CONFIG = triton_recompute.GRAD_CONFIG = small
-    triton_launch.num_sms = lambda device: 4
+    small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
+    triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = small
+    triton_backend.num_sms = lambda device: 4
     real_addmm = torch.addmm
 
     def addmm_fp32_output(accumulator, a, b, *, out_dtype=None, out=None, beta=1, **kwargs):
@@ -73,7 +73,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
     """Run in the subprocess: `log_probs_and_entropy(backend="triton")`, each case's errors against fp64."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_backend
 
     _interpret_on_cpu()
     results = []
@@ -82,7 +82,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
     cases = [(budget, masked, wants) for budget in budgets for masked in (True, False) for wants in ("both", "weight")]
     cases.append(("row tiles x vocabulary chunks", True, "no entropy"))
     for index, (budget, masked, wants) in enumerate(cases):
-        triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = budgets[budget]
+        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(100 + index)
         hidden = (torch.randn(n, h, generator=g)).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -104,7 +104,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
         results.append(
             {
                 "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
-                "tiles": len(triton_recompute.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))),
+                "tiles": len(triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))),
                 "log_prob": (lp.double() - ref[0]).abs().max().item(),
                 "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
                 "entropy_is_none": ent is None,
@@ -123,8 +123,8 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     with how many rows were kept and how many recompute launches the backward made (a counting wrapper)."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels, triton_recompute
-    from verl_fused_hook.ops.interface import build_problem
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels
+    from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
     launches = []
@@ -146,7 +146,7 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     for index, (budget, keep, wants) in enumerate(
         [(b, k, "both") for b in budgets for k in keeps] + [("row tiles x vocabulary chunks", "some rows", "weight")]
     ):
-        triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = budgets[budget]
+        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(200 + index)
         hidden = torch.randn(n, h, generator=g).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -302,7 +302,7 @@ def _interpreted_groups_and_memory() -> dict:
     import torch
 
     from verl_fused_hook.ops import chunking, log_probs_entropy_and_loss
-    from verl_fused_hook.ops.interface import build_problem
+    from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
     records = []
@@ -371,12 +371,12 @@ def _interpreted_row_group_cases() -> list[dict]:
     with the groups the backward's passes took."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
-    from verl_fused_hook.ops.interface import build_problem
+    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
-    triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET, triton_recompute.ROW_GROUP_ROWS = 32, 1, 32
-    triton_recompute.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET, triton_backend.ROW_GROUP_ROWS = 32, 1, 32
+    triton_backend.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     n, h, v = 200, 64, 61
     results = []
     for index, wants in enumerate(("both", "hidden", "weight")):
@@ -521,11 +521,11 @@ def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature
     import torch
     import torch.distributed as dist
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_recompute
-    from verl_fused_hook.ops.interface import build_problem
+    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
-    triton_recompute.CHUNK_COLUMNS, triton_recompute.TILE_MEMORY_BUDGET = 64, 1
+    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = 64, 1
     shard = weight.shape[0] // world_size
     h = hidden.clone().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
@@ -599,8 +599,7 @@ def test_fused_loss_triton_path_in_the_interpreter():
 def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_logits():
     import torch
 
-    from verl_fused_hook.ops.kept_logits import StoredLogits
-    from verl_fused_hook.ops.triton_chunk_kernels import stored_grad_logits
+    from verl_fused_hook.ops.triton_backend import StoredLogits, stored_grad_logits
 
     store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1), 8)
     rows = torch.zeros(2)

@@ -229,10 +229,11 @@ def test_hook_forward_equals_legacy_forward_exactly(monkeypatch, tied):
 def test_keep_logits_entry_reaches_the_op_through_the_engine(monkeypatch, caplog):
     """output_processor_keep_logits_gib travels plan -> engine forward -> context -> op. On the CPU "auto" runs the
     portable backend, which recomputes: the op's one log line is the evidence, and the numbers do not move."""
+    from verl_fused_hook import log_once
     from verl_fused_hook.ops import two_pass
 
     monkeypatch.setenv(ENV_VAR, "1")
-    two_pass._ignored_keep_logits.clear()
+    monkeypatch.setattr(log_once, "_said", set())  # nothing said yet
     batch = rl_batch(0.7)
     outputs = []
     for options in ({}, {"output_processor_keep_logits_gib": 1}):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checks import check_bool, check_int
 from .ops import BACKEND_CHOICES, backend_capabilities, check_temperature_values
 
 
@@ -87,10 +88,8 @@ class FusedOutputProcessorContext:
                 "object (as_tuple=False)"
             )
         _check_temperature_field(self.temperature)
-        if not isinstance(self.calculate_entropy, bool):
-            raise ValueError(f"FusedOutputProcessorContext.calculate_entropy: expected a bool, got {self.calculate_entropy!r}")
-        if not isinstance(self.as_tuple, bool):
-            raise ValueError(f"FusedOutputProcessorContext.as_tuple: expected a bool, got {self.as_tuple!r}")
+        check_bool("FusedOutputProcessorContext.calculate_entropy", self.calculate_entropy)
+        check_bool("FusedOutputProcessorContext.as_tuple", self.as_tuple)
         if self.score_mask is not None and (
             not isinstance(self.score_mask, torch.Tensor)
             or self.score_mask.dtype != torch.bool
@@ -101,20 +100,9 @@ class FusedOutputProcessorContext:
                 "FusedOutputProcessorContext.score_mask: expected None or a bool tensor [b, s] shaped like labels "
                 "(not on the meta device)"
             )
-        if self.tile_rows is not None and (
-            isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int) or self.tile_rows < 1
-        ):
-            raise ValueError(f"FusedOutputProcessorContext.tile_rows: expected None or an int >= 1, got {self.tile_rows!r}")
-        if self.loss_chunk_bytes is not None and (
-            isinstance(self.loss_chunk_bytes, bool) or not isinstance(self.loss_chunk_bytes, int) or self.loss_chunk_bytes < 1
-        ):
-            raise ValueError(
-                f"FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1, got {self.loss_chunk_bytes!r}"
-            )
-        if isinstance(self.keep_logits_bytes, bool) or not isinstance(self.keep_logits_bytes, int) or self.keep_logits_bytes < 0:
-            raise ValueError(
-                f"FusedOutputProcessorContext.keep_logits_bytes: expected an int >= 0, got {self.keep_logits_bytes!r}"
-            )
+        check_int("FusedOutputProcessorContext.tile_rows", self.tile_rows, low=1, optional=True)
+        check_int("FusedOutputProcessorContext.loss_chunk_bytes", self.loss_chunk_bytes, low=1, optional=True)
+        check_int("FusedOutputProcessorContext.keep_logits_bytes", self.keep_logits_bytes, low=0)
         if self.keep_logits_bytes and self.loss_fn is not None:
             raise ValueError(
                 "FusedOutputProcessorContext.keep_logits_bytes: belongs to the op without a fused loss (whose chunks of "
@@ -128,10 +116,7 @@ class FusedOutputProcessorContext:
             raise ValueError(
                 "FusedOutputProcessorContext.loss_row_groups: expected None or an int64 tensor [b, s] shaped like labels"
             )
-        if self.vocab_size is not None and (
-            isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1
-        ):
-            raise ValueError(f"FusedOutputProcessorContext.vocab_size: expected None or an int >= 1, got {self.vocab_size!r}")
+        check_int("FusedOutputProcessorContext.vocab_size", self.vocab_size, low=1, optional=True)
         unsupported = [
             name
             for name, used in (

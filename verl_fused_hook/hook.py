@@ -86,7 +86,7 @@ def fused_output_processor(
     over the group exactly as Megatron's output layer does in the default path:
     reduce-scatter under sequence parallelism, all-reduce without (`tp_hidden`).
     With the output layer's `gradient_accumulation_fusion` (megatron's config field) and a DDP-wrapped weight,
-    d_weight goes into the weight's `main_grad`, as megatron's layer would put it (ops/main_grad.py).
+    d_weight goes into the weight's `main_grad`, as megatron's layer would put it (ops/weight_gradient.py).
     Returns verl's CausalLMOutputForPPO (or LogProbsOutput without verl), or a
     `(log_probs, entropy)` tuple when `context.as_tuple`.
     """

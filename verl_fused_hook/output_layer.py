@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .log_once import log_once
+
 logger = logging.getLogger(__name__)
-_said_no_main_grad: set[str] = set()
 
 
 def resolve_output_weight(output_layer, output_weight) -> torch.Tensor:
@@ -54,10 +55,9 @@ def adds_weight_grad_to_main_grad(output_layer, weight: torch.Tensor, backend: s
         reason = "its weight has no main_grad (not wrapped in megatron's DistributedDataParallel), as megatron's layer does"
     else:
         return True
-    if weight.requires_grad and torch.is_grad_enabled() and reason not in _said_no_main_grad:
-        _said_no_main_grad.add(reason)
-        logger.info("%s has gradient_accumulation_fusion, but the output layer's d_weight is returned: %s",
-                    type(output_layer).__name__, reason)
+    if weight.requires_grad and torch.is_grad_enabled():
+        log_once(logger, f"{type(output_layer).__name__} has gradient_accumulation_fusion, but the output layer's "
+                 f"d_weight is returned: {reason}", key=reason, every_rank=True)
     return False
 
 

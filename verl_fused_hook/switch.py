@@ -28,6 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .checks import is_number
 from .ops import BACKEND_CHOICES, backend_capabilities
 
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
@@ -108,13 +109,9 @@ def parse_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 def parse_config_mode(options: Mapping | None) -> str | None:
     """The mode `fused_kernel_options.use_output_processor_hook` asks for, or None when absent/null."""
-    value = None if options is None else options.get(CONFIG_HOOK_KEY)
+    value = _parse_config_bool(options, CONFIG_HOOK_KEY, "unset")
     if value is None:
         return None
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_HOOK_KEY}={value!r} is not allowed; use true, false or null (unset)"
-        )
     return HOOK if value else LEGACY
 
 
@@ -155,7 +152,7 @@ def _parse_config_gib(options: Mapping | None, key: str, what: str) -> int | Non
     value = None if options is None else options.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{CONFIG_PREFIX}.{key}={value!r} is not allowed; use a number of GiB > 0 ({what})")
     return max(1, int(value * 1024**3))
 

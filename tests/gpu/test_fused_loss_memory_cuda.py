@@ -42,7 +42,7 @@ def _fixed_and_row(hidden, weight, labels):
     """What plan_chunks holds back beside the chunk (gradients, per-row vectors, margin), the fp32 d_weight
     accumulator, and the bytes per row of a chunk, for the backend "auto" picks."""
     from verl_fused_hook.ops.backends import resolve_backend
-    from verl_fused_hook.ops.interface import build_problem
+    from verl_fused_hook.ops.arguments import build_problem
 
     p = build_problem(hidden, weight, labels, temperature=1.0, tp_group=None, score_mask=None, ignore_index=-100,
                       vocab_size=None, calculate_entropy=True, tile_rows=None)

@@ -14,8 +14,7 @@ import torch
 from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook.ops.backends import resolve_backend
-from verl_fused_hook.ops.interface import build_problem
-from verl_fused_hook.ops.problem import LogProbProblem, default_tile_rows
+from verl_fused_hook.ops.arguments import LogProbProblem, build_problem, default_tile_rows
 from verl_fused_hook_harness.support.distributed import run_on_gloo
 
 pytestmark = [
@@ -250,11 +249,11 @@ def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
 def small_backward_budgets(monkeypatch):
     """Budgets small enough that a few hundred rows take several row tiles and vocabulary chunks: the
     long-context tiling, checked against fp64 at a size the reference can afford."""
-    from verl_fused_hook.ops import triton_recompute
+    from verl_fused_hook.ops import triton_backend
 
-    monkeypatch.setattr(triton_recompute, "CHUNK_COLUMNS", 1024)
-    monkeypatch.setattr(triton_recompute, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
-    tiling = triton_recompute.backward_tiling(700, 512, 5003, 128, 128, 132)
+    monkeypatch.setattr(triton_backend, "CHUNK_COLUMNS", 1024)
+    monkeypatch.setattr(triton_backend, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
+    tiling = triton_backend.backward_tiling(700, 512, 5003, 128, 128, 132)
     # six tiles of one row block each: every launch is one wave, so the widest chunk (fewest launches) is taken,
     # and the walk's chunks are widened ones with a ragged last
     assert len(tiling.tiles(700)) == 6 and tiling.columns == 1280 and 5003 % 1280
@@ -269,15 +268,15 @@ def test_row_tiled_backward_matches_fp64(small_backward_budgets):
 
 
 def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size, group_rows):
-    from verl_fused_hook.ops import triton_recompute
+    from verl_fused_hook.ops import triton_backend
 
-    triton_recompute.CHUNK_COLUMNS = 1024
-    triton_recompute.TILE_MEMORY_BUDGET = 1
-    triton_recompute.ROW_GROUP_ROWS = group_rows
-    triton_recompute.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    triton_backend.CHUNK_COLUMNS = 1024
+    triton_backend.TILE_MEMORY_BUDGET = 1
+    triton_backend.ROW_GROUP_ROWS = group_rows
+    triton_backend.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     shard = weight.shape[0] // world_size
     valid = min(shard, vocab_size - rank * shard)
-    groups = len(triton_recompute.row_groups(hidden.shape[0], hidden.shape[1], valid, True, True))
+    groups = len(triton_backend.row_groups(hidden.shape[0], hidden.shape[1], valid, True, True))
     return groups, *_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size)
 
 
@@ -310,11 +309,11 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
     rows' log-probs, entropy and d_hidden against fp64 (a row's values depend on that row alone), and d_weight
     against the fp64 sum of the op's d_weight over row chunks small enough to take one tile each (the
     short-context path the other tests hold to fp64)."""
-    from verl_fused_hook.ops import triton_recompute
+    from verl_fused_hook.ops import triton_backend
 
-    grad = triton_recompute.GRAD_CONFIG
-    assert len(triton_recompute.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1
-    assert len(triton_recompute.row_groups(n, h, v, True, True)) == groups
+    grad = triton_backend.GRAD_CONFIG
+    assert len(triton_backend.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1
+    assert len(triton_backend.row_groups(n, h, v, True, True)) == groups
     hidden, weight, g = _inputs(n, h, v, seed=43)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
@@ -331,8 +330,8 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
 
     pieces = torch.zeros(v, h, dtype=torch.float64, device="cuda")
     chunk = 16384
-    assert len(triton_recompute.backward_tiling(chunk, h, v, grad.block_m, grad.block_n, 132).tiles(chunk)) == 1
-    assert len(triton_recompute.row_groups(chunk, h, v, True, True)) == 1
+    assert len(triton_backend.backward_tiling(chunk, h, v, grad.block_m, grad.block_n, 132).tiles(chunk)) == 1
+    assert len(triton_backend.row_groups(chunk, h, v, True, True)) == 1
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
         w = weight.clone().requires_grad_()

@@ -1,10 +1,11 @@
 """The op: per-token log-probs and entropy from hidden states and a vocab-parallel output weight.
 
-Two drivers over one set of backend primitives: `log_probs_and_entropy` (statistics in forward,
+Two drivers over one contract with the backends (backends.py): `log_probs_and_entropy` (statistics in forward,
 logits recomputed in backward) and `log_probs_entropy_and_loss` (a token-separable loss inside,
 each chunk's logits computed once). See docs/op.md.
 """
 
+from .arguments import check_temperature_values
 from .backends import (
     BACKEND_CHOICES,
     BackendCapabilities,
@@ -12,7 +13,6 @@ from .backends import (
     backend_unavailable_at_build,
     describe_backends,
 )
-from .interface import check_temperature_values
 from .loss_inside import FusedLossResult, log_probs_entropy_and_loss
 from .separability import LossGradientError, NonFiniteLossGradientError, NonSeparableLossError
 from .tensor_parallel import TP_HIDDEN_CHOICES

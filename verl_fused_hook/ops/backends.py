@@ -1,21 +1,19 @@
-"""Backend registry: which implementations exist, what each can run, and what "auto" picks.
+"""The backends: the contract between them and the drivers, one registry, and what "auto" picks.
 
-A backend is a module (imported lazily: a GPU backend must not break CPU imports) with
-`unavailable_reason(problem)` and `build_unavailable_reason(hidden_size, device_type)`, each
-None when it can run or a sentence saying why not, and either
+A backend is a module, imported lazily (a GPU backend must not break CPU imports), with `unavailable_reason`
+and `build_unavailable_reason` (None when it can run, else a sentence saying why not) and either
 
-- block primitives, for both drivers: `two_pass_passes(problem, for_backward)` (gradients recompute
-  the logits, except rows kept under `problem.keep_logits_bytes` when the backend can and
-  `for_backward` says gradients will follow), `loss_inside_cost(problem, keep)` (a chunking.ChunkCost: the memory a chunk takes, from
-  which chunking.py plans the chunks; None: one block whatever the rows) and
-  `loss_inside_passes(problem, keep, spans)` (over those chunks, statistics keeping each block's
-  logits for its gradients when `keep`). Passes of one call have `block_count`,
-  `blocks()` (RowBlocks in order), `statistics(block)` (this shard's Partials of the block),
-  `gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden, weight_sum)`
-  (d_hidden of the block or None; d_weight added into the WeightGradientSum), and, for the
-  two-pass driver, `for_backward()` (the tensors to save and how to rebuild the passes);
-- or `run(problem)`, a whole-problem backend (statistics and gradients in one autograd
-  function of its own): the two-pass driver runs it whole, the loss-inside driver refuses it.
+- block passes for both drivers (`BlockBackend`): the driver walks the passes' `blocks()`, merges each block's
+  `statistics(block)` over tensor-parallel ranks (softmax_math.combine_row_statistics) and hands the merged
+  statistics and the upstream gradients back to `gradients(...)`. The two-pass driver (two_pass.py) recomputes
+  the logits there and saves the passes' tensors for its backward (`for_backward`); the loss-inside driver
+  (loss_inside.py) runs over chunks that chunking.py plans from the backend's `loss_inside_cost`, and keeps each
+  chunk's logits from its statistics to its gradients;
+- or `run(problem)` (`WholeProblemBackend`): statistics and gradients in one autograd function of its own, which
+  the two-pass driver runs whole and the loss-inside driver refuses.
+
+Written as Protocols (typing.Protocol) so a backend's module and its passes say what they implement; nothing
+checks them at run time.
 
 "auto" walks PREFERENCE and logs every backend it passes over, so no fallback is silent: at
 debug level on the CPU (where the portable backend is the only choice), and once per reason at
@@ -24,16 +22,106 @@ warning level when inputs on a GPU miss a faster backend. It never picks "verl".
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
+from torch import Tensor
 
-from .problem import LogProbProblem
+from ..log_once import log_once
+from .arguments import LogProbProblem, build_problem
+from .chunking import ChunkCost
+from .softmax_math import LogitGradientInputs, Partials
+from .weight_gradient import WeightGradientSum
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """One block of scored rows, prepared by a backend for its passes.
+
+    span: where the block sits among the scored rows (slices the per-row statistics and gradients);
+    rows: int64 indices of its rows in the problem; hidden: those rows in the form the backend
+    multiplies; label_col: the label's column in this shard, -1 where another rank holds it;
+    inv_temp: fp32 1 / temperature per row.
+    """
+
+    span: slice
+    rows: Tensor
+    hidden: Tensor
+    label_col: Tensor
+    inv_temp: Tensor
+
+
+class BlockPasses(Protocol):
+    """One call's passes over its blocks of scored rows."""
+
+    block_count: int
+
+    def blocks(self) -> Iterator[RowBlock]:
+        """The blocks, in order (their spans cover the scored rows)."""
+
+    def statistics(self, block: RowBlock) -> Partials:
+        """This shard's partials of the block's rows."""
+
+    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
+                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+        """d_hidden of the block's rows (None unless `want_hidden`); their share of d_weight added into
+        `weight_sum` (None: no d_weight wanted)."""
+
+
+class SavedPasses(NamedTuple):
+    """What the two-pass op's forward saves for its backward: `tensors` (save_for_backward), and `rebuild`, which
+    makes the backward's passes from them."""
+
+    tensors: tuple[Tensor | None, ...]
+    rebuild: Callable[..., BlockPasses]
+
+
+class TwoPassPasses(BlockPasses, Protocol):
+    def for_backward(self) -> SavedPasses:
+        """What to save, and how to rebuild the passes that recompute each block's logits in backward."""
+
+
+class LossInsidePasses(BlockPasses, Protocol):
+    # The loss-inside op's final loss evaluation may run on a CUDA stream of its own beside the last chunk's
+    # gradient GEMMs (loss_inside.py); False: in stream order after them.
+    overlap_final_evaluation: bool
+
+
+class BlockBackend(Protocol):
+    """A backend module with block passes (torch_backend.py, triton_backend.py)."""
+
+    def unavailable_reason(self, p: LogProbProblem) -> str | None: ...
+
+    def build_unavailable_reason(self, hidden_size: int, device_type: str) -> str | None: ...
+
+    def two_pass_passes(self, p: LogProbProblem, for_backward: bool = False) -> TwoPassPasses:
+        """Passes whose gradients recompute the logits, except rows kept under `p.keep_logits_bytes` where the
+        backend can and `for_backward` says gradients will follow."""
+
+    def loss_inside_cost(self, p: LogProbProblem, keep: bool) -> ChunkCost | None:
+        """The memory a chunk of the loss-inside passes takes, from which chunking.plan_chunks plans the chunks;
+        None: one block whatever the rows."""
+
+    def loss_inside_passes(self, p: LogProbProblem, keep: bool, spans: list[slice]) -> LossInsidePasses:
+        """Passes over the chunks `spans`, keeping each block's logits from its statistics to its gradients when
+        `keep`."""
+
+
+class WholeProblemBackend(Protocol):
+    """A backend module whose kernel is one autograd function over the whole problem (verl_backend.py)."""
+
+    def unavailable_reason(self, p: LogProbProblem) -> str | None: ...
+
+    def build_unavailable_reason(self, hidden_size: int, device_type: str) -> str | None: ...
+
+    def run(self, p: LogProbProblem) -> tuple[Tensor, Tensor | None]:
+        """fp32 (log_probs, entropy or None) [N], differentiable in hidden and weight."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +144,14 @@ class BackendCapabilities:
 
 @dataclass(frozen=True)
 class Backend:
-    """`module` holds the backend's functions; `whole_problem`: it has `run(problem)`, not block primitives."""
+    """`module` holds the backend's functions; `whole_problem`: a WholeProblemBackend, else a BlockBackend."""
 
     name: str
     module: str
     capabilities: BackendCapabilities
     whole_problem: bool = False
 
-    def load(self):
+    def load(self) -> BlockBackend | WholeProblemBackend:
         return importlib.import_module(self.module, package=__package__)
 
     def unavailable_reason(self, problem: LogProbProblem) -> str | None:
@@ -119,11 +207,6 @@ def backend_unavailable_at_build(backend: str, *, hidden_size: int, device_type:
     return module.build_unavailable_reason(hidden_size, device_type)
 
 
-@functools.cache  # one line per distinct reason, not one per training step
-def _warn_once(driver: str, candidate: str, reason: str) -> None:
-    logger.warning("%s: backend=auto skips %r on this GPU: %s", driver, candidate, reason)
-
-
 def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs_and_entropy") -> Backend:
     """The backend to run `problem` with in `driver` (the op's name); ValueError when the named one cannot."""
     check_backend_name(name)
@@ -145,8 +228,9 @@ def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs
         reason = backend.unavailable_reason(problem)
         if reason is None:
             return backend
-        if problem.hidden.is_cuda:
-            _warn_once(driver, candidate, reason)
+        if problem.hidden.is_cuda:  # one line per distinct reason, not one per training step
+            log_once(logger, f"{driver}: backend=auto skips {candidate!r} on this GPU: {reason}", logging.WARNING,
+                     key=(driver, candidate, reason))
         else:
             logger.debug("%s: backend=auto skips %r: %s", driver, candidate, reason)
     raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs
@@ -156,8 +240,6 @@ def describe_backends(hidden: torch.Tensor, weight: torch.Tensor) -> dict[str, s
     """For inputs like `hidden` [N, H] and `weight` [V_local, H] (their dtype and device matter, not their
     values): every backend's reason not to run them (None: it runs), and under "auto" the one auto picks.
     For diagnostics (`verl-fused-hook doctor`); no collective, no logging."""
-    from .interface import build_problem
-
     problem = build_problem(
         hidden, weight, torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device), temperature=1.0,
         tp_group=None, score_mask=None, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,

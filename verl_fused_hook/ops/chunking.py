@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .problem import LogProbProblem
+from ..log_once import log_once
+from .arguments import LogProbProblem
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +126,9 @@ def row_group_units(row_groups: torch.Tensor, p: LogProbProblem) -> RowGroups:
     return RowGroups(lengths, unit_groups, error)
 
 
-_fallbacks_logged: set[tuple[str, str]] = set()
-
-
 def log_fallback(loss_name: str, reason: str, message: str) -> None:
     """A warning the first time a loss falls back for a reason; later calls at debug level."""
-    key = (loss_name, reason)
-    logger.log(logging.DEBUG if key in _fallbacks_logged else logging.WARNING, message)
-    _fallbacks_logged.add(key)
+    log_once(logger, message, logging.WARNING, key=(loss_name, reason), later=logging.DEBUG)
 
 
 def _size(count: int) -> str:
@@ -150,17 +147,26 @@ def _round_down(rows: int, multiple: int) -> int:
     return rows // multiple * multiple if rows >= multiple else rows
 
 
-def _agree(p: LogProbProblem, one: bool, rows: int, groups: RowGroups | None) -> tuple[bool, int, bool, bool]:
-    """(every rank takes one chunk, the smallest capacity, some rank refused its row_groups, the ranks' units
-    differ), from one MIN all-reduce over tp_group; this rank's own values with one rank."""
+class RankAgreement(NamedTuple):
+    """What every rank of tp_group agreed on: every rank takes one chunk (`one_chunk`), the smallest capacity
+    (`rows`), some rank refused its row_groups (`refused`), the ranks' units differ (`differ`)."""
+
+    one_chunk: bool
+    rows: int
+    refused: bool
+    differ: bool
+
+
+def _agree(p: LogProbProblem, one: bool, rows: int, groups: RowGroups | None) -> RankAgreement:
+    """From one MIN all-reduce over tp_group; this rank's own values with one rank."""
     fingerprint = 0 if groups is None else groups.fingerprint()
     valid = groups is None or groups.error is None
     if p.tp_world_size == 1:
-        return one, rows, not valid, False
+        return RankAgreement(one, rows, not valid, False)
     mine = torch.tensor([int(one), rows, fingerprint, -fingerprint, int(valid)], dtype=torch.int64, device=p.hidden.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=p.tp_group)
     every_one, smallest, low, minus_high, every_valid = mine.tolist()
-    return bool(every_one), smallest, not every_valid, low != -minus_high
+    return RankAgreement(bool(every_one), smallest, not every_valid, low != -minus_high)
 
 
 def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, chunk_rows: int | None,
@@ -200,18 +206,18 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
             fit = _round_down(max(0, room - accumulator) // cost.row_bytes, cost.row_multiple)
             if fit < rows:
                 rows, bound = fit, f"free memory ({_size(available)})"
-    every_one, agreed, refused, differ = _agree(p, one, rows, groups)
-    if agreed < rows:
+    agreed = _agree(p, one, rows, groups)
+    if agreed.rows < rows:
         bound = "the free memory of another rank of tp_group"
-    rows = agreed
-    if refused:
+    rows = agreed.rows
+    if agreed.refused:
         raise ValueError(groups.error if groups is not None and groups.error else
                          "row_groups: another rank of tp_group refused its row_groups (see its error); every rank "
                          "must pass the same row_groups")
-    if differ:
+    if agreed.differ:
         raise ValueError("row_groups: every rank of tp_group must pass the same row_groups (as the same rows); "
                          "the ranks' groups of scored rows differ")
-    if every_one or active == 0:
+    if agreed.one_chunk or active == 0:
         logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in one chunk", loss_name, active)
         return [slice(0, active)] if active else []
     minimal = min(cost.min_rows, active, requested)

@@ -9,37 +9,54 @@ d_logits, and the two gradient GEMMs run right away (three GEMMs). The returned 
 backward only scales the stored d_hidden and d_weight by the incoming gradient. A gradient
 reaching the returned log-probs or entropy in backward (a further loss on them) raises
 LossGradientError: it would otherwise be dropped silently. Where the chunks go, or that the call
-takes the two-pass path instead, is chunking.py's (fallback.py runs that path).
+takes the two-pass path instead, is chunking.py's.
+
+Where the final evaluation runs on CUDA, so it overlaps the last chunk's GEMMs: the final evaluation (loss value,
+metrics, separability check) is mostly host work with synchronizations (verl's ppo_loss has dozens). With
+`host_loss_fn` it runs on pinned host copies of the final values, taken in stream order right after the last
+chunk's statistics and ahead of its gradient GEMMs: nothing it does waits for the GPU. Otherwise loss_fn runs on a
+high-priority CUDA stream that waits only for the last chunk's statistics. The host evaluation runs on one
+intra-op thread: its tensors hold one value per token, where a team of OpenMP threads gains nothing and, when one
+of its threads is descheduled, stalls a whole step (H200 host, 16 threads, 65536 rows: about one step in five
+70-90 ms slower; none with one).
+
+The two-pass path (`two_pass_loss`), for a call no chunk plan fits: a sequence longer than a chunk, or a GPU
+short of memory for the smallest chunk, must not fail a job that the two-pass op would run. So the call takes the
+two-pass op's passes on the problem it built (statistics now, logits recomputed in backward: four GEMMs), and
+loss_fn is evaluated once on the final values, as the fused path's final evaluation: exact for any loss, no
+per-chunk gradients, no separability to prove. The result keeps the fused path's contract: the loss
+back-propagates (the loss's gradients in the log-probs and entropy, checked finite, scale the two-pass backward),
+metrics are loss_fn's, and a gradient reaching the returned log-probs or entropy raises LossGradientError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .backends import check_backend_name, resolve_backend
+from ..checks import check_int
+from .arguments import LogProbProblem, build_problem
+from .backends import BlockBackend, LossInsidePasses, check_backend_name, resolve_backend
 from .chunking import check_row_groups, log_fallback, plan_chunks, row_group_units
-from .fallback import two_pass_loss
-from .host_evaluation import HostCopy, evaluate_on_host, evaluation_stream
-from .interface import build_problem
-from .main_grad import returned_weight_grad
-from .problem import LogProbProblem
 from .separability import (
     LossCall,
     LossFunction,
     RowGradients,
+    check_finite,
     check_separable,
     chunk_row_gradients,
     evaluate,
     gradient_reached_outputs,
 )
 from .softmax_math import combine_row_statistics, no_column_partials
-from .weight_gradient import WeightGradientSum
+from .two_pass import run_passes
+from .weight_gradient import WeightGradientSum, returned_weight_grad
 
 
 @dataclass
@@ -53,10 +70,79 @@ class FusedLossResult:
     entropy: torch.Tensor | None
 
 
-def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accumulator: torch.Tensor | None = None):
+class LossPass(NamedTuple):
+    """What one path of the call computed: the loss and its metrics, fp32 log-probs and entropy (None unless asked)
+    over every row [N], and the input gradients where the pass computed them in its forward (the fused path)."""
+
+    loss: torch.Tensor
+    metrics: Any
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    d_hidden: torch.Tensor | None = None
+    d_weight: torch.Tensor | None = None
+
+
+class HostCopy:
+    """Host copies of the final values, enqueued on the current stream: pinned buffers the copy engine fills
+    while the GEMMs queued after them run; `values()` waits for that copy only. Off CUDA the tensors are
+    already on the host."""
+
+    def __init__(self, *tensors: torch.Tensor | None):
+        self.event = None
+        if tensors[0].device.type != "cuda":
+            self.copies = tensors
+            return
+        self.copies = tuple(
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors
+        )
+        self.sources = tensors  # kept alive (and unreused by the allocator) until the copy is done
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(tensors[0].device))  # the stream the copies were queued on
+
+    def values(self) -> tuple[torch.Tensor | None, ...]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.sources = None
+        return self.copies
+
+
+def evaluate_on_host(call: LossCall, copy: HostCopy, device: torch.device):
+    """host_loss_fn's final evaluation and the separability check, on the host copies; the loss back on `device`."""
+    log_probs, entropy, g_lp_used, g_ent_used, active_rows = copy.values()
+    with one_intra_op_thread():
+        loss, metrics, g_lp_exact, g_ent_exact = evaluate(call, log_probs, entropy, True, loss_fn=call.host_loss_fn)
+        check_separable(call, g_lp_used, g_lp_exact, active_rows, "log-prob")
+        if g_ent_used is not None:
+            check_separable(call, g_ent_used, g_ent_exact, active_rows, "entropy")
+    if device.type == "cuda":
+        return loss.pin_memory().to(device, non_blocking=True), metrics
+    return loss, metrics
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op threads set to one inside, restored after (also when the loss raises). The setting is the
+    process's: CPU ops of other threads in it run single-threaded for those milliseconds too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def evaluation_stream(device: torch.device) -> torch.cuda.Stream:
+    """One high-priority stream per device for loss_fn's final evaluation (its kernels go first when SMs free up).
+    Reused by every call: each use first waits for the main stream, so blocks it frees are safe to reuse."""
+    return torch.cuda.Stream(device, priority=-100)
+
+
+def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes: LossInsidePasses,
+              accumulator: torch.Tensor | None = None) -> LossPass:
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients
-    (`accumulator`: the fp32 d_weight sum's buffer, from `_workspace`).
-    Returns (loss, metrics, log_probs [N], entropy [N] or None, d_hidden or None, d_weight or None)."""
+    (`accumulator`: the fp32 d_weight sum's buffer, from `_workspace`)."""
     device, n = p.hidden.device, p.num_rows
     log_probs = torch.zeros(n, dtype=torch.float32, device=device)
     entropy = torch.zeros(n, dtype=torch.float32, device=device) if p.calculate_entropy else None
@@ -68,7 +154,7 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accum
         d_weight = torch.empty_like(p.weight)
         d_weight[p.valid_columns :].zero_()
         weight_sum = WeightGradientSum(d_weight[: p.valid_columns], passes.block_count, accumulator)
-    # The final evaluation should overlap the last chunk's gradient GEMMs (host_evaluation.py): on host copies
+    # The final evaluation should overlap the last chunk's gradient GEMMs (module docstring): on host copies
     # taken ahead of those GEMMs with host_loss_fn, else (CUDA, where the backend's GEMMs leave room for it) on
     # a high-priority stream that waits only for the last chunk's statistics.
     host = call.host_loss_fn is not None and want_grads
@@ -82,13 +168,13 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accum
             partials = passes.statistics(block)
         else:  # a shard of padding only: no mass, still part of the TP merge
             partials = no_column_partials(rows.numel(), device)
-        lp, ent, row_max, log_sum, shifted_mean = combine_row_statistics(p, *partials)
-        log_probs.index_copy_(0, rows, lp)
+        statistics = combine_row_statistics(p, partials)
+        log_probs.index_copy_(0, rows, statistics.log_probs)
         if entropy is not None:
-            entropy.index_copy_(0, rows, ent)
+            entropy.index_copy_(0, rows, statistics.entropy)
         if not want_grads:
             continue
-        g_lp, g_ent = chunk_row_gradients(call, rows, log_probs, entropy, lp, ent)
+        g_lp, g_ent = chunk_row_gradients(call, rows, log_probs, entropy, statistics.log_probs, statistics.entropy)
         g_lp_used.index_copy_(0, rows, g_lp)
         if g_ent_used is not None:
             g_ent_used.index_copy_(0, rows, g_ent)
@@ -98,13 +184,13 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accum
             continue
         if evaluation is not None and last:
             evaluation.wait_stream(main)
-        chunk_d_hidden = passes.gradients(block, row_max, log_sum, shifted_mean, g_lp, g_ent, True, weight_sum)
+        chunk_d_hidden = passes.gradients(block, statistics.gradient_inputs(g_lp, g_ent), True, weight_sum)
         d_hidden.index_copy_(0, rows, chunk_d_hidden.to(d_hidden.dtype))  # portable passes: fp32 for bf16/fp16 inputs
     if want_grads:
         weight_sum.finish()
     if host_copy is not None:
         loss, metrics = evaluate_on_host(call, host_copy, device)
-        return loss, metrics, log_probs, entropy, d_hidden, d_weight
+        return LossPass(loss, metrics, log_probs, entropy, d_hidden, d_weight)
     with contextlib.ExitStack() as on_evaluation_stream:
         if evaluation is not None:
             on_evaluation_stream.enter_context(torch.cuda.stream(evaluation))
@@ -117,10 +203,10 @@ def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes, accum
         finally:
             if evaluation is not None:  # what it computed is used on the main stream from here on
                 main.wait_stream(evaluation)
-    return loss, metrics, log_probs, entropy, d_hidden, d_weight
+    return LossPass(loss, metrics, log_probs, entropy, d_hidden, d_weight)
 
 
-def _workspace(p: LogProbProblem, module, spans: list[slice], loss_name: str):
+def _workspace(p: LogProbProblem, module: BlockBackend, spans: list[slice], loss_name: str):
     """(the backend's passes with their buffer of kept logits, the fp32 d_weight accumulator or None), allocated
     before any work; None, with a warning, when the allocator cannot give them (the free memory counted was there,
     in pieces too small): the call then takes the two-pass path instead of running out of memory halfway. Under
@@ -163,11 +249,13 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, p: LogProbProblem, call: LossCall, workspace):
-        loss, call.metrics, log_probs, entropy, d_hidden, d_weight = _one_pass(p, call, True, *workspace)
-        ctx.d_hidden, ctx.d_weight, ctx.loss_name = d_hidden, d_weight, call.loss_name
+        result = _one_pass(p, call, True, *workspace)
+        call.metrics = result.metrics
+        ctx.d_hidden, ctx.d_weight, ctx.loss_name = result.d_hidden, result.d_weight, call.loss_name
         ctx.main_grad_owner = weight if p.main_grad_dtype is not None else None
         ctx.set_materialize_grads(False)
-        return loss, log_probs, (entropy if entropy is not None else torch.zeros_like(log_probs))
+        entropy = result.entropy if result.entropy is not None else torch.zeros_like(result.log_probs)
+        return result.loss, result.log_probs, entropy
 
     @staticmethod
     @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
@@ -186,6 +274,58 @@ class _FusedLogProbEntropyLoss(torch.autograd.Function):
             grad_weight = _scaled(ctx.d_weight, grad_loss) if ctx.needs_input_grad[1] else None
         ctx.d_hidden = ctx.d_weight = None
         return grad_hidden, grad_weight, None, None, None
+
+
+class _LinearizedLoss(torch.autograd.Function):
+    """The loss's value; backward hands grad * (d loss / d log_probs, d loss / d entropy) to the two-pass op."""
+
+    @staticmethod
+    def forward(ctx, loss, log_probs, entropy, g_lp, g_ent):
+        ctx.g_lp, ctx.g_ent = g_lp, g_ent
+        return loss.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        def scaled(g):
+            return None if g is None else (g if bool(grad == 1) else g * grad)
+
+        return None, scaled(ctx.g_lp), scaled(ctx.g_ent), None, None
+
+
+class _RefuseGradient(torch.autograd.Function):
+    """Identity on the returned log-probs or entropy; a nonzero gradient reaching them raises, as on the fused path."""
+
+    @staticmethod
+    def forward(ctx, values, loss_name, what):
+        ctx.loss_name, ctx.what = loss_name, what
+        ctx.set_materialize_grads(False)
+        return values.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if grad is not None and bool(grad.ne(0).any()):
+            raise gradient_reached_outputs(ctx.loss_name, ctx.what)
+        return None, None, None
+
+
+def two_pass_loss(p: LogProbProblem, call: LossCall, module: BlockBackend) -> LossPass:
+    """The call through `module`'s two-pass passes (see the module docstring)."""
+    log_probs, entropy = run_passes(p, module)
+    if not p.needs_grad:
+        loss, metrics, _, _ = evaluate(call, log_probs, entropy, with_grad=False)
+        return LossPass(loss, metrics, log_probs, entropy)
+    loss, metrics, g_lp, g_ent = evaluate(call, log_probs.detach(), None if entropy is None else entropy.detach(), True)
+    rows = p.active_rows
+    check_finite(call, g_lp.index_select(0, rows), rows, "log-prob", "autograd of the loss")
+    if g_ent is not None:
+        check_finite(call, g_ent.index_select(0, rows), rows, "entropy", "autograd of the loss")
+    loss = _LinearizedLoss.apply(loss, log_probs, entropy, g_lp, g_ent)
+    log_probs = _RefuseGradient.apply(log_probs, call.loss_name, "log-probs")
+    if entropy is not None:
+        entropy = _RefuseGradient.apply(entropy, call.loss_name, "entropy")
+    return LossPass(loss, metrics, log_probs, entropy)
 
 
 def log_probs_entropy_and_loss(
@@ -247,7 +387,7 @@ def log_probs_entropy_and_loss(
     `metrics` come from the final evaluation. Backward raises LossGradientError if a gradient reaches the
     returned log_probs/entropy; the forward raises NonSeparableLossError when loss_fn is not
     token-separable (per chunk, or per row group), NonFiniteLossGradientError when its gradient at a scored
-    row is NaN or infinite. On the two-pass path (fallback.py) the same holds except that any loss is exact
+    row is NaN or infinite. On the two-pass path (`two_pass_loss`) the same holds except that any loss is exact
     and row_gradients and host_loss_fn are not called.
     """
     if not callable(loss_fn):
@@ -257,8 +397,7 @@ def log_probs_entropy_and_loss(
     for name, value in (("row_gradients", row_gradients), ("host_loss_fn", host_loss_fn)):
         if value is not None and not callable(value):
             raise ValueError(f"{name}: expected None or a callable, got {type(value).__name__}")
-    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
-        raise ValueError(f"chunk_bytes: expected None or an int >= 1 (bytes), got {chunk_bytes!r}")
+    check_int("chunk_bytes", chunk_bytes, low=1, optional=True, expected="expected None or an int >= 1 (bytes)")
     check_backend_name(backend)
     check_row_groups(row_groups, labels)
     p = build_problem(
@@ -288,17 +427,16 @@ def log_probs_entropy_and_loss(
 
         workspace = _workspace(p, module, spans, loss_name) if spans is not None and p.needs_grad else None
         if spans is None or (p.needs_grad and workspace is None):
-            loss, metrics, log_probs, entropy = two_pass_loss(p, call, module)
+            result = two_pass_loss(p, call, module)
         elif not p.needs_grad:
             with torch.no_grad():
-                loss, metrics, log_probs, entropy, _, _ = _one_pass(p, call, False, module.loss_inside_passes(p, False, spans))
+                result = _one_pass(p, call, False, module.loss_inside_passes(p, False, spans))
         else:
             loss, log_probs, entropy = _FusedLogProbEntropyLoss.apply(p.hidden, p.weight, p, call, workspace)
-            metrics = call.metrics
-            entropy = entropy if p.calculate_entropy else None
+            result = LossPass(loss, call.metrics, log_probs, entropy if p.calculate_entropy else None)
     return FusedLossResult(
-        loss=loss,
-        metrics=metrics,
-        log_probs=log_probs.view(labels.shape),
-        entropy=None if entropy is None else entropy.view(labels.shape),
+        loss=result.loss,
+        metrics=result.metrics,
+        log_probs=result.log_probs.view(labels.shape),
+        entropy=None if result.entropy is None else result.entropy.view(labels.shape),
     )

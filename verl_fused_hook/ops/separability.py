@@ -10,7 +10,7 @@ NonSeparableLossError. A gradient that is NaN or infinite is reported as that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -64,14 +64,24 @@ class LossCall:
     metrics: Any = field(default=None)
 
 
+class Evaluation(NamedTuple):
+    """loss_fn on full-length values: the loss (scalar) and metrics, and, when asked for, its fp32 gradients in the
+    log-probs and entropy (g_ent None without the entropy)."""
+
+    loss: torch.Tensor
+    metrics: Any
+    g_lp: torch.Tensor | None
+    g_ent: torch.Tensor | None
+
+
 def evaluate(call: LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool,
-             loss_fn: LossFunction | None = None):
-    """loss_fn (default call.loss_fn) on full-length values: (loss, metrics, g_lp, g_ent); with_grad: also its
-    fp32 gradients in log_probs and entropy (zeros if unused), else None for both."""
+             loss_fn: LossFunction | None = None) -> Evaluation:
+    """loss_fn (default call.loss_fn) on full-length values; with_grad: also its fp32 gradients in log_probs and
+    entropy (zeros if unused), else None for both."""
     loss_fn = loss_fn or call.loss_fn
     if not with_grad:
         loss, metrics = loss_fn(log_probs.view(call.shape), None if entropy is None else entropy.view(call.shape))
-        return loss, metrics, None, None
+        return Evaluation(loss, metrics, None, None)
     with torch.enable_grad():
         lp = log_probs.detach().requires_grad_(True)
         ent = None if entropy is None else entropy.detach().requires_grad_(True)
@@ -84,7 +94,7 @@ def evaluate(call: LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | No
     g_ent = None
     if ent is not None:
         g_ent = grads[1] if grads[1] is not None else torch.zeros_like(entropy)
-    return loss.detach().reshape(()), metrics, g_lp.float(), g_ent if g_ent is None else g_ent.float()
+    return Evaluation(loss.detach().reshape(()), metrics, g_lp.float(), g_ent if g_ent is None else g_ent.float())
 
 
 def chunk_row_gradients(call: LossCall, rows, log_probs, entropy, chunk_log_probs, chunk_entropy):

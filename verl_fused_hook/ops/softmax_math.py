@@ -5,18 +5,54 @@ are fp32 and `z = raw * inv_temp` per row. Everything is taken relative to the r
 which keeps the entropy exact for logits of any magnitude. A *partial* holds, per row and
 over some subset of columns (a tile, a vocabulary split, a rank's shard): the max m, the sum
 s = sum_j e^(z_j - m), the shifted dot d = sum_j e^(z_j - m)(z_j - m) and the label logit z_y
-(0 where the label is not in the subset).
+(0 where the label is not in the subset). Named tuples carry what passes between the backends' blocks and the
+drivers: `Partials` (a block's statistics), `RowStatistics` (merged over the vocabulary), `LogitGradientInputs`
+(what a block's d_logits is formed from).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .problem import LogProbProblem
+from .arguments import LogProbProblem
 
-Partials = tuple[Tensor, Tensor, Tensor, Tensor]  # (max, sum-exp, shifted dot, label logit), fp32 [R] each
+
+class Partials(NamedTuple):
+    """A partial per row over some subset of columns, fp32 [R] each (see the module docstring)."""
+
+    row_max: Tensor
+    sum_exp: Tensor
+    shifted_dot: Tensor
+    label_logit: Tensor
+
+
+class LogitGradientInputs(NamedTuple):
+    """What a block's d_logits is formed from, fp32 [R] each: the merged (whole vocabulary) statistics of its rows,
+    and the upstream gradients of their log-probs and entropy (None: that gradient is absent)."""
+
+    row_max: Tensor
+    log_sum: Tensor
+    shifted_mean: Tensor
+    g_lp: Tensor | None
+    g_ent: Tensor | None
+
+
+class RowStatistics(NamedTuple):
+    """Partials merged over every rank's shard, fp32 [R] each: the outputs (entropy None unless asked) and what
+    the gradients are taken against: the row max, log sum e^(z - max) and shifted mean E[z] - max."""
+
+    log_probs: Tensor
+    entropy: Tensor | None
+    row_max: Tensor
+    log_sum: Tensor
+    shifted_mean: Tensor
+
+    def gradient_inputs(self, g_lp: Tensor | None, g_ent: Tensor | None) -> LogitGradientInputs:
+        return LogitGradientInputs(self.row_max, self.log_sum, self.shifted_mean, g_lp, g_ent)
 
 
 def label_columns(p: LogProbProblem, rows: Tensor) -> Tensor:
@@ -35,7 +71,7 @@ def inverse_temperature(temperature: float | Tensor, rows: Tensor) -> Tensor:
 def no_column_partials(count: int, device: torch.device) -> Partials:
     """The partial of a shard without columns (padding only): no mass, still part of the TP merge."""
     zeros = torch.zeros(count, dtype=torch.float32, device=device)
-    return torch.full_like(zeros, float("-inf")), zeros, zeros, zeros
+    return Partials(torch.full_like(zeros, float("-inf")), zeros, zeros, zeros)
 
 
 def partial_statistics(raw: Tensor, label_col: Tensor, inv_temp: Tensor, *, entropy: bool, keep_raw: bool) -> Partials:
@@ -50,7 +86,7 @@ def partial_statistics(raw: Tensor, label_col: Tensor, inv_temp: Tensor, *, entr
     sum_exp = exp_shifted.sum(dim=1)
     # in place: no third [R, C] temporary; sum() reduces pairwise, unlike a dot product
     shifted_dot = exp_shifted.mul_(shifted).sum(dim=1) if entropy else torch.zeros_like(sum_exp)
-    return row_max, sum_exp, shifted_dot, label_logit
+    return Partials(row_max, sum_exp, shifted_dot, label_logit)
 
 
 def rescale_partials(global_max, local_max, local_sum, local_shifted_dot):
@@ -67,17 +103,17 @@ def merge_partials(part_max: Tensor, part_sum: Tensor, part_dot: Tensor, part_la
     """One partial per row from [splits, R] partials over disjoint column subsets."""
     row_max = part_max.amax(dim=0)
     total, dot = rescale_partials(row_max, part_max, part_sum, part_dot)
-    return row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0)
+    return Partials(row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0))
 
 
-def combine_row_statistics(p: LogProbProblem, local_max, local_sum, local_shifted_dot, label_logit):
-    """Merge this rank's partials with the other ranks' (one MAX and one SUM all-reduce); return
-    (log_probs, entropy or None, max, log sum-exp, shifted mean), all over the same rows.
+def combine_row_statistics(p: LogProbProblem, partials: Partials) -> RowStatistics:
+    """Merge this rank's partials with the other ranks' (one MAX and one SUM all-reduce), over the same rows.
 
     When `p.label_is_max` is a buffer (the rows are then all of p.active_rows), also record whether
     each row's label logit equals the row max: the label logit is one rank's value plus exact zeros
     and the max a MAX all-reduce of values rounded the same way, so the comparison is exact (a tie
     counts as True)."""
+    local_max, local_sum, local_shifted_dot, label_logit = partials
     global_max = local_max.clone()
     if p.tp_world_size > 1:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=p.tp_group)
@@ -92,7 +128,7 @@ def combine_row_statistics(p: LogProbProblem, local_max, local_sum, local_shifte
     shifted_mean = total_dot / total
     log_probs = label - global_max - log_sum
     entropy = log_sum - shifted_mean if p.calculate_entropy else None
-    return log_probs, entropy, global_max, log_sum, shifted_mean
+    return RowStatistics(log_probs, entropy, global_max, log_sum, shifted_mean)
 
 
 def scatter_rows(p: LogProbProblem, values: Tensor | None) -> Tensor | None:
@@ -103,22 +139,11 @@ def scatter_rows(p: LogProbProblem, values: Tensor | None) -> Tensor | None:
     return out.index_copy_(0, p.active_rows, values)
 
 
-def grad_logits(
-    raw: Tensor,
-    label_col: Tensor,
-    inv_temp: Tensor,
-    row_max: Tensor,
-    log_sum: Tensor,
-    shifted_mean: Tensor,
-    g_lp: Tensor | None,
-    g_ent: Tensor | None,
-) -> Tensor:
+def grad_logits(raw: Tensor, label_col: Tensor, inv_temp: Tensor, inputs: LogitGradientInputs) -> Tensor:
     """fp32 [R, C] gradient of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw logits,
-    formed in place over `raw` (None: that upstream gradient is absent).
-
-    row_max, log_sum = log sum e^(z - max) and shifted_mean = E[z] - max are the merged (whole
-    vocabulary) statistics: dz_j = inv_temp * (g_lp ([j == y] - p_j) + g_ent p_j (E[z] - z_j)).
+    formed in place over `raw`: dz_j = inv_temp * (g_lp ([j == y] - p_j) + g_ent p_j (E[z] - z_j)).
     """
+    row_max, log_sum, shifted_mean, g_lp, g_ent = inputs
     inv = inv_temp.unsqueeze(1)
     shifted = raw.mul_(inv).sub_(row_max.unsqueeze(1))
     probs = (shifted - log_sum.unsqueeze(1)).exp_()

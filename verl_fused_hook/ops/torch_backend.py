@@ -1,4 +1,4 @@
-"""Portable backend: pure-PyTorch block primitives (CPU and GPU), the math of softmax_math.py.
+"""Portable backend: pure-PyTorch block passes (CPU and GPU), the math of softmax_math.py.
 
 A block's fp32 logits live only while that block is processed. In the two-pass op the blocks
 are tiles of `tile_rows` rows and the gradient pass recomputes each tile's logits; in the
@@ -9,14 +9,23 @@ statistics to its gradients (4 bytes per logit, plus d_logits in place over them
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
+from .arguments import LogProbProblem
+from .backends import RowBlock, SavedPasses
 from .chunking import ChunkCost
-from .problem import LogProbProblem, RowBlock
-from .softmax_math import grad_logits, inverse_temperature, label_columns, partial_statistics
+from .softmax_math import (
+    LogitGradientInputs,
+    Partials,
+    grad_logits,
+    inverse_temperature,
+    label_columns,
+    partial_statistics,
+)
 from .weight_gradient import WeightGradientSum
 
 # The loss-inside op's chunk: 4 bytes of fp32 logits per logit plus the passes' temporaries, about three
@@ -69,7 +78,7 @@ class _Gemms:
 
 
 class PortablePasses:
-    """The portable primitives of one call over `spans` of the scored rows (the loss-inside op's chunks), by
+    """The portable passes of one call over `spans` of the scored rows (the loss-inside op's chunks), by
     default tiles of `p.tile_rows` (the two-pass op's); with `keep`, statistics keep the block's fp32 logits for
     the gradients of the same block."""
 
@@ -83,7 +92,7 @@ class PortablePasses:
         self.spans = spans if spans is not None else [slice(s, min(s + tile, active)) for s in range(0, active, tile)]
         self.block_count = len(self.spans)
 
-    def blocks(self):
+    def blocks(self) -> Iterator[RowBlock]:
         active = self.p.active_rows
         for span in self.spans:
             rows = active[span]
@@ -92,30 +101,31 @@ class PortablePasses:
                 inverse_temperature(self.p.temperature, rows),
             )
 
-    def statistics(self, block: RowBlock):
+    def statistics(self, block: RowBlock) -> Partials:
         raw = self.gemms.raw_logits(block.hidden)
         if self.keep:
             self.kept_logits = raw
         return partial_statistics(raw, block.label_col, block.inv_temp, entropy=self.p.calculate_entropy, keep_raw=self.keep)
 
-    def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
+    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
                   weight_sum: WeightGradientSum | None) -> Tensor | None:
         raw = self.kept_logits if self.keep else self.gemms.raw_logits(block.hidden)
         self.kept_logits = None
-        grad = grad_logits(raw, block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)
+        grad = grad_logits(raw, block.label_col, block.inv_temp, inputs)
         grad = self.gemms.grad_operand(grad)
         if weight_sum is not None:
             weight_sum.add(grad, block.hidden)
         return self.gemms.grad_hidden(grad) if want_hidden else None
 
-    def for_backward(self):
+    def for_backward(self) -> SavedPasses:
         """The problem's tensors (the inputs, by reference: nothing per row beyond the driver's statistics),
         and how to rebuild these passes from them."""
         p = self.p
         temperature = p.temperature if isinstance(p.temperature, Tensor) else None
         stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
                        temperature=None if temperature is not None else p.temperature)
-        return (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(_rebuilt, stub)
+        return SavedPasses((p.hidden, p.weight, p.labels, p.active_rows, temperature),
+                           functools.partial(_rebuilt, stub))
 
 
 def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperature) -> PortablePasses:

@@ -1,32 +1,63 @@
-"""Fused Triton backend for CUDA (Hopper first): logits never reach memory in the forward,
-and the backward recomputes them one vocabulary chunk at a time (triton_recompute.py).
+"""The Triton backend's host side (CUDA, Hopper first): availability, launches, and the passes both drivers walk.
+Its kernels are triton_kernels.py's. No float atomics anywhere, so two runs give the same bits.
 
-Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows
-and vocabulary themselves. Statistics: one kernel reduces each scored row's logits, tile by tile,
-to a Partial; the vocabulary is split across programs when rows are few, and the splits are
-merged with softmax_math's formulas. Gradients: triton_recompute.py, over every row at once or, where that
-needs less memory, over groups of rows (`row_groups`). With keep_logits_bytes the forward kernel also keeps
-some rows' logits, and those skip the recompute.
-Loss-inside op (`StoredLogitsPasses`): the chunks chunking.py plans from this backend's
-`loss_inside_cost`; the statistics kernel also keeps the logits in fp16, and the gradient pass
-overwrites them in place with d_logits (triton_chunk_kernels.py). No float atomics anywhere, so two runs give the same bits.
+Forward (both ops): one kernel reduces each scored row's logits, tile by tile, to a Partial; logits never reach
+memory. The vocabulary is split across programs when rows are few, and the splits are merged with softmax_math's
+formulas (`local_statistics`).
+
+Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows and
+vocabulary themselves. The backward recomputes the logits one vocabulary chunk at a time
+(`recomputed_gradients`): per chunk and tile of rows, `grad_logits_kernel` recomputes the logits and writes
+d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of the
+chunk's d_weight rows. Tile height and group size come from fixed budgets, never from the token count, and the
+chunk width from a fixed width, moved by at most a quarter so that the launches fill whole waves of the GPU's SMs
+(`backward_tiling`), so the time per row does not change with N.
+
+Why row groups: each gradient is a sum over the other's dimension, and the one summed across the outer loop
+needs an fp32 buffer to be rounded once. With the vocabulary outside (the default), that is d_hidden: 4 H
+bytes per scored row, growing with N. When the rows outnumber the shard's vocabulary (long context,
+tensor-parallel shards), the rows go outside in groups of ROW_GROUP_ROWS, each walking the whole
+vocabulary, and d_weight is the sum kept in fp32 instead: 4 H bytes per shard column plus one group's
+d_hidden, whatever N. `row_groups` takes the groups where they need GROUPS_MIN_SAVING_BYTES less memory
+(they cost up to ~1% of time); either way each gradient is summed in fp32 and rounded once.
+When d_weight goes into an fp32 `main_grad` (weight_gradient.py), that is already the fp32 sum: the groups then
+cost no memory of their own and are as small as IN_PLACE_WALK_BYTES says, whatever N.
+
+Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
+(`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
+bytes read and two written per logit, no second buffer, the recompute's arithmetic. The loss-inside op
+(`StoredLogitsPasses`) keeps every chunk's logits (chunks chunking.py plans from `loss_inside_cost`): each chunk's
+logits are computed once. The two-pass op keeps those of as many scored rows as keep_logits_bytes holds, and those
+rows skip the recompute; a kept buffer the GPU cannot give must not stop a training step: that call then
+recomputes every row, and a warning says so once.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import triton_launch as launch
-from .chunking import ChunkCost
-from .kept_logits import StoredLogits, kept_rows_buffer, stored_layout
-from .problem import LogProbProblem, RowBlock
-from .softmax_math import inverse_temperature, label_columns, merge_partials, no_column_partials
-from .triton_recompute import recomputed_gradients, row_groups
+from ..log_once import log_once
+from .arguments import LogProbProblem
+from .backends import RowBlock, SavedPasses
+from .chunking import ChunkCost, equal_piece_rows
+from .softmax_math import (
+    LogitGradientInputs,
+    Partials,
+    inverse_temperature,
+    label_columns,
+    merge_partials,
+    no_column_partials,
+)
 from .weight_gradient import WeightGradientSum
+
+logger = logging.getLogger(__name__)
 
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
@@ -39,7 +70,71 @@ MIN_SPLITS = 8
 # 4 GiB (5 chunks) 0.84x the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
 STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
 
-FORWARD_CONFIG = launch.TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
+# Working memory of the backward beside the fp32 accumulator: the bf16 d_logits tile and, when the rows need
+# more than one tile, the fp32 accumulator of the chunk's d_weight rows.
+TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
+# Vocabulary columns per backward chunk. The fp32 d_hidden accumulator is read and written once per chunk:
+# 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
+# what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
+CHUNK_COLUMNS = 8192
+# The width walked is CHUNK_COLUMNS widened by at most this fraction (in whole column tiles) so that the
+# gradient kernel's launches fill whole waves of the GPU's programs (`backward_tiling`). On the H200 (132 SMs),
+# 8448 columns (33 tiles) against 8192, A/B in rounds over three runs: 0.956-0.968x the forward+backward time at
+# 8192 x 4096 x 151936, 0.97-1.00x at 16384-65536 rows, H 2048-8192 (docs/benchmarks.md).
+MAX_CHUNK_WIDENING = 0.25
+# Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
+# 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
+# byte at 32768 rows, against Hopper's balance of ~165).
+ROW_GROUP_ROWS = 32768
+# Groups cost up to ~1% of time (H200, against one walk: -0.4% to +0.1% at 131072 rows of 37984-62080-column
+# shards, +1.3% at 65536 x 4096 x 18992 and +1.2% at 262144 x 4096 x 151936), so they are taken only where they
+# spare at least this much memory (those five shapes: 0.68-1.61 GiB).
+GROUPS_MIN_SAVING_BYTES = 512 * 1024**2
+# A group's walk (its fp32 d_hidden and bf16 d_logits tile, at the nominal chunk width) when d_weight sums in place
+# into an fp32 main_grad.
+IN_PLACE_WALK_BYTES = 512 * 1024**2
+
+# Columns per program of the in-place gradient pass over kept logits.
+GRAD_BLOCK = 2048
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block shape and pipelining of one kernel launch; ctas_per_sm feeds the wave arithmetic."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+
+FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
+# One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
+# tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
+# programs per SM, one tile each).
+GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Row-major with a 16-byte aligned base, as TMA descriptors require (copies only if not)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -78,6 +173,42 @@ def _triton_import_error() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class StoredLogits:
+    """Where the forward kernel keeps logits for a gradient pass: `shifted`, fp16 [rows, valid_columns] (row stride
+    a multiple of 8 elements), each `tile_columns`-wide tile (the forward kernel's block_n) relative to its own row
+    max, and that max, fp32 [rows, column tiles]."""
+
+    shifted: torch.Tensor
+    tile_max: torch.Tensor
+    tile_columns: int
+
+
+def stored_layout(columns: int, tile_columns: int) -> tuple[int, int]:
+    """(row pitch of the fp16 logits: TMA needs 16-byte aligned rows, column tiles of the forward kernel)."""
+    return -(-columns // 8) * 8, -(-columns // tile_columns)
+
+
+def kept_rows_buffer(budget: int, rows: int, columns: int, row_block: int, tile_columns: int,
+                     device: torch.device) -> StoredLogits | None:
+    """Room for the logits of the first K of `rows` scored rows, K as many as `budget` bytes hold (whole
+    `row_block`s unless every row fits); None when none fit, or when the allocator refuses (logged)."""
+    pitch, tiles = stored_layout(columns, tile_columns)
+    fit = budget // (2 * pitch + 4 * tiles)
+    kept = rows if fit >= rows else fit // row_block * row_block
+    if kept == 0 or columns == 0:
+        return None
+    try:
+        shifted = torch.empty(kept, pitch, dtype=torch.float16, device=device)[:, :columns]
+        return StoredLogits(shifted, torch.empty(kept, tiles, dtype=torch.float32, device=device), tile_columns)
+    except torch.OutOfMemoryError as error:
+        reason = " ".join(str(error).split())[:240]
+        log_once(logger, f"log_probs_and_entropy: keep_logits_bytes: {kept} rows of kept logits could not be allocated "
+                 f"({reason}); this call recomputes every row's logits in its backward", logging.WARNING,
+                 key="kept logits refused", later=logging.DEBUG)
+        return None
+
+
 @functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
 def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
     """Column tiles per program minimizing (waves x tiles per program), with at least
@@ -96,13 +227,14 @@ def choose_tiles_per_split(row_blocks: int, col_tiles: int, slots: int) -> int:
 
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
     """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
-    hidden = launch.tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
+    hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
     return RowBlock(span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows))
 
 
-def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None):
-    """This rank's (max, sum, shifted dot, label logit) per row of `hidden` (the scored rows, compacted),
-    from the fused kernel; with `store`, the kernel also writes the logits there."""
+def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp,
+                     store: StoredLogits | None = None) -> Partials:
+    """This rank's partials per row of `hidden` (the scored rows, compacted), from the forward kernel; with `store`,
+    the kernel also writes the logits there."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
@@ -111,22 +243,209 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp, sto
     c = FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = choose_tiles_per_split(row_blocks, col_tiles, launch.num_sms(hidden.device) * c.ctas_per_sm)
+    per = choose_tiles_per_split(row_blocks, col_tiles, num_sms(hidden.device) * c.ctas_per_sm)
     splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
-        launch.descriptor(hidden, [c.block_m, c.block_k]),
-        launch.descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
+        descriptor(hidden, [c.block_m, c.block_k]),
+        descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
         label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
-        None if store is None else launch.descriptor(store.shifted, [c.block_m, c.block_n]),
+        None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
         n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
         ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if splits == 1:
-        return parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0]
+        return Partials(parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0])
     return merge_partials(*parts.unbind(0))
+
+
+@dataclass(frozen=True)
+class BackwardTiling:
+    """How the backward walks [rows x vocabulary]: `columns` per chunk, `rows` per d_logits tile."""
+
+    columns: int
+    rows: int
+
+    def tiles(self, total_rows: int) -> list[tuple[int, int]]:
+        return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
+
+
+def _row_tiling(rows: int, hidden_size: int, columns: int, block_m: int) -> BackwardTiling:
+    """All rows in one d_logits tile when it fits TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit
+    it beside the chunk's fp32 d_weight accumulator."""
+    rows = max(rows, 1)
+    if 2 * rows * columns <= TILE_MEMORY_BUDGET:
+        return BackwardTiling(columns, rows)
+    fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
+    return BackwardTiling(columns, equal_piece_rows(rows, fit, block_m))
+
+
+def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
+    """(nominal, most) column tiles per chunk: CHUNK_COLUMNS, and MAX_CHUNK_WIDENING wider; none past the shard's
+    own tiles. Never narrower: each chunk reads and writes the fp32 d_hidden accumulator once (module docstring)."""
+    total = -(-valid_columns // block_n)
+    nominal = max(1, CHUNK_COLUMNS // block_n)
+    return min(nominal, total), min(nominal + int(nominal * MAX_CHUNK_WIDENING), total)
+
+
+def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
+    """CHUNK_COLUMNS, or the shard's width when narrower: the width the memory models of `row_groups` assume (the
+    walk may widen it to fill waves, by at most MAX_CHUNK_WIDENING of its d_logits tile)."""
+    return _chunk_tile_range(valid_columns, block_n)[0] * block_n
+
+
+def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int,
+                    slots: int) -> BackwardTiling:
+    """Chunk width and row tiles of the backward's walk. Of the widths in `_chunk_tile_range`, the one whose
+    gradient-kernel launches (a row tile's blocks x a chunk's column tiles, `slots` programs at a time) take the
+    fewest waves over the whole walk, then the narrowest. 32 tiles over 64 row blocks leave the last of 16 waves
+    half empty on 132 SMs; 33 fill them. Nothing depends on anything but budgets, shapes and the SM count, so the
+    work per row is the same at every N."""
+    total = -(-valid_columns // block_n)
+    nominal, most = _chunk_tile_range(valid_columns, block_n)
+    best, best_waves = None, None
+    for tiles in range(nominal, most + 1):
+        tiling = _row_tiling(rows, hidden_size, tiles * block_n, block_m)
+        full, last = divmod(total, tiles)
+        waves = 0
+        for _, count in tiling.tiles(max(rows, 1)):
+            blocks = -(-count // block_m)
+            waves += full * -(-blocks * tiles // slots) + -(-blocks * last // slots)
+        if best_waves is None or waves < best_waves:
+            best, best_waves = tiling, waves
+    return best
+
+
+def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> int:
+    """Working memory of one walk over the vocabulary for `rows` rows: the fp32 d_hidden accumulator, the d_logits
+    tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles (at the nominal width)."""
+    c = GRAD_CONFIG
+    tiling = _row_tiling(rows, hidden_size, nominal_chunk_columns(valid_columns, c.block_n), c.block_m)
+    several = len(tiling.tiles(rows)) > 1
+    return (4 * rows * hidden_size * want_hidden + 2 * tiling.rows * tiling.columns
+            + 4 * tiling.columns * hidden_size * (several and want_weight))
+
+
+def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool,
+               weight_sum_in_place: bool = False) -> list[slice]:
+    """The backward's groups of rows (slices of the scored rows): one of every row, unless equal groups of
+    about ROW_GROUP_ROWS (whole row blocks) need GROUPS_MIN_SAVING_BYTES less memory: their fp32 d_weight sum
+    (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring).
+    weight_sum_in_place (d_weight added into an fp32 main_grad): equal groups whose walk fits IN_PLACE_WALK_BYTES."""
+    block_m = GRAD_CONFIG.block_m
+    in_place = weight_sum_in_place and want_weight
+    if in_place:
+        per_row = 4 * hidden_size * want_hidden + 2 * nominal_chunk_columns(valid_columns, GRAD_CONFIG.block_n)
+        group = max(block_m, IN_PLACE_WALK_BYTES // per_row // block_m * block_m)
+    else:
+        group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
+    if rows <= group or not (want_hidden or in_place):
+        return [slice(0, rows)]
+    size = equal_piece_rows(rows, group, block_m)
+    if in_place:
+        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+    grouped = (4 * valid_columns * hidden_size * want_weight
+               + _vocabulary_outside_bytes(size, hidden_size, valid_columns, want_hidden, False))
+    if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(rows, hidden_size, valid_columns, want_hidden,
+                                                                     want_weight):
+        return [slice(0, rows)]
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, inputs: LogitGradientInputs,
+                         want_hidden: bool, weight_sum: WeightGradientSum | None,
+                         kept: StoredLogits | None = None) -> Tensor | None:
+    """fp32 d_hidden of the block (or None); its share of d_weight[:valid_columns] chunk by chunk through
+    weight_sum. The block's first rows, when `kept` holds their logits, are one more row tile whose d_logits
+    come from there. `inputs`: no gradient None."""
+    from . import triton_kernels as kernels
+
+    hidden = block.hidden
+    n, h = hidden.shape
+    c = GRAD_CONFIG
+    k = 0 if kept is None else kept.shifted.shape[0]
+    slots = num_sms(hidden.device) * c.ctas_per_sm
+    tiling = backward_tiling(n - k, h, valid_columns, c.block_m, c.block_n, slots)
+    tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
+    dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
+    d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
+    # Several row tiles of the only block add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
+    # (Row groups add into the sum's own fp32 buffer.)
+    dw_chunk = None
+    if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1 and weight_sum.total.dtype != torch.float32:
+        dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
+    w_desc = descriptor(weight[:valid_columns], [c.block_n, c.block_k])
+    row_args = (block.label_col, block.inv_temp, *inputs)
+    for start in range(0, valid_columns, tiling.columns):
+        cols = min(tiling.columns, valid_columns - start)
+        w_chunk = weight[start : start + cols]
+        chunk_sum = None
+        if weight_sum is not None:
+            chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
+        for first, count in tiles:
+            rows = slice(first, first + count)
+            if first < k:  # the kept rows: d_logits over their stored logits, in place
+                dz = stored_grad_logits(kept, *(t[rows] for t in row_args), hidden.dtype, columns=(start, start + cols))
+            else:
+                dz = dz_buffer[:count, :cols]
+                programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
+                kernels.grad_logits_kernel[(programs,)](
+                    descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc,
+                    descriptor(dz, [c.block_m, c.block_n]),
+                    *(t[rows] for t in row_args),
+                    count, h, start, cols, programs,
+                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    num_warps=c.num_warps, num_stages=c.num_stages,
+                )
+            if d_hidden is not None:
+                torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
+            if chunk_sum is not None:
+                chunk_sum.add(dz, hidden[rows])
+        if chunk_sum is not None:
+            chunk_sum.finish()
+    return d_hidden
+
+
+def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
+                       out_dtype: torch.dtype, columns: tuple[int, int] | None = None) -> torch.Tensor:
+    """d_logits [R, C] in out_dtype (2 bytes) of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw
+    logits, written over `store.shifted` (a StoredLogits) and returned
+    as a view of it (same strides); only its `columns` [start, stop) when given (start on a tile boundary).
+    row_max, log_sum, shifted_mean are the global (tensor-parallel merged) statistics, label_col -1 where
+    another rank holds the label. The arguments are the kernel's per-row vectors, in its order."""
+    from . import triton_kernels as kernels
+
+    shifted, tile_max = store.shifted, store.tile_max
+    if columns is not None:
+        start, stop = columns
+        if start % store.tile_columns:
+            raise ValueError(f"columns: must start on a {store.tile_columns}-column tile boundary, got {start}")
+        shifted, tile_max, label_col = shifted[:, start:stop], tile_max[:, start // store.tile_columns :], label_col - start
+    if torch.empty((), dtype=out_dtype).element_size() != shifted.element_size():
+        raise ValueError(f"out_dtype: must be a 2-byte float to overwrite the stored logits, got {out_dtype}")
+    rows, width = shifted.shape
+    dz = shifted.view(out_dtype)
+    if rows and width:
+        vectors = [t.float().contiguous() for t in (inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)]
+        kernels.stored_grad_logits_kernel[(rows, -(-width // GRAD_BLOCK))](
+            shifted, dz, shifted.stride(0), tile_max, tile_max.stride(0),
+            label_col.to(torch.int64).contiguous(), *vectors,
+            width, TILE_N=store.tile_columns, BLOCK=GRAD_BLOCK, num_warps=8,
+        )
+    return dz
+
+
+def kept_gradients(store: StoredLogits, block: RowBlock, weight: Tensor, inputs: LogitGradientInputs,
+                   want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+    """The two-pass op's backward when every scored row's logits were kept (keep_logits_bytes): d_logits over all
+    of them in place, then one GEMM for the block's d_weight (into weight_sum) and one for its d_hidden (the sum
+    over the vocabulary in cuBLAS's fp32, rounded once: no accumulator, no chunks). `inputs`: no gradient None."""
+    dz = stored_grad_logits(store, block.label_col, block.inv_temp, *inputs, block.hidden.dtype)
+    if weight_sum is not None:
+        weight_sum.add(dz, block.hidden)
+    return torch.mm(dz, weight) if want_hidden else None
 
 
 def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
@@ -134,9 +453,9 @@ def _zeros_for_none(grad: Tensor | None, like: Tensor) -> Tensor:
 
 
 class RecomputingPasses:
-    """Two-pass primitives: every scored row in one block (compacted when some are masked); statistics run the
+    """Two-pass passes: every scored row in one block (compacted when some are masked); statistics run the
     forward kernel, gradients recompute the logits chunk by chunk, except the first rows' when `kept` holds them.
-    The backward's passes walk `groups` of those rows as blocks of their own (triton_recompute.row_groups).
+    The backward's passes walk `groups` of those rows as blocks of their own (`row_groups`).
     Saved for backward: the block (rows, int32 label column, 1/T), the weight, the kept logits."""
 
     def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock,
@@ -148,7 +467,7 @@ class RecomputingPasses:
     def block_count(self) -> int:
         return 1 if self.groups is None else len(self.groups)
 
-    def blocks(self):
+    def blocks(self) -> Iterator[RowBlock]:
         if self.groups is None:
             yield self.block
             return
@@ -156,7 +475,7 @@ class RecomputingPasses:
         for group in self.groups:
             yield RowBlock(group, b.rows[group], b.hidden[group], b.label_col[group], b.inv_temp[group])
 
-    def statistics(self, block: RowBlock):
+    def statistics(self, block: RowBlock) -> Partials:
         if self.kept is None:
             return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp)
         k = self.kept.shifted.shape[0]
@@ -164,20 +483,17 @@ class RecomputingPasses:
         if k == block.hidden.shape[0]:
             return head
         tail = local_statistics(self.p, block.hidden[k:], self.weight, block.label_col[k:], block.inv_temp[k:])
-        return tuple(torch.cat(pair) for pair in zip(head, tail))
+        return Partials(*(torch.cat(pair) for pair in zip(head, tail)))
 
-    def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
+    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
                   weight_sum: WeightGradientSum | None) -> Tensor | None:
-        g_lp, g_ent = _zeros_for_none(g_lp, row_max), _zeros_for_none(g_ent, row_max)
+        inputs = inputs._replace(g_lp=_zeros_for_none(inputs.g_lp, inputs.row_max),
+                                 g_ent=_zeros_for_none(inputs.g_ent, inputs.row_max))
         if self.kept is not None and self.kept.shifted.shape[0] == block.hidden.shape[0]:
-            from .triton_chunk_kernels import kept_gradients
+            return kept_gradients(self.kept, block, self.weight[: self.valid_columns], inputs, want_hidden, weight_sum)
+        return recomputed_gradients(block, self.weight, self.valid_columns, inputs, want_hidden, weight_sum, self.kept)
 
-            return kept_gradients(self.kept, block, self.weight[: self.valid_columns], row_max, log_sum, shifted_mean,
-                                  g_lp, g_ent, want_hidden, weight_sum)
-        return recomputed_gradients(block, self.weight, self.valid_columns, row_max, log_sum, shifted_mean, g_lp, g_ent,
-                                    want_hidden, weight_sum, self.kept)
-
-    def for_backward(self):
+    def for_backward(self) -> SavedPasses:
         """The saved tensors, and the backward's passes: the kept rows' block, or the groups of rows that
         need the least memory for the gradients these inputs want."""
         b = self.block
@@ -186,9 +502,8 @@ class RecomputingPasses:
         if self.kept is None:
             groups = row_groups(b.rows.numel(), b.hidden.shape[1], self.valid_columns, self.p.hidden.requires_grad,
                                 self.p.weight.requires_grad, self.p.main_grad_dtype == torch.float32)
-        return (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept), functools.partial(
-            _rebuilt_recomputing, self.valid_columns, groups
-        )
+        return SavedPasses((b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept),
+                           functools.partial(_rebuilt_recomputing, self.valid_columns, groups))
 
 
 def _rebuilt_recomputing(valid_columns: int, groups: list[slice] | None, hidden, weight, rows, label_col, inv_temp,
@@ -206,20 +521,20 @@ def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> Recomputin
     if for_backward and p.keep_logits_bytes:
         kept = kept_rows_buffer(p.keep_logits_bytes, block.rows.numel(), p.valid_columns, FORWARD_CONFIG.block_m,
                                 FORWARD_CONFIG.block_n, p.weight.device)
-    return RecomputingPasses(p, p.valid_columns, launch.tma_ready(p.weight), block, kept)
+    return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block, kept)
 
 
 class StoredLogitsPasses:
-    """Loss-inside primitives over the chunks `spans`. With `keep`, the forward kernel reduces each chunk's logits
+    """Loss-inside passes over the chunks `spans`. With `keep`, the forward kernel reduces each chunk's logits
     to statistics and keeps them in fp16 (`StoredLogits`); the gradient pass overwrites them with d_logits in
-    place (`triton_chunk_kernels`). 2 bytes per logit, one buffer of the largest chunk reused by every chunk.
+    place (`stored_grad_logits`). 2 bytes per logit, one buffer of the largest chunk reused by every chunk.
     Without `keep` (no gradients) nothing is kept, and the spans are one: every scored row at once."""
 
-    # The final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs (host_evaluation.py).
+    # The final loss evaluation runs on a high-priority stream beside the last chunk's GEMMs (loss_inside.py).
     overlap_final_evaluation = True
 
     def __init__(self, p: LogProbProblem, keep: bool, spans: list[slice]):
-        self.p, self.weight, self.spans = p, launch.tma_ready(p.weight), spans
+        self.p, self.weight, self.spans = p, tma_ready(p.weight), spans
         self.columns = p.valid_columns
         pitch, tiles = stored_layout(self.columns, FORWARD_CONFIG.block_n)
         self.block_count = len(spans)
@@ -229,25 +544,22 @@ class StoredLogitsPasses:
             self.buffer = torch.empty(rows, pitch, dtype=torch.float16, device=p.weight.device)
             self.tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=p.weight.device)
 
-    def blocks(self):
+    def blocks(self) -> Iterator[RowBlock]:
         active = self.p.active_rows
         for span in self.spans:
             yield _block(self.p, active[span], span)
 
-    def statistics(self, block: RowBlock):
+    def statistics(self, block: RowBlock) -> Partials:
         count = block.rows.numel()
         if self.buffer is not None:
             self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count], FORWARD_CONFIG.block_n)
         return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp, self.store)
 
-    def gradients(self, block: RowBlock, row_max, log_sum, shifted_mean, g_lp, g_ent, want_hidden: bool,
+    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
                   weight_sum: WeightGradientSum | None) -> Tensor | None:
-        from .triton_chunk_kernels import stored_grad_logits
-
-        grad_logits = stored_grad_logits(
-            self.store, block.label_col, block.inv_temp, row_max, log_sum, shifted_mean, g_lp,
-            _zeros_for_none(g_ent, row_max), self.p.hidden.dtype,
-        )
+        """`inputs.g_lp` a tensor (the loss's), `inputs.g_ent` None without the entropy."""
+        inputs = inputs._replace(g_ent=_zeros_for_none(inputs.g_ent, inputs.row_max))
+        grad_logits = stored_grad_logits(self.store, block.label_col, block.inv_temp, *inputs, self.p.hidden.dtype)
         if weight_sum is not None:
             weight_sum.add(grad_logits, block.hidden)
         return torch.mm(grad_logits, self.weight[: self.columns]) if want_hidden else None

@@ -1,9 +1,13 @@
-"""Triton kernels: the vocab-tiled GEMM with a softmax-statistics epilogue (forward)
-and with a d_logits epilogue (backward recompute).
+"""Every Triton kernel of the op; their launches are triton_backend.py's.
 
-Both kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
+- `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
+  keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes);
+- `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
+- `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept.
+
+The two GEMM kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
 fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
-rows and columns read as zero) and never write logits to memory. Rows are the
+rows and columns read as zero) and never write logits to memory unless asked to keep them. Rows are the
 scored rows only (the caller compacts them); columns past `valid_columns` are
 vocabulary padding: masked out in the forward, never stored in the backward.
 Tile sizes are host-chosen constants (triton_backend.FORWARD_CONFIG and
@@ -155,3 +159,32 @@ def grad_logits_kernel(
         cols = off_n + tl.arange(0, BLOCK_N)
         dz = tl.where(cols[None, :] == label_col[:, None], dz + g_lp[:, None], dz)
         dz_desc.store([off_m, off_n - chunk_start], dz.to(dz_desc.dtype))
+
+
+@triton.jit
+def stored_grad_logits_kernel(
+    shifted_ptr, dz_ptr, stride_row, tile_max_ptr, tile_max_stride,
+    label_col_ptr, inv_temp_ptr, max_ptr, log_sum_ptr, shifted_mean_ptr, grad_lp_ptr, grad_ent_ptr,
+    columns, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (row, block of columns): dz_j = (g_lp ([j == y] - p_j) + g_H p_j (E[z] - z_j)) / T,
+    with z_j / T - max rebuilt as d_j / T + (tile max / T - max): the second term is exactly 0 in the tile
+    holding the row max (both scaled with the same rounding), so no precision is lost to large logits."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < columns
+    offsets = row.to(tl.int64) * stride_row + cols
+    d = tl.load(shifted_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    tile_max = tl.load(tile_max_ptr + row.to(tl.int64) * tile_max_stride + cols // TILE_N, mask=ok, other=0.0)
+    label_col = tl.load(label_col_ptr + row)
+    inv_temp = tl.load(inv_temp_ptr + row)
+    row_max = tl.load(max_ptr + row)
+    log_sum2 = tl.load(log_sum_ptr + row) * LOG2E
+    shifted_mean = tl.load(shifted_mean_ptr + row)
+    g_lp = tl.load(grad_lp_ptr + row) * inv_temp
+    g_ent = tl.load(grad_ent_ptr + row) * inv_temp
+    shifted = d * inv_temp + (tile_max * inv_temp - row_max)
+    p = tl.exp2(shifted * LOG2E - log_sum2)
+    dz = p * (g_ent * (shifted_mean - shifted) - g_lp)
+    dz = tl.where(cols == label_col, dz + g_lp, dz)
+    tl.store(dz_ptr + offsets, dz.to(dz_ptr.dtype.element_ty), mask=ok)

@@ -6,26 +6,37 @@ backward recomputes each block's logits from them (four GEMMs in all; three for 
 logits `keep_logits_bytes` lets the Triton backend keep). The driver walks a
 backend's blocks; across tensor-parallel ranks only the per-row statistics travel: one MAX and
 one SUM all-reduce per call, plus the d_hidden reduction `tp_hidden` asks for.
+
+The op computes in fp32 whatever autocast the caller runs under, in its backward too: autocast would turn the
+tile GEMMs into bf16 ones. The forward disables it around its work; a backward runs with the autocast state of
+the thread that calls `.backward()` (on the CPU, the caller's own), so the backward disables it as well
+(`fp32_backward`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .backends import check_backend_name, resolve_backend
-from .interface import build_problem
-from .main_grad import returned_weight_grad
-from .precision import fp32_backward
-from .problem import LogProbProblem
-from .softmax_math import combine_row_statistics, no_column_partials, scatter_rows
-from .weight_gradient import WeightGradientSum
+from ..log_once import log_once
+from .arguments import LogProbProblem, build_problem
+from .backends import BlockBackend, BlockPasses, TwoPassPasses, check_backend_name, resolve_backend
+from .softmax_math import (
+    LogitGradientInputs,
+    Partials,
+    RowStatistics,
+    combine_row_statistics,
+    no_column_partials,
+    scatter_rows,
+)
+from .weight_gradient import WeightGradientSum, returned_weight_grad
 
 logger = logging.getLogger(__name__)
-_ignored_keep_logits: set[str] = set()
 
 
 def log_probs_and_entropy(
@@ -89,7 +100,7 @@ def log_probs_and_entropy(
             the "triton" backend; the others recompute every row and say so once in a log line.
         gradient_accumulation_fusion: True: the backward adds d_weight into `weight.main_grad` (set by
             Megatron's DistributedDataParallel; ValueError here without it) instead of returning it, and returns
-            Megatron's placeholder (main_grad.py), as megatron's linear layers do with the config field of that
+            Megatron's placeholder (weight_gradient.py), as megatron's linear layers do with the config field of that
             name. An fp32 main_grad is then also the backward's fp32 sum of d_weight, so the Triton backend
             walks small groups of rows, its working memory flat in the row count. Not with backend "verl"
             (its kernel returns d_weight itself): ValueError.
@@ -120,13 +131,13 @@ def log_probs_and_entropy(
         gradient_accumulation_fusion=gradient_accumulation_fusion,
     )
     # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
-    # recomputes in fp32, see precision.fp32_backward) working against bf16 statistics.
+    # recomputes in fp32, see fp32_backward) working against bf16 statistics.
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         chosen = resolve_backend(backend, problem)
-        if keep_logits_bytes and not chosen.capabilities.keep_logits and chosen.name not in _ignored_keep_logits:
-            _ignored_keep_logits.add(chosen.name)
-            logger.info("log_probs_and_entropy: keep_logits_bytes=%d ignored: backend %r recomputes every row's "
-                        "logits (only 'triton' keeps them)", keep_logits_bytes, chosen.name)
+        if keep_logits_bytes and not chosen.capabilities.keep_logits:
+            log_once(logger, f"log_probs_and_entropy: keep_logits_bytes={keep_logits_bytes} ignored: backend "
+                     f"{chosen.name!r} recomputes every row's logits (only 'triton' keeps them)", key=chosen.name,
+                     every_rank=True)
         module = chosen.load()
         if problem.main_grad_dtype is not None and chosen.whole_problem:
             raise ValueError(
@@ -145,28 +156,39 @@ def log_probs_and_entropy(
     return log_probs, entropy
 
 
-def run_passes(problem: LogProbProblem, module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_passes(problem: LogProbProblem, module: BlockBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full-length fp32 (log_probs, entropy or None) of a built problem through a block backend's two-pass passes,
     differentiable when the problem needs gradients; the loss-inside op's two-pass path reuses its problem."""
     if not problem.needs_grad:
         with torch.no_grad():
-            log_probs, entropy, *_ = _statistics(problem, module.two_pass_passes(problem, False))
-        return scatter_rows(problem, log_probs), scatter_rows(problem, entropy)
+            statistics = _statistics(problem, module.two_pass_passes(problem, False))
+        return scatter_rows(problem, statistics.log_probs), scatter_rows(problem, statistics.entropy)
     return _TwoPass.apply(problem.hidden, problem.weight, problem, module.two_pass_passes)
 
 
-def _statistics(p: LogProbProblem, passes):
-    """(log_probs, entropy or None, max, log sum-exp, shifted mean) over the scored rows, block by block."""
+def _statistics(p: LogProbProblem, passes: BlockPasses) -> RowStatistics:
+    """The statistics of the scored rows, block by block."""
     if p.valid_columns == 0 or p.active_rows.numel() == 0:
         partials = no_column_partials(p.active_rows.numel(), p.hidden.device)
     else:
         parts = [passes.statistics(block) for block in passes.blocks()]
-        partials = parts[0] if len(parts) == 1 else tuple(torch.cat(column) for column in zip(*parts))
-    return combine_row_statistics(p, *partials)
+        partials = parts[0] if len(parts) == 1 else Partials(*(torch.cat(column) for column in zip(*parts)))
+    return combine_row_statistics(p, partials)
 
 
 def _scored(grad: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     return None if grad is None else grad.index_select(0, rows).float()
+
+
+def fp32_backward(backward):
+    """Run an autograd Function's backward with autocast off on every device type."""
+
+    @functools.wraps(backward)
+    def without_autocast(ctx, *grads):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return backward(ctx, *grads)
+
+    return without_autocast
 
 
 class _TwoPass(torch.autograd.Function):
@@ -174,17 +196,18 @@ class _TwoPass(torch.autograd.Function):
     plus three fp32 numbers per scored row; the backward walks the same blocks, recomputing their logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, p: LogProbProblem, two_pass_passes):
+    def forward(ctx, hidden, weight, p: LogProbProblem, two_pass_passes: Callable[..., TwoPassPasses]):
         passes = two_pass_passes(p, True)
-        log_probs, entropy, row_max, log_sum, shifted_mean = _statistics(p, passes)
-        tensors, ctx.rebuild_passes = passes.for_backward()
-        ctx.save_for_backward(*tensors, row_max, log_sum, shifted_mean)
+        statistics = _statistics(p, passes)
+        saved = passes.for_backward()
+        ctx.rebuild_passes = saved.rebuild
+        ctx.save_for_backward(*saved.tensors, statistics.row_max, statistics.log_sum, statistics.shifted_mean)
         ctx.inputs = (hidden.shape, hidden.dtype, weight.shape, weight.dtype)
         ctx.layout = (p.valid_columns, p.calculate_entropy)
         # d_weight goes to its main_grad (main_grad_dtype is set only for a weight that requires grad)
         ctx.main_grad_owner = weight if p.main_grad_dtype is not None else None
         ctx.set_materialize_grads(False)
-        return scatter_rows(p, log_probs), scatter_rows(p, entropy)
+        return scatter_rows(p, statistics.log_probs), scatter_rows(p, statistics.entropy)
 
     @staticmethod
     @once_differentiable  # second-order gradients are not implemented: raise, never return wrong ones
@@ -215,10 +238,9 @@ class _TwoPass(torch.autograd.Function):
         every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
         for block in passes.blocks():
             span = block.span
-            d_hidden = passes.gradients(
-                block, row_max[span], log_sum[span], shifted_mean[span], _scored(grad_log_probs, block.rows),
-                _scored(grad_entropy, block.rows), grad_hidden is not None, weight_sum,
-            )
+            inputs = LogitGradientInputs(row_max[span], log_sum[span], shifted_mean[span],
+                                         _scored(grad_log_probs, block.rows), _scored(grad_entropy, block.rows))
+            d_hidden = passes.gradients(block, inputs, grad_hidden is not None, weight_sum)
             if d_hidden is not None and every_row_scored:
                 grad_hidden[span].copy_(d_hidden)
             elif d_hidden is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+from ..log_once import log_once
 from .lazy_import import when_imported
-from .log_once import log_once
 from .ray_env import LOG_LEVEL_ENV, install_ray_env_forwarding
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ import logging
 from ..probe import require_output_processor_support, unwrap_to_gpt
 from ..ops import backend_unavailable_at_build
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
+from ..log_once import note
 from .engine_forward import make_engine_forward
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
 from .parallel_checks import refuse_unsupported_parallelism
@@ -25,7 +26,6 @@ from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_proce
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
 from .forward_step import make_forward_step, make_resolve_fused_temperature
-from .log_once import note
 
 logger = logging.getLogger(__name__)
 

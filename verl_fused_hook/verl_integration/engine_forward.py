@@ -12,7 +12,6 @@ asks for arrives in one `HookStep` (forward_step.py).
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -20,42 +19,17 @@ from ..hook import FusedOutputProcessorContext, fused_output_processor
 from ..probe import unwrap_to_gpt
 from ..ops import backend_capabilities
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
-from .forward_step import HookStep, current_step
+from ..log_once import log_once
+from .forward_step import HookStep, current_step, sample_temperatures
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .model_plan import counts_of, plan_of
 from .cp_loss import context_parallel_options
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
 from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
-from .log_once import log_once
 
 logger = logging.getLogger(__name__)
 
 MULTI_MODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-VERL_TEMPERATURE_FLOOR = 1e-8  # verl's floor for non-positive (padding) temperatures
-
-
-def sample_temperatures(temperature, batch_size: int) -> float | torch.Tensor:
-    """verl's rule for the engine forward's `temperature`, on real samples: a float, or an fp32 [batch] tensor.
-
-    Non-finite values raise (verl's fused path refuses them, its unfused path
-    asserts); values <= 0 are floored to 1e-8, as verl's unfused path does.
-    """
-    if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point() or temperature.dim() != 1 or temperature.shape[0] != batch_size:
-            raise ValueError(
-                f"temperature: a tensor must be floating point and [batch] = [{batch_size}], "
-                f"got {temperature.dtype} {tuple(temperature.shape)}"
-            )
-        if temperature.device.type == "meta":
-            raise ValueError("temperature: a tensor on the meta device holds no values")
-        if not bool(torch.isfinite(temperature).all()):
-            raise ValueError(f"temperature: every per-sample value must be finite, got {temperature.tolist()}")
-        return temperature.detach().float().clamp_min(VERL_TEMPERATURE_FLOOR)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature: expected a float or a tensor [batch], got {type(temperature).__name__}")
-    if not math.isfinite(temperature):
-        raise ValueError(f"temperature: must be finite, got {temperature}")
-    return max(float(temperature), VERL_TEMPERATURE_FLOOR)
 
 
 def check_backend_accepts(backend: str, temperature, score_rows) -> None:

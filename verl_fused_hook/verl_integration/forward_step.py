@@ -7,7 +7,9 @@ caller reads. In hook mode we wrap `forward_step` to note, for the duration of
 that one call, that per-sample temperatures may pass and which rows verl will
 read, and which layout (packed THD or padded BSHD) the engine runs;
 `_resolve_fused_temperature` and the engine forward consult that note.
-Outside a hook-mode step both behave exactly as verl's originals.
+Outside a hook-mode step both behave exactly as verl's originals. verl's rule for
+the temperatures both take (finite; values <= 0 floored to VERL_TEMPERATURE_FLOOR)
+is written here once (`sample_temperatures` for the engine forward's argument).
 
 Rows verl reads: `no_padding_2_padding` (used by `ppo_loss` and by the trainer
 for old/ref log-probs and entropy) reads, per sequence of prompt length P and
@@ -23,19 +25,23 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..checks import is_number
 from ..ops import backend_capabilities
 from ..switch import CONFIG_SCORE_MASK_KEY, HOOK
+from ..log_once import log_once
 from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .layouts import BSHD, THD
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
-from .log_once import log_once
 
 logger = logging.getLogger(__name__)
+
+VERL_TEMPERATURE_FLOOR = 1e-8  # verl's floor for non-positive (padding) temperatures
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,30 @@ def make_resolve_fused_temperature(original):
         values = torch.as_tensor(temperature).detach().flatten()
         if values.numel() == 0 or not bool(torch.isfinite(values).all()) or bool((values == values[0]).all()):
             return original(temperature)  # verl's own checks and its float for uniform temperatures
-        return values.float().clamp_min(1e-8)  # verl's floor for non-positive (padding) temperatures
+        return values.float().clamp_min(VERL_TEMPERATURE_FLOOR)
 
     return resolve_fused_temperature
+
+
+def sample_temperatures(temperature, batch_size: int) -> float | torch.Tensor:
+    """verl's rule for the engine forward's `temperature`, on real samples: a float, or an fp32 [batch] tensor.
+
+    Non-finite values raise (verl's fused path refuses them, its unfused path
+    asserts); values <= 0 are floored to 1e-8, as verl's unfused path does.
+    """
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or temperature.dim() != 1 or temperature.shape[0] != batch_size:
+            raise ValueError(
+                f"temperature: a tensor must be floating point and [batch] = [{batch_size}], "
+                f"got {temperature.dtype} {tuple(temperature.shape)}"
+            )
+        if temperature.device.type == "meta":
+            raise ValueError("temperature: a tensor on the meta device holds no values")
+        if not bool(torch.isfinite(temperature).all()):
+            raise ValueError(f"temperature: every per-sample value must be finite, got {temperature.tolist()}")
+        return temperature.detach().float().clamp_min(VERL_TEMPERATURE_FLOOR)
+    if not is_number(temperature):
+        raise ValueError(f"temperature: expected a float or a tensor [batch], got {type(temperature).__name__}")
+    if not math.isfinite(temperature):
+        raise ValueError(f"temperature: must be finite, got {temperature}")
+    return max(float(temperature), VERL_TEMPERATURE_FLOOR)

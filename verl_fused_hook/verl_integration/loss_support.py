@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from .log_once import log_once
+from ..log_once import log_once
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import types
 
-from .log_once import note
+from ..log_once import note
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from ..mtp_loss import fused_process_mtp_loss
 from ..probe import unwrap_to_gpt
 from ..ops import backend_capabilities
 from ..switch import HOOK
+from ..log_once import log_once, note
 from .model_plan import in_hook_mode, plan_of
-from .log_once import log_once, note
 
 logger = logging.getLogger(__name__)
 

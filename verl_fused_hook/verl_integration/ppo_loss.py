@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .log_once import log_once
+from ..log_once import log_once
 
 logger = logging.getLogger(__name__)
 

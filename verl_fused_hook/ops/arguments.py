@@ -1,22 +1,83 @@
-"""The ops' arguments: every check, and their normalization into one `LogProbProblem`."""
+"""The ops' arguments: every check, and their normalization into the one `LogProbProblem` every backend receives.
+
+`build_problem` validates the user's arguments once and hands the drivers this flat, checked description, so a
+backend only does arithmetic.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .main_grad import check_main_grad
-from .problem import LogProbProblem, default_tile_rows
+from ..checks import check_bool, check_int, is_number
 from .tensor_parallel import check_tp_hidden, full_hidden
+from .weight_gradient import check_main_grad
 
 logger = logging.getLogger(__name__)
 
 # Groups whose ranks have been seen to agree on the row counts (checked on a group's first call, and on
 # every call while this module's logger is at DEBUG): a mismatch would hang the first collective.
 _row_counts_checked: set = set()
+
+# One fp32 logits tile [tile_rows, V_local] is sized to stay near this budget.
+TILE_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LogProbProblem:
+    """Rows of hidden states against one rank's vocabulary shard.
+
+    hidden: [N, H], every row (gathered already under sequence parallelism); weight: [V_local, H];
+    labels: [N] global ids (only rows in `active_rows` are read); temperature: a float or an fp32
+    [N] tensor; active_rows: int64 indices of the rows to compute (sorted, unique);
+    vocab_start: first global id held by this rank; valid_columns: how many of
+    this rank's columns are real vocabulary (the rest is Megatron's padding);
+    label_is_max: None, or a bool [N] buffer (all False) that the statistics
+    merge fills at the scored rows with "the label's logit is the row maximum",
+    so acceptance needs no logits and no backend change; vocab_size: the true
+    global vocabulary (None: V_local * tp size, no padding anywhere);
+    keep_logits_bytes: memory the two-pass op may hold from forward to backward to keep scored
+    rows' logits (fp16) instead of recomputing them (0: recompute every row); main_grad_dtype: None, or the
+    dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    temperature: float | torch.Tensor
+    active_rows: torch.Tensor
+    vocab_start: int
+    valid_columns: int
+    tp_group: dist.ProcessGroup | None
+    tp_world_size: int
+    calculate_entropy: bool
+    tile_rows: int
+    label_is_max: torch.Tensor | None = None
+    vocab_size: int | None = None
+    keep_logits_bytes: int = 0
+    main_grad_dtype: torch.dtype | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.hidden.requires_grad or self.weight.requires_grad)
+
+    @property
+    def padded_vocabulary(self) -> bool:
+        """Whether some rank's shard ends in padding columns (vocab_size < V_local * tp size)."""
+        return self.vocab_size is not None and self.vocab_size < self.weight.shape[0] * self.tp_world_size
+
+
+def default_tile_rows(local_vocab: int) -> int:
+    """Rows per tile so that one fp32 [rows, V_local] logits tile is ~TILE_BUDGET_BYTES."""
+    return max(1, TILE_BUDGET_BYTES // (4 * max(1, local_vocab)))
 
 
 def _tp_layout(tp_group) -> tuple[int, int]:
@@ -43,7 +104,7 @@ def check_temperature_values(field: str, temperature, *, read_values: bool = Tru
         if read_values and bool(bad_temperatures(temperature)):
             raise ValueError(f"{field}: every value must be finite and > 0")
         return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if not is_number(temperature):
         raise ValueError(f"{field}: expected a float > 0 or a tensor, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"{field}: must be finite and > 0, got {temperature}")
@@ -127,10 +188,8 @@ def build_problem(
         _check_tensor(field, value)
     if score_mask is not None:
         _check_tensor("score_mask", score_mask)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
-    if not isinstance(calculate_entropy, bool):
-        raise ValueError(f"calculate_entropy: expected a bool, got {calculate_entropy!r}")
+    check_int("ignore_index", ignore_index)
+    check_bool("calculate_entropy", calculate_entropy)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden: must be [..., H] with H >= 1, got {tuple(hidden.shape)}")
     tp_world_size, tp_rank = _tp_layout(tp_group)
@@ -147,14 +206,10 @@ def build_problem(
         raise ValueError(f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}")
     if not _is_integer_dtype(labels.dtype):
         raise ValueError(f"labels: must be an integer tensor, got {labels.dtype}")
-    if not isinstance(return_label_is_max, bool):
-        raise ValueError(f"return_label_is_max: expected a bool, got {return_label_is_max!r}")
-    if tile_rows is not None and (isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1):
-        raise ValueError(f"tile_rows: must be an int >= 1 or None, got {tile_rows!r}")
-    if isinstance(keep_logits_bytes, bool) or not isinstance(keep_logits_bytes, int) or keep_logits_bytes < 0:
-        raise ValueError(f"keep_logits_bytes: must be an int >= 0 (0: recompute every row), got {keep_logits_bytes!r}")
-    if not isinstance(gradient_accumulation_fusion, bool):
-        raise ValueError(f"gradient_accumulation_fusion: expected a bool, got {gradient_accumulation_fusion!r}")
+    check_bool("return_label_is_max", return_label_is_max)
+    check_int("tile_rows", tile_rows, low=1, optional=True, expected="must be an int >= 1 or None")
+    check_int("keep_logits_bytes", keep_logits_bytes, low=0, expected="must be an int >= 0 (0: recompute every row)")
+    check_bool("gradient_accumulation_fusion", gradient_accumulation_fusion)
     # no gradient (a frozen weight, or a no-grad forward such as a reference model's, maybe never DDP-wrapped): no
     # main_grad to check
     wants_main_grad = gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled()
@@ -164,8 +219,8 @@ def build_problem(
     padded_vocab = local_vocab * tp_world_size
     if vocab_size is None:
         vocab_size = padded_vocab
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= padded_vocab:
-        raise ValueError(f"vocab_size: must be an int in [1, {padded_vocab}] (V_local * tp size), got {vocab_size!r}")
+    check_int("vocab_size", vocab_size, low=1, high=padded_vocab,
+              expected=f"must be an int in [1, {padded_vocab}] (V_local * tp size)")
 
     flat_labels = labels.reshape(-1).long()
     labelled = flat_labels != ignore_index
