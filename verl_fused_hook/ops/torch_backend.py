@@ -26,6 +26,15 @@ from .softmax_math import (
     label_columns,
     partial_statistics,
 )
+from .token_math import (
+    SparseLogitGradient,
+    TokenPartials,
+    TokenRequest,
+    add_sparse_gradient,
+    gather_token_logits,
+    shard_top_candidates,
+    square_sum,
+)
 from .weight_gradient import WeightGradientSum
 
 # The loss-inside op's chunk: 4 bytes of fp32 logits per logit plus the passes' temporaries, about three
@@ -125,13 +134,68 @@ class PortablePasses:
         stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
                        temperature=None if temperature is not None else p.temperature)
         return SavedPasses((p.hidden, p.weight, p.labels, p.active_rows, temperature),
-                           functools.partial(_rebuilt, stub))
+                           functools.partial(_rebuilt, stub, type(self)))
 
 
-def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
+def _rebuilt(stub: LogProbProblem, passes_class, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
     temperature = stub.temperature if temperature is None else temperature
     p = replace(stub, hidden=hidden, weight=weight, labels=labels, active_rows=active_rows, temperature=temperature)
-    return PortablePasses(p)
+    return passes_class(p)
+
+
+class SelectedTokenPasses(PortablePasses):
+    """`token_log_probs`'s portable passes. Every tile has exactly `p.tile_rows` rows, the last padded with zero
+    rows: each product and reduction then has one shape whatever the number of rows, so a row's outputs are bitwise
+    the same alone or in any batch (a GEMM's summation order may change with its row count). The asked ids' logits,
+    the square sum and the top candidates are read off the tile's fp32 logits, the statistics' own values."""
+
+    def __init__(self, p: LogProbProblem, request: TokenRequest | None = None):
+        super().__init__(p)
+        self.request = request
+
+    def blocks(self) -> Iterator[RowBlock]:
+        for block in super().blocks():
+            padding = self.p.tile_rows - block.rows.numel()
+            if padding:
+                block = replace(block, hidden=torch.nn.functional.pad(block.hidden, (0, 0, 0, padding)))
+            yield block
+
+    def _padded(self, block: RowBlock, values: Tensor, fill) -> Tensor:
+        return torch.nn.functional.pad(values, (0, block.hidden.shape[0] - values.shape[0]), value=fill)
+
+    def token_statistics(self, block: RowBlock) -> tuple[Partials, TokenPartials]:
+        count, request = block.rows.numel(), self.request
+        z = self.gemms.raw_logits(block.hidden).mul_(self._padded(block, block.inv_temp, 1.0).unsqueeze(1))
+        token_logits = squares = top_values = top_ids = None
+        if request.token_columns is not None:
+            token_logits = gather_token_logits(z[:count], request.token_columns[block.span])
+        if request.sum_squares:
+            squares = square_sum(z)[:count]
+        if request.top_k:
+            top_values, top_ids = shard_top_candidates(z[:count], request.top_k, self.p.vocab_start)
+        ones = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)  # z holds 1/T already
+        partials = partial_statistics(z, self._padded(block, block.label_col, -1), ones,
+                                      entropy=self.p.calculate_entropy, keep_raw=False)
+        partials = Partials(*(part[:count] for part in partials))
+        return partials, TokenPartials(token_logits, squares, top_values, top_ids)
+
+    def token_gradients(self, block: RowBlock, inputs: LogitGradientInputs, sparse: SparseLogitGradient,
+                        want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+        """d_hidden of the block's rows (or None) and their share of d_weight: the dense part as the label gradient's
+        (`inputs`, with the label itself among `sparse`), plus `sparse`."""
+        count = block.rows.numel()
+        raw = self.gemms.raw_logits(block.hidden)[:count]
+        no_label = torch.full_like(block.label_col, -1)
+        grad = add_sparse_gradient(grad_logits(raw, no_label, block.inv_temp, inputs), sparse, block.inv_temp)
+        grad = self.gemms.grad_operand(grad)
+        if weight_sum is not None:
+            weight_sum.add(grad, block.hidden[:count])
+        return self.gemms.grad_hidden(grad) if want_hidden else None
+
+
+def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> SelectedTokenPasses:
+    """`token_log_probs`'s passes: tiles of exactly p.tile_rows rows, logits recomputed in the gradients."""
+    return SelectedTokenPasses(p, request)
 
 
 def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> PortablePasses:
