@@ -451,6 +451,44 @@ def _interpreted_label_tile_cases() -> list[dict]:
     return results
 
 
+def _interpreted_batch_invariance() -> dict:
+    """Run in the subprocess: rows alone, then last in batches of other rows (some masked, with kept logits or
+    not), through the Triton backend's host code and kernels; whether every value has the same bits."""
+    import torch
+
+    from verl_fused_hook.ops import log_probs_and_entropy, triton_backend
+
+    _interpret_on_cpu()
+    g = torch.Generator().manual_seed(21)
+    n, h, v, probe = 340, 64, 301, 5
+    hidden = torch.randn(n, h, generator=g).half()
+    weight = (torch.randn(v, h, generator=g) * 0.3).half()
+    labels = torch.randint(0, v, (n,), generator=g)
+    temperature = torch.rand(n, generator=g) + 0.5
+
+    def values(rows: torch.Tensor, **options):
+        lp, ent = log_probs_and_entropy(hidden[rows], weight, labels[rows], temperature=temperature[rows],
+                                        backend="triton", **options)
+        return lp[-probe:], ent[-probe:]
+
+    alone = values(torch.arange(probe))
+    same = True
+    for count in (3, 40, 300):
+        rows = torch.cat([torch.arange(probe, probe + count), torch.arange(probe)])
+        mask = torch.arange(rows.numel()) % 2 == 0
+        mask[-probe:] = True
+        for options in ({}, {"score_mask": mask}):
+            lp, ent = values(rows, **options)
+            same &= torch.equal(lp, alone[0]) and torch.equal(ent, alone[1])
+        kept_hidden = hidden[rows].clone().requires_grad_(True)  # kept logits for the first rows only
+        lp, ent = log_probs_and_entropy(kept_hidden, weight, labels[rows], temperature=temperature[rows],
+                                        backend="triton", keep_logits_bytes=16 * (v * 2 + 64))
+        same &= torch.equal(lp[-probe:].detach(), alone[0]) and torch.equal(ent[-probe:].detach(), alone[1])
+    col_tiles = -(-v // triton_backend.FORWARD_CONFIG.block_n)
+    splits = -(-col_tiles // triton_backend.tiles_per_split(col_tiles, triton_backend.num_sms(None)))
+    return {"same_bits": bool(same), "splits": splits}
+
+
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent

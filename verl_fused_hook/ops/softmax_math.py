@@ -99,29 +99,44 @@ def rescale_partials(global_max, local_max, local_sum, local_shifted_dot):
     return local_sum * rescale, rescale * (local_shifted_dot + (safe_local_max - global_max) * local_sum)
 
 
-def merge_partials(part_max: Tensor, part_sum: Tensor, part_dot: Tensor, part_label: Tensor) -> Partials:
-    """One partial per row from [splits, R] partials over disjoint column subsets."""
-    row_max = part_max.amax(dim=0)
-    total, dot = rescale_partials(row_max, part_max, part_sum, part_dot)
-    return Partials(row_max, total.sum(dim=0), dot.sum(dim=0), part_label.sum(dim=0))
+def ordered_sum(values: Tensor) -> Tensor:
+    """Sum over dim 0 of [S, R] in a fixed pairwise order that depends on S alone: (v0 + v1) + (v2 + v3), ...
+
+    Why not `values.sum(dim=0)`: torch picks a reduction strategy by shape (on CUDA, how many threads and blocks
+    share one output; on the CPU, whether threads split a reduction), so the order a row's terms are added in, and
+    with it the row's bits, could change with the row count R. Halving by elementwise adds fixes the order."""
+    while values.shape[0] > 1:
+        if values.shape[0] % 2:
+            values = torch.cat([values, torch.zeros_like(values[:1])])  # + 0.0 is exact
+        values = values[0::2] + values[1::2]
+    return values[0]
+
+
+def merge_partials(parts: Partials) -> Partials:
+    """One partial per row from [S, R] partials over disjoint column subsets (vocabulary splits, TP ranks), each
+    row's terms added in an order fixed by S (`ordered_sum`): a row's result never depends on the other rows."""
+    row_max = parts.row_max.amax(dim=0)  # exact in any order
+    total, dot = rescale_partials(row_max, parts.row_max, parts.sum_exp, parts.shifted_dot)
+    return Partials(row_max, ordered_sum(total), ordered_sum(dot), ordered_sum(parts.label_logit))
 
 
 def combine_row_statistics(p: LogProbProblem, partials: Partials) -> RowStatistics:
-    """Merge this rank's partials with the other ranks' (one MAX and one SUM all-reduce), over the same rows.
+    """Merge this rank's partials with the other ranks' over the same rows: every rank gathers all ranks' partials
+    and merges them in rank order (`merge_partials`), so the result is the same on every rank and, at a fixed TP
+    size, for a row whatever rows it is computed with (an all-reduce's summation order follows the message size).
+    The gather is a SUM all-reduce of each rank's partials in its own slot and zeros elsewhere: exact (x + 0 is x),
+    and it runs wherever all-reduce runs (gloo's CUDA tensors have no all-gather).
 
     When `p.label_is_max` is a buffer (the rows are then all of p.active_rows), also record whether
     each row's label logit equals the row max: the label logit is one rank's value plus exact zeros
-    and the max a MAX all-reduce of values rounded the same way, so the comparison is exact (a tie
-    counts as True)."""
-    local_max, local_sum, local_shifted_dot, label_logit = partials
-    global_max = local_max.clone()
+    and the max is exact, so the comparison is exact (a tie counts as True)."""
     if p.tp_world_size > 1:
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=p.tp_group)
-    scaled_sum, shifted_dot = rescale_partials(global_max, local_max, local_sum, local_shifted_dot)
-    sums = torch.stack([scaled_sum, shifted_dot, label_logit])
-    if p.tp_world_size > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=p.tp_group)
-    total, total_dot, label = sums.unbind(0)
+        mine = torch.stack(partials)
+        slots = mine.new_zeros((p.tp_world_size, *mine.shape))
+        slots[dist.get_rank(p.tp_group)] = mine
+        dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=p.tp_group)
+        partials = merge_partials(Partials(*slots.unbind(1)))
+    global_max, total, total_dot, label = partials
     if p.label_is_max is not None:
         p.label_is_max.index_copy_(0, p.active_rows, label >= global_max)
     log_sum = total.log()

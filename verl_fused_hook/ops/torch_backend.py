@@ -43,6 +43,11 @@ PORTABLE_CHUNK_BUDGET_BYTES = 2 * 1024**3
 # Below this many rows per chunk (memory short on CUDA) the per-chunk costs (a whole-batch loss_fn call each,
 # without row_gradients) outweigh the GEMM the chunk spares: the two-pass path runs instead.
 PORTABLE_MIN_CHUNK_ROWS = 128
+# Statistics run on blocks padded with zero rows to a multiple of this: on the CPU a product of a row count that is
+# not a multiple of the BLAS kernel's row block (1, 2, 9 rows: matrix-vector or tail paths), and a reduction of a
+# single row (threads split it), take other code paths, with other bits; in blocks of whole multiples, a row's logits
+# and sums come out the same in any block (batch invariance; MKL on x86, measured in tests/test_batch_invariance.py).
+STATISTICS_ROW_MULTIPLE = 8
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -111,10 +116,18 @@ class PortablePasses:
             )
 
     def statistics(self, block: RowBlock) -> Partials:
-        raw = self.gemms.raw_logits(block.hidden)
+        rows = block.hidden.shape[0]
+        padding = -rows % STATISTICS_ROW_MULTIPLE
+        hidden, label_col, inv_temp = block.hidden, block.label_col, block.inv_temp
+        if padding:
+            hidden = torch.cat([hidden, hidden.new_zeros(padding, hidden.shape[1])])
+            label_col = torch.cat([label_col, label_col.new_full((padding,), -1)])
+            inv_temp = torch.cat([inv_temp, inv_temp.new_ones(padding)])
+        raw = self.gemms.raw_logits(hidden)
         if self.keep:
-            self.kept_logits = raw
-        return partial_statistics(raw, block.label_col, block.inv_temp, entropy=self.p.calculate_entropy, keep_raw=self.keep)
+            self.kept_logits = raw[:rows]
+        partials = partial_statistics(raw, label_col, inv_temp, entropy=self.p.calculate_entropy, keep_raw=self.keep)
+        return Partials(*(t[:rows] for t in partials))
 
     def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
                   weight_sum: WeightGradientSum | None) -> Tensor | None:

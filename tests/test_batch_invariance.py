@@ -1,0 +1,128 @@
+"""Batch invariance on the CPU: a row's log-prob and entropy come out with the same bits whatever batch computes it.
+
+Exact on-policy training needs it: verl computes the old log-probs and the update's forward in different micro-batches,
+and the PPO ratio is exactly 1 only if a sequence's log-probs do not depend on the rows beside it. Checked here with the
+portable backend (fp32 and bf16 inputs) and, through Triton's interpreter, with the Triton backend's host code (the
+split layout of the forward kernel and the merges); tests/gpu/test_batch_invariance_cuda.py checks the Triton kernels.
+Every comparison is bitwise (torch.equal), never a tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_interpreter import _run_interpreted
+
+from verl_fused_hook import log_probs_and_entropy, log_probs_entropy_and_loss
+from verl_fused_hook.ops.softmax_math import ordered_sum
+from verl_fused_hook_harness.support.distributed import run_on_gloo
+
+H, V, VOCAB = 48, 1003, 997  # a vocabulary that divides nothing, padded columns past 997
+PROBE = 7  # the rows whose values must not move
+
+
+def _inputs(dtype: torch.dtype, rows: int = 600, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(V, H, generator=generator) * 0.5).to(dtype)
+    hidden = torch.randn(rows, H, generator=generator).to(dtype)
+    labels = torch.randint(0, VOCAB, (rows,), generator=generator)
+    temperature = torch.rand(rows, generator=generator) + 0.5  # per-row temperatures
+    return hidden, weight, labels, temperature
+
+
+def _probe_values(hidden, weight, labels, temperature, where: slice, **options):
+    log_probs, entropy = log_probs_and_entropy(hidden, weight, labels, temperature=temperature, vocab_size=VOCAB,
+                                               backend="torch", **options)
+    return log_probs[where], entropy[where]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_values_do_not_depend_on_its_batch(dtype):
+    hidden, weight, labels, temperature = _inputs(dtype)
+    alone = _probe_values(hidden[:PROBE], weight, labels[:PROBE], temperature[:PROBE], slice(None))
+    others = slice(PROBE, None)
+    for count in (1, 3, 8, 100, 593):
+        rest = slice(PROBE, PROBE + count)
+        first = [torch.cat([t[:PROBE], t[rest]]) for t in (hidden, labels, temperature)]
+        last = [torch.cat([t[rest], t[:PROBE]]) for t in (hidden, labels, temperature)]
+        cases = {
+            "first": _probe_values(*first[:1], weight, *first[1:], slice(0, PROBE)),
+            "last": _probe_values(*last[:1], weight, *last[1:], slice(-PROBE, None)),
+            "last, row tiles of 8": _probe_values(*last[:1], weight, *last[1:], slice(-PROBE, None), tile_rows=8),
+            "last, row tiles of 40": _probe_values(*last[:1], weight, *last[1:], slice(-PROBE, None), tile_rows=40),
+        }
+        mask = torch.arange(count + PROBE) % 3 != 0
+        mask[-PROBE:] = True
+        cases["last, others masked"] = _probe_values(*last[:1], weight, *last[1:], slice(-PROBE, None), score_mask=mask)
+        for name, (log_probs, entropy) in cases.items():
+            assert torch.equal(log_probs, alone[0]) and torch.equal(entropy, alone[1]), (count, name)
+    other_rows = hidden[others].flip(0)  # other rows, other values
+    swapped = torch.cat([other_rows[:50], hidden[:PROBE]]), torch.cat([labels[others][:50], labels[:PROBE]])
+    values = _probe_values(swapped[0], weight, swapped[1], torch.cat([temperature[others][:50], temperature[:PROBE]]),
+                           slice(-PROBE, None))
+    assert torch.equal(values[0], alone[0]) and torch.equal(values[1], alone[1])
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 16, 64])
+def test_the_fused_loss_computes_the_same_values_as_the_two_pass_op(chunk_rows):
+    """The loss inside the op (its chunk plan follows the budget and the free memory) computes each row's log-prob
+    and entropy with the same bits as the two-pass op, whatever its chunks."""
+    hidden, weight, labels, temperature = _inputs(torch.float32, rows=300, seed=1)
+    two_pass = _probe_values(hidden, weight, labels, temperature, slice(None))
+    result = log_probs_entropy_and_loss(
+        hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), labels, temperature=temperature,
+        vocab_size=VOCAB, backend="torch", loss_fn=lambda lp, ent: ((lp - 0.1 * ent).sum(), {}), loss_name="lp",
+        chunk_rows=chunk_rows,
+    )
+    assert torch.equal(result.log_probs, two_pass[0]) and torch.equal(result.entropy, two_pass[1])
+
+
+def test_ordered_sum_adds_in_an_order_fixed_by_the_count_of_terms():
+    """Pairwise halving: ((a + b) + (c + d)) + (e + 0), the same for a column whatever columns sit beside it."""
+    terms = torch.tensor([[1e8], [1.0], [-1e8], [1.0], [0.5]], dtype=torch.float32)
+    a, b, c, d, e = terms[:, 0]
+    assert ordered_sum(terms)[0] == ((a + b) + (c + d)) + e
+    wide = torch.randn(33, 1000)
+    narrow = ordered_sum(wide[:, :3])
+    assert torch.equal(ordered_sum(wide)[:3], narrow)
+
+
+def _tensor_parallel_probe(rank: int, world_size: int):
+    """One rank's vocabulary shard: the probe rows alone and inside batches (placed last)."""
+    import torch.distributed as dist
+
+    hidden, weight, labels, temperature = _inputs(torch.float32, rows=300, seed=2)
+    shard = torch.cat([weight, weight.new_zeros(-V % world_size, H)]).chunk(world_size)[rank]
+
+    def values(h, y, t, where):
+        lp, ent = log_probs_and_entropy(h, shard, y, temperature=t, vocab_size=VOCAB, tp_group=dist.group.WORLD,
+                                        backend="torch")
+        return [lp[where].tolist(), ent[where].tolist()]
+
+    alone = values(hidden[:PROBE], labels[:PROBE], temperature[:PROBE], slice(None))
+    inside = {}
+    for count in (1, 90, 293):
+        rest = slice(PROBE, PROBE + count)
+        joined = [torch.cat([t[rest], t[:PROBE]]) for t in (hidden, labels, temperature)]
+        inside[count] = values(*joined, slice(-PROBE, None))
+    return {"alone": alone, "inside": inside}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_values_do_not_depend_on_the_batch(world_size):
+    """At a fixed TP size: the ranks' partials are all-gathered and merged in rank order, not all-reduced (whose
+    summation order follows the message size); every rank returns the same bits."""
+    results = run_on_gloo(_tensor_parallel_probe, world_size)
+    for rank_result in results:
+        assert rank_result["alone"] == results[0]["alone"]
+        for count, values in rank_result["inside"].items():
+            assert values == results[0]["alone"], (count,)
+
+
+def test_triton_split_layout_and_merges_do_not_depend_on_the_batch_in_the_interpreter():
+    """The Triton backend's host side (through Triton's interpreter, tests/test_triton_interpreter.py's named fakes):
+    the forward kernel's vocabulary splits are fixed by the shard's width, not by the row count, and the splits'
+    partials are merged in a fixed order; a row alone, with 3 more rows and with 300 more gives the same bits."""
+    cases = _run_interpreted("_interpreted_batch_invariance")
+    assert cases["splits"] > 1, cases  # the merge of several splits is exercised
+    assert cases["same_bits"], cases
