@@ -1,6 +1,7 @@
 """`token_log_probs` with the vocabulary sharded over two gloo processes, against the fp64 reference of the whole
 vocabulary: ids on the other rank's shard (every row's first id sits on the last shard), a padded vocabulary, per-row
-temperatures and masked rows; hidden replicated and sequence-sharded. Tolerances as tests/test_selected_tokens.py's.
+temperatures and masked rows; hidden replicated and sequence-sharded; a few rows alone bitwise as in the batch.
+Tolerances as tests/test_selected_tokens.py's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def worker(rank, world_size):
                               tile_rows=8)
         upstream_loss(out, case).backward()
         results[layout] = (out._asdict(), hidden.grad, shard.grad)
+    case = _case()  # rows 10..12 alone: bitwise the batch's rows (batch invariance under TP)
+    shard = case.weight.chunk(world_size)[rank]
+    rows = slice(10, 13)
+    alone = token_log_probs(case.hidden[rows], shard, case.labels[rows], case.token_ids[rows],
+                            temperature=case.temperature[rows], tp_group=dist.group.WORLD, vocab_size=case.vocab_size,
+                            top_k=TOP_K, calculate_sum_pi_squared=True, backend="torch", tile_rows=8)
+    everything = token_log_probs(case.hidden, shard, case.labels, case.token_ids, temperature=case.temperature,
+                                 tp_group=dist.group.WORLD, vocab_size=case.vocab_size, top_k=TOP_K,
+                                 calculate_sum_pi_squared=True, backend="torch", tile_rows=8)
+    results["invariant"] = all(torch.equal(value, getattr(everything, name)[rows])
+                               for name, value in alone._asdict().items())
     return results
 
 
@@ -63,3 +75,7 @@ def test_ranks_match_fp64_reference(layout, rank_results):
             assert rel(d_hidden, want["d_hidden"]) <= GRAD_TOL
     else:  # each rank holds its slice's
         assert rel(torch.cat(d_hiddens), want["d_hidden"]) <= GRAD_TOL
+
+
+def test_a_rows_outputs_do_not_depend_on_the_batch(rank_results):
+    assert all(per_rank["invariant"] for per_rank in rank_results)

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..checks import check_bool, check_int
-from .arguments import LogProbProblem, build_problem, default_tile_rows
+from .arguments import LogProbProblem, build_problem
 from .backends import BACKEND_CHOICES, BACKENDS, check_backend_name, resolve_backend
 from .softmax_math import LogitGradientInputs, Partials, combine_row_statistics, no_column_partials
 from .token_math import (
@@ -35,10 +35,6 @@ from .token_math import (
 )
 from .two_pass import fp32_backward
 from .weight_gradient import WeightGradientSum
-
-# The portable backend's tiles for this op: every tile has this many rows (padded), so a row's outputs do not depend
-# on the batch; bounded so that a call of a few rows does not pay for a 256 MiB tile.
-SELECTED_TILE_ROWS = 256
 
 DRIVER = "token_log_probs"
 
@@ -87,8 +83,7 @@ def token_log_probs(
         top_k: int in [0, vocab_size]: also return the row's top_k ids and log-probs (no gradient).
         calculate_sum_pi_squared: also return sum_j p_j^2 (no gradient).
         backend: "auto", "triton" or "torch"; "verl" has no such kernel (ValueError).
-        tile_rows: the portable backend's rows per tile (every tile padded to it); default
-            min(SELECTED_TILE_ROWS, the 256 MiB tile of log_probs_and_entropy).
+        tile_rows: the portable backend's rows per tile, as log_probs_and_entropy's.
 
     Rows not computed (ignore_index, score_mask False) hold 0 in every output (top_ids -1) and get zero gradient.
     Every rank of tp_group returns identical outputs and its own d_weight shard; d_hidden as tp_hidden says.
@@ -102,8 +97,6 @@ def token_log_probs(
     check_bool("calculate_log_probs", calculate_log_probs)
     check_bool("calculate_sum_pi_squared", calculate_sum_pi_squared)
     check_int("top_k", top_k, low=0, expected="must be an int >= 0")
-    if tile_rows is None and isinstance(weight, Tensor) and weight.dim() == 2:
-        tile_rows = min(SELECTED_TILE_ROWS, default_tile_rows(weight.shape[0]))
     problem = build_problem(
         hidden, weight, labels, temperature=temperature, tp_group=tp_group, score_mask=score_mask,
         ignore_index=ignore_index, vocab_size=vocab_size, calculate_entropy=calculate_entropy, tile_rows=tile_rows,

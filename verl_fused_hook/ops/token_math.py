@@ -4,8 +4,8 @@ Per scored row and over this rank's valid columns, a backend's block returns, be
 `TokenPartials`: the logits of the asked ids that fall on this shard (fp32, z = h . W[id] / T, 0 elsewhere), the
 square sum q = sum_j e^(2 (z_j - m)) relative to the shard's row max m (for sum pi^2), and the shard's top
 candidates (their logits and global ids). Across ranks (`merge_token_partials`): the logits are one rank's value
-plus exact zeros (a SUM), q is rescaled to the global max like the sum-exp, and the candidates are all-gathered and
-selected again.
+plus exact zeros, q is rescaled to the global max like the sum-exp and added in rank order, and the candidates are
+gathered and selected again.
 
 The gradient of sum_j c_j log p(id_j) with respect to the logits is sum_j c_j e_(id_j) - (sum_j c_j) p: a dense
 part, the label gradient's with coefficient sum_j c_j, plus a sparse part at k columns per row
@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .softmax_math import ordered_sum
 
 # Rows per torch call that combines duplicates ([rows, m, m] temporaries: 2048 x 129 x 129 x 5 bytes = 170 MB).
 COMBINE_ROWS = 2048
@@ -89,7 +91,7 @@ def merge_square_sums(part_max: Tensor, part_sum: Tensor, part_square: Tensor, r
     subsets, each relative to its own max `part_max`; a partial without mass (part_sum 0) adds nothing."""
     has_mass = part_sum > 0
     rescale = torch.exp(2 * (torch.where(has_mass, part_max, row_max) - row_max))
-    return torch.where(has_mass, part_square * rescale, torch.zeros_like(part_square)).sum(dim=0)
+    return ordered_sum(torch.where(has_mass, part_square * rescale, torch.zeros_like(part_square)))
 
 
 def pad_candidates(values: Tensor, ids: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -125,41 +127,48 @@ def select_top(values: Tensor, ids: Tensor, top_k: int) -> tuple[Tensor, Tensor]
     return by_value.values[:, :top_k], by_id.values.gather(1, keep)
 
 
+def gather_ranks(mine: Tensor, tp_group, tp_world_size: int) -> Tensor:
+    """[tp, *mine.shape]: every rank's `mine`, in rank order: a SUM all-reduce of each rank's tensor in its own slot
+    and zeros elsewhere, exact (x + 0 is x, -inf + 0 is -inf) and available wherever all-reduce is (gloo has no
+    all-gather of CUDA tensors), as combine_row_statistics gathers the partials."""
+    slots = mine.new_zeros((tp_world_size, *mine.shape))
+    slots[dist.get_rank(tp_group)] = mine
+    dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=tp_group)
+    return slots
+
+
 def merge_token_partials(partials: TokenPartials, row_max: Tensor, local_max: Tensor, log_sum: Tensor,
                          tp_group, tp_world_size: int) -> TokenResults:
-    """Merge a shard's extras with the other ranks' (one SUM all-reduce of the token logits and the rescaled square
-    sum, one all-gather of the top candidates), given the merged statistics: the global `row_max` M, this shard's
-    `local_max` m and the global log sum e^(z - M). Every rank returns the same values."""
+    """Merge a shard's extras with the other ranks', given the merged statistics: the global `row_max` M, this
+    shard's `local_max` m and the global log sum e^(z - M). Every rank gathers every rank's extras (`gather_ranks`)
+    and merges them in rank order: the ids' logits are one rank's value plus exact zeros, the square sums are
+    rescaled to M and added in an order fixed by the TP size (`ordered_sum`), the top candidates are selected
+    again. Every rank returns the same values, and a row's values do not depend on the other rows."""
     token_logits, squares, top_values, top_ids = partials
-    sums = []
     if squares is not None:
         has_mass = torch.isfinite(local_max)
         rescale = torch.exp(2 * (torch.where(has_mass, local_max, row_max) - row_max))
-        sums.append(torch.where(has_mass, squares * rescale, torch.zeros_like(squares)).unsqueeze(1))
-    if token_logits is not None:
-        sums.append(token_logits)
-    if tp_world_size > 1 and sums:
-        reduced = torch.cat(sums, 1)
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=tp_group)
-        sums = list(reduced.split([s.shape[1] for s in sums], 1))
+        squares = torch.where(has_mass, squares * rescale, torch.zeros_like(squares))
+    if tp_world_size > 1:
+        gathered = gather_ranks(torch.cat([t.unsqueeze(1) if t.dim() == 1 else t for t in (squares, token_logits,
+                                                                                         top_values) if t is not None], 1),
+                                tp_group, tp_world_size)
+        widths = [1 if t.dim() == 1 else t.shape[1] for t in (squares, token_logits, top_values) if t is not None]
+        pieces = list(gathered.split(widths, dim=2))
+        if squares is not None:
+            squares = ordered_sum(pieces.pop(0).squeeze(2))
+        if token_logits is not None:
+            token_logits = ordered_sum(pieces.pop(0))
+        if top_values is not None:
+            top_values = torch.cat(pieces.pop(0).unbind(0), 1)
+            top_ids = torch.cat(gather_ranks(top_ids, tp_group, tp_world_size).unbind(0), 1)
     log_z = (row_max + log_sum).unsqueeze(1)
-    sum_pi_squared = token_log_probs = None
-    if squares is not None:
-        # q / s^2 with s = e^(log_sum): both relative to M, so no overflow at any logit magnitude
-        sum_pi_squared = torch.exp(sums.pop(0).squeeze(1).log() - 2 * log_sum)
-    if token_logits is not None:
-        token_log_probs = sums.pop(0) - log_z
+    # q / s^2 with s = e^(log_sum): both relative to M, so no overflow at any logit magnitude
+    sum_pi_squared = None if squares is None else torch.exp(squares.log() - 2 * log_sum)
+    token_log_probs = None if token_logits is None else token_logits - log_z
     top_log_probs = None
     if top_values is not None:
-        top_k = top_values.shape[1]
-        if tp_world_size > 1:
-            values = [torch.empty_like(top_values) for _ in range(tp_world_size)]
-            ids = [torch.empty_like(top_ids) for _ in range(tp_world_size)]
-            dist.all_gather(values, top_values.contiguous(), group=tp_group)
-            dist.all_gather(ids, top_ids.contiguous(), group=tp_group)
-            top_values, top_ids = select_top(torch.cat(values, 1), torch.cat(ids, 1), top_k)
-        else:
-            top_values, top_ids = select_top(top_values, top_ids, top_k)
+        top_values, top_ids = select_top(top_values, top_ids, partials.top_logits.shape[1])
         top_log_probs = top_values - log_z
     return TokenResults(token_log_probs, top_ids, top_log_probs, sum_pi_squared)
 

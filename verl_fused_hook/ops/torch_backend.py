@@ -157,28 +157,24 @@ def _rebuilt(stub: LogProbProblem, passes_class, hidden, weight, labels, active_
 
 
 class SelectedTokenPasses(PortablePasses):
-    """`token_log_probs`'s portable passes. Every tile has exactly `p.tile_rows` rows, the last padded with zero
-    rows: each product and reduction then has one shape whatever the number of rows, so a row's outputs are bitwise
-    the same alone or in any batch (a GEMM's summation order may change with its row count). The asked ids' logits,
-    the square sum and the top candidates are read off the tile's fp32 logits, the statistics' own values."""
+    """`token_log_probs`' portable passes. The statistics' blocks are padded with zero rows to a multiple of
+    STATISTICS_ROW_MULTIPLE, as the two-pass op's, so a row's outputs are bitwise the same alone or in any batch; the
+    asked ids' logits, the square sum and the top candidates are read off the block's fp32 logits, the statistics'
+    own values."""
 
     def __init__(self, p: LogProbProblem, request: TokenRequest | None = None):
         super().__init__(p)
         self.request = request
 
-    def blocks(self) -> Iterator[RowBlock]:
-        for block in super().blocks():
-            padding = self.p.tile_rows - block.rows.numel()
-            if padding:
-                block = replace(block, hidden=torch.nn.functional.pad(block.hidden, (0, 0, 0, padding)))
-            yield block
-
-    def _padded(self, block: RowBlock, values: Tensor, fill) -> Tensor:
-        return torch.nn.functional.pad(values, (0, block.hidden.shape[0] - values.shape[0]), value=fill)
-
     def token_statistics(self, block: RowBlock) -> tuple[Partials, TokenPartials]:
         count, request = block.rows.numel(), self.request
-        z = self.gemms.raw_logits(block.hidden).mul_(self._padded(block, block.inv_temp, 1.0).unsqueeze(1))
+        padding = -count % STATISTICS_ROW_MULTIPLE
+        hidden, label_col, inv_temp = block.hidden, block.label_col, block.inv_temp
+        if padding:
+            hidden = torch.cat([hidden, hidden.new_zeros(padding, hidden.shape[1])])
+            label_col = torch.cat([label_col, label_col.new_full((padding,), -1)])
+            inv_temp = torch.cat([inv_temp, inv_temp.new_ones(padding)])
+        z = self.gemms.raw_logits(hidden).mul_(inv_temp.unsqueeze(1))
         token_logits = squares = top_values = top_ids = None
         if request.token_columns is not None:
             token_logits = gather_token_logits(z[:count], request.token_columns[block.span])
@@ -186,23 +182,20 @@ class SelectedTokenPasses(PortablePasses):
             squares = square_sum(z)[:count]
         if request.top_k:
             top_values, top_ids = shard_top_candidates(z[:count], request.top_k, self.p.vocab_start)
-        ones = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)  # z holds 1/T already
-        partials = partial_statistics(z, self._padded(block, block.label_col, -1), ones,
-                                      entropy=self.p.calculate_entropy, keep_raw=False)
-        partials = Partials(*(part[:count] for part in partials))
-        return partials, TokenPartials(token_logits, squares, top_values, top_ids)
+        ones = torch.ones_like(inv_temp)  # z holds 1/T already
+        partials = partial_statistics(z, label_col, ones, entropy=self.p.calculate_entropy, keep_raw=False)
+        return Partials(*(part[:count] for part in partials)), TokenPartials(token_logits, squares, top_values, top_ids)
 
     def token_gradients(self, block: RowBlock, inputs: LogitGradientInputs, sparse: SparseLogitGradient,
                         want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
         """d_hidden of the block's rows (or None) and their share of d_weight: the dense part as the label gradient's
         (`inputs`, with the label itself among `sparse`), plus `sparse`."""
-        count = block.rows.numel()
-        raw = self.gemms.raw_logits(block.hidden)[:count]
+        raw = self.gemms.raw_logits(block.hidden)
         no_label = torch.full_like(block.label_col, -1)
         grad = add_sparse_gradient(grad_logits(raw, no_label, block.inv_temp, inputs), sparse, block.inv_temp)
         grad = self.gemms.grad_operand(grad)
         if weight_sum is not None:
-            weight_sum.add(grad, block.hidden[:count])
+            weight_sum.add(grad, block.hidden)
         return self.gemms.grad_hidden(grad) if want_hidden else None
 
 

@@ -35,7 +35,15 @@ from .token_math import (
     select_top,
 )
 from . import triton_backend as backend  # its tile configurations read at call time
-from .triton_backend import StoredLogits, choose_tiles_per_split, descriptor, recomputed_gradients, row_groups, stored_layout, tma_ready
+from .triton_backend import (
+    StoredLogits,
+    descriptor,
+    recomputed_gradients,
+    row_groups,
+    stored_layout,
+    tiles_per_split,
+    tma_ready,
+)
 from .weight_gradient import WeightGradientSum
 
 # Candidates beyond top_k taken from the fp16 approximations before the exact logits decide: an id of the true top_k
@@ -70,7 +78,7 @@ def statistics_with_squares(p: LogProbProblem, hidden: Tensor, weight: Tensor, l
     c = backend.FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = choose_tiles_per_split(row_blocks, col_tiles, backend.num_sms(hidden.device) * c.ctas_per_sm)
+    per = tiles_per_split(col_tiles, backend.num_sms(hidden.device) * c.ctas_per_sm)
     splits = -(-col_tiles // per)
     parts = torch.empty(5 if squares else 4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
@@ -86,7 +94,7 @@ def statistics_with_squares(p: LogProbProblem, hidden: Tensor, weight: Tensor, l
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
-    partials = merge_partials(*parts[:4].unbind(0))
+    partials = merge_partials(Partials(*parts[:4].unbind(0)))
     return partials, merge_square_sums(parts[0], parts[1], parts[4], partials.row_max) if squares else None
 
 
