@@ -26,12 +26,12 @@ class Case:
 
 
 def make_case(n=37, h=24, padded=203, vocab=197, k=6, *, seed=0, per_row_temperature=True, masked=True,
-              extreme=False, tp=1, dtype=torch.float32, device="cpu") -> Case:
+              extreme=False, tp=1, dtype=torch.float32, device="cpu", weight_scale=0.5) -> Case:
     """Ids on every shard of `tp` (each row's first id on the last shard's first column, its second the same as
     its first: a duplicate), labels among the ids on some rows, every third row masked, ignore_index on row 1."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g)
-    weight = torch.randn(padded, h, generator=g) * 0.5
+    weight = torch.randn(padded, h, generator=g) * weight_scale
     if extreme:  # every logit of a row offset by +-1e4 / T (the sign alternates over rows)
         hidden[:, 0] = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
         weight[:, 0] = 1.0e4
