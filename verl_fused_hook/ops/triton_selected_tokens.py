@@ -50,7 +50,8 @@ from .weight_gradient import WeightGradientSum
 # is missed only if more than TOP_K_SLACK others overtake it by fp16 rounding (2^-11 of its distance to its tile's
 # max, in raw units).
 TOP_K_SLACK = 16
-# Memory of one chunk of rows under top_k: the kept fp16 logits and tile maxima, and the fp32 approximations topk reads.
+# Memory of one chunk of rows under top_k: the kept fp16 logits and tile maxima, and the fp32 approximations topk
+# reads (6 bytes a column, plus 4 a column tile).
 TOP_K_CHUNK_BYTES = 1024**3
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
@@ -115,10 +116,14 @@ def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tens
 def top_candidates(store: StoredLogits, hidden: Tensor, weight: Tensor, inv_temp: Tensor, top_k: int,
                    vocab_start: int) -> tuple[Tensor, Tensor]:
     """The shard's top_k (exact fp32 logits, global ids; -inf / -1 padding) of the rows whose logits `store` kept."""
-    columns = store.shifted.shape[1]
-    tile_max = store.tile_max.repeat_interleave(store.tile_columns, dim=1)[:, :columns]
-    approximate = store.shifted.float().add_(tile_max)  # raw logits to fp16 rounding: their order is z's (T > 0)
-    del tile_max
+    rows, columns = store.shifted.shape
+    width = store.tile_columns
+    # raw logits to fp16 rounding (their order is z's: T > 0), each tile's max added in place, no second buffer
+    approximate = store.shifted.float()
+    whole = columns // width
+    approximate[:, : whole * width].view(rows, whole, width).add_(store.tile_max[:, :whole, None])
+    if columns > whole * width:
+        approximate[:, whole * width :].add_(store.tile_max[:, whole : whole + 1])
     candidates = torch.topk(approximate, min(top_k + TOP_K_SLACK, columns), dim=1).indices
     del approximate
     exact = token_logits(hidden, weight, candidates, inv_temp)
