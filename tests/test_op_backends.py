@@ -36,7 +36,8 @@ def test_choices_and_capabilities():
         assert backend_capabilities(name) == dataclasses.replace(EVERYTHING, keep_logits=True), name
     assert backend_capabilities("torch") == EVERYTHING
     assert backend_capabilities("verl") == BackendCapabilities(
-        per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False
+        per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False,
+        selected_tokens=False,
     )
     with pytest.raises(ValueError, match=r"backend: unknown 'cuda'; allowed: auto, triton, torch, verl"):
         backend_capabilities("cuda")

@@ -6,7 +6,7 @@ load on first use, so `from verl_fused_hook import log_probs_and_entropy` stays 
 
 import importlib
 
-from .ops import BACKEND_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
+from .ops import BACKEND_CHOICES, TokenLogProbs, log_probs_and_entropy, log_probs_entropy_and_loss, token_log_probs
 
 _LAZY = {
     "FusedOutputProcessorContext": ".context",
@@ -16,7 +16,9 @@ _LAZY = {
     "require_output_processor_support": ".probe",
 }
 
-__all__ = ["BACKEND_CHOICES", "log_probs_and_entropy", "log_probs_entropy_and_loss", *_LAZY]
+__all__ = [
+    "BACKEND_CHOICES", "TokenLogProbs", "log_probs_and_entropy", "log_probs_entropy_and_loss", "token_log_probs", *_LAZY,
+]
 
 
 def __getattr__(name):

@@ -1,8 +1,9 @@
 """The op: per-token log-probs and entropy from hidden states and a vocab-parallel output weight.
 
-Two drivers over one contract with the backends (backends.py): `log_probs_and_entropy` (statistics in forward,
-logits recomputed in backward) and `log_probs_entropy_and_loss` (a token-separable loss inside,
-each chunk's logits computed once). See docs/op.md.
+Three drivers over one contract with the backends (backends.py): `log_probs_and_entropy` (statistics in forward,
+logits recomputed in backward), `log_probs_entropy_and_loss` (a token-separable loss inside,
+each chunk's logits computed once) and `token_log_probs` (log-probs of given ids per row, the row's top-k and
+sum pi^2, two passes). See docs/op.md.
 """
 
 from .arguments import check_temperature_values
@@ -14,6 +15,7 @@ from .backends import (
     describe_backends,
 )
 from .loss_inside import FusedLossResult, log_probs_entropy_and_loss
+from .selected_tokens import TokenLogProbs, token_log_probs
 from .separability import LossGradientError, NonFiniteLossGradientError, NonSeparableLossError
 from .tensor_parallel import TP_HIDDEN_CHOICES
 from .two_pass import log_probs_and_entropy
@@ -26,10 +28,12 @@ __all__ = [
     "NonFiniteLossGradientError",
     "NonSeparableLossError",
     "TP_HIDDEN_CHOICES",
+    "TokenLogProbs",
     "backend_capabilities",
     "backend_unavailable_at_build",
     "describe_backends",
     "check_temperature_values",
     "log_probs_and_entropy",
     "log_probs_entropy_and_loss",
+    "token_log_probs",
 ]

@@ -131,7 +131,8 @@ class BackendCapabilities:
     per_row_temperature: a temperature tensor shaped like labels; row_selection: rows left out by
     score_mask or ignore_index; padded_vocabulary: vocab_size below V_local * tp size;
     label_is_max: return_label_is_max=True; loss_inside: `log_probs_entropy_and_loss`;
-    keep_logits: the two-pass op's keep_logits_bytes (others recompute every row).
+    keep_logits: the two-pass op's keep_logits_bytes (others recompute every row); selected_tokens:
+    `token_log_probs` (ids' log-probs, top-k, sum pi^2).
     """
 
     per_row_temperature: bool = True
@@ -140,16 +141,19 @@ class BackendCapabilities:
     label_is_max: bool = True
     loss_inside: bool = True
     keep_logits: bool = False
+    selected_tokens: bool = True
 
 
 @dataclass(frozen=True)
 class Backend:
-    """`module` holds the backend's functions; `whole_problem`: a WholeProblemBackend, else a BlockBackend."""
+    """`module` holds the backend's functions; `whole_problem`: a WholeProblemBackend, else a BlockBackend;
+    `selected_tokens_module`: the module with `selected_token_passes` (`token_log_probs`), None without."""
 
     name: str
     module: str
     capabilities: BackendCapabilities
     whole_problem: bool = False
+    selected_tokens_module: str | None = None
 
     def load(self) -> BlockBackend | WholeProblemBackend:
         return importlib.import_module(self.module, package=__package__)
@@ -163,13 +167,15 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", ".triton_backend", BackendCapabilities(keep_logits=True)),
-    "torch": Backend("torch", ".torch_backend", BackendCapabilities()),
+    "triton": Backend("triton", ".triton_backend", BackendCapabilities(keep_logits=True),
+                      selected_tokens_module=".triton_selected_tokens"),
+    "torch": Backend("torch", ".torch_backend", BackendCapabilities(), selected_tokens_module=".torch_backend"),
     "verl": Backend(
         "verl",
         ".verl_backend",
         BackendCapabilities(
-            per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False
+            per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False,
+            selected_tokens=False,
         ),
         whole_problem=True,
     ),

@@ -26,6 +26,15 @@ from .softmax_math import (
     label_columns,
     partial_statistics,
 )
+from .token_math import (
+    SparseLogitGradient,
+    TokenPartials,
+    TokenRequest,
+    add_sparse_gradient,
+    gather_token_logits,
+    shard_top_candidates,
+    square_sum,
+)
 from .weight_gradient import WeightGradientSum
 
 # The loss-inside op's chunk: 4 bytes of fp32 logits per logit plus the passes' temporaries, about three
@@ -138,13 +147,61 @@ class PortablePasses:
         stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
                        temperature=None if temperature is not None else p.temperature)
         return SavedPasses((p.hidden, p.weight, p.labels, p.active_rows, temperature),
-                           functools.partial(_rebuilt, stub))
+                           functools.partial(_rebuilt, stub, type(self)))
 
 
-def _rebuilt(stub: LogProbProblem, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
+def _rebuilt(stub: LogProbProblem, passes_class, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
     temperature = stub.temperature if temperature is None else temperature
     p = replace(stub, hidden=hidden, weight=weight, labels=labels, active_rows=active_rows, temperature=temperature)
-    return PortablePasses(p)
+    return passes_class(p)
+
+
+class SelectedTokenPasses(PortablePasses):
+    """`token_log_probs`' portable passes. The statistics' blocks are padded with zero rows to a multiple of
+    STATISTICS_ROW_MULTIPLE, as the two-pass op's, so a row's outputs are bitwise the same alone or in any batch; the
+    asked ids' logits, the square sum and the top candidates are read off the block's fp32 logits, the statistics'
+    own values."""
+
+    def __init__(self, p: LogProbProblem, request: TokenRequest | None = None):
+        super().__init__(p)
+        self.request = request
+
+    def token_statistics(self, block: RowBlock) -> tuple[Partials, TokenPartials]:
+        count, request = block.rows.numel(), self.request
+        padding = -count % STATISTICS_ROW_MULTIPLE
+        hidden, label_col, inv_temp = block.hidden, block.label_col, block.inv_temp
+        if padding:
+            hidden = torch.cat([hidden, hidden.new_zeros(padding, hidden.shape[1])])
+            label_col = torch.cat([label_col, label_col.new_full((padding,), -1)])
+            inv_temp = torch.cat([inv_temp, inv_temp.new_ones(padding)])
+        z = self.gemms.raw_logits(hidden).mul_(inv_temp.unsqueeze(1))
+        token_logits = squares = top_values = top_ids = None
+        if request.token_columns is not None:
+            token_logits = gather_token_logits(z[:count], request.token_columns[block.span])
+        if request.sum_squares:
+            squares = square_sum(z)[:count]
+        if request.top_k:
+            top_values, top_ids = shard_top_candidates(z[:count], request.top_k, self.p.vocab_start)
+        ones = torch.ones_like(inv_temp)  # z holds 1/T already
+        partials = partial_statistics(z, label_col, ones, entropy=self.p.calculate_entropy, keep_raw=False)
+        return Partials(*(part[:count] for part in partials)), TokenPartials(token_logits, squares, top_values, top_ids)
+
+    def token_gradients(self, block: RowBlock, inputs: LogitGradientInputs, sparse: SparseLogitGradient,
+                        want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+        """d_hidden of the block's rows (or None) and their share of d_weight: the dense part as the label gradient's
+        (`inputs`, with the label itself among `sparse`), plus `sparse`."""
+        raw = self.gemms.raw_logits(block.hidden)
+        no_label = torch.full_like(block.label_col, -1)
+        grad = add_sparse_gradient(grad_logits(raw, no_label, block.inv_temp, inputs), sparse, block.inv_temp)
+        grad = self.gemms.grad_operand(grad)
+        if weight_sum is not None:
+            weight_sum.add(grad, block.hidden)
+        return self.gemms.grad_hidden(grad) if want_hidden else None
+
+
+def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> SelectedTokenPasses:
+    """`token_log_probs`'s passes: tiles of exactly p.tile_rows rows, logits recomputed in the gradients."""
+    return SelectedTokenPasses(p, request)
 
 
 def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> PortablePasses:

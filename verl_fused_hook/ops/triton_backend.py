@@ -368,10 +368,11 @@ def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: boo
 
 def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, inputs: LogitGradientInputs,
                          want_hidden: bool, weight_sum: WeightGradientSum | None,
-                         kept: StoredLogits | None = None) -> Tensor | None:
+                         kept: StoredLogits | None = None, add_sparse=None) -> Tensor | None:
     """fp32 d_hidden of the block (or None); its share of d_weight[:valid_columns] chunk by chunk through
     weight_sum. The block's first rows, when `kept` holds their logits, are one more row tile whose d_logits
-    come from there. `inputs`: no gradient None."""
+    come from there. `inputs`: no gradient None. `add_sparse(dz, rows, chunk_start)` (token_log_probs): adds a
+    sparse part to each recomputed d_logits tile before its GEMMs."""
     from . import triton_kernels as kernels
 
     hidden = block.hidden
@@ -411,6 +412,8 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, in
                     BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                     num_warps=c.num_warps, num_stages=c.num_stages,
                 )
+                if add_sparse is not None:
+                    add_sparse(dz, rows, start)
             if d_hidden is not None:
                 torch.addmm(d_hidden[rows], dz, w_chunk, out_dtype=torch.float32, out=d_hidden[rows])
             if chunk_sum is not None:

@@ -3,7 +3,9 @@
 - `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
   keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes);
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
-- `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept.
+- `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
+- `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids (a gather-dot in a fixed
+  order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel wrote.
 
 The two GEMM kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
 fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
@@ -60,9 +62,12 @@ def forward_statistics_kernel(
     rows, H, valid_columns, num_col_tiles, tiles_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, ENTROPY: tl.constexpr, STORE: tl.constexpr,
+    square_ptr=None, SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
+    With SQUARES (token_log_probs' sum pi^2) also sum e^(2(z-m)), rescaled like the sum; off, the kernel is
+    the same as before the flag existed.
     With STORE it also keeps the raw logits for a later gradient pass (the fused loss):
     each tile relative to its own row max, in fp16 (a difference <= 0 whose fp16 rounding
     is far below the bf16 rounding of d_logits), saturated at fp16's lowest value (where
@@ -87,6 +92,7 @@ def forward_statistics_kernel(
     run_sum = tl.zeros((BLOCK_M,), tl.float32)
     run_dot = tl.zeros((BLOCK_M,), tl.float32)  # base-2 units
     label_raw = tl.zeros((BLOCK_M,), tl.float32)
+    run_square = tl.zeros((BLOCK_M,), tl.float32)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_col_tiles)
     for tile in range(first_tile, last_tile):
@@ -110,6 +116,8 @@ def forward_statistics_kernel(
         if ENTROPY:
             # sum 2^(x-M)(x-M) over old columns = rescale * (dot + shift * sum)
             run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted, axis=1)
+        if SQUARES:
+            run_square = run_square * (rescale * rescale) + tl.sum(e * e, axis=1)
         run_sum = run_sum * rescale + tl.sum(e, axis=1)
         run_max = new_max
 
@@ -118,6 +126,8 @@ def forward_statistics_kernel(
     tl.store(sum_ptr + out, run_sum, mask=row_ok)
     tl.store(dot_ptr + out, run_dot * LN2, mask=row_ok)
     tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok)
+    if SQUARES:
+        tl.store(square_ptr + out, run_square, mask=row_ok)
 
 
 @triton.jit
@@ -188,3 +198,52 @@ def stored_grad_logits_kernel(
     dz = p * (g_ent * (shifted_mean - shifted) - g_lp)
     dz = tl.where(cols == label_col, dz + g_lp, dz)
     tl.store(dz_ptr + offsets, dz.to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def token_logits_kernel(
+    h_ptr, h_stride, w_ptr, w_stride,  # [rows, H], [valid_columns, H]
+    columns_ptr, inv_temp_ptr, out_ptr,  # int64 [rows, entries] (-1: not on this shard), fp32 [rows], fp32 [rows, entries]
+    entries, H,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One program: one row's `BLOCK_T` entries, z = h . W[column] / T in fp32 (0 where the column is -1). The sum
+    over H runs in BLOCK_H pieces in order, each a fixed tree, so a logit depends on its row and column alone (no
+    other row, no batch size): the bitwise batch invariance token_log_probs promises."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = j < entries
+    column = tl.load(columns_ptr + row * entries + j, mask=ok, other=-1)
+    present = ok & (column >= 0)
+    acc = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, H, BLOCK_H):
+        k = start + tl.arange(0, BLOCK_H)
+        k_ok = k < H
+        h = tl.load(h_ptr + row * h_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + column.to(tl.int64)[:, None] * w_stride + k[None, :],
+                    mask=present[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * h[None, :], axis=1)
+    z = acc * tl.load(inv_temp_ptr + row)
+    tl.store(out_ptr + row * entries + j, tl.where(present, z, 0.0), mask=ok)
+
+
+@triton.jit
+def add_sparse_gradient_kernel(
+    dz_ptr, dz_stride,  # [rows, chunk_width] d_logits of one vocabulary chunk (the input dtype)
+    columns_ptr, coefficients_ptr, inv_temp_ptr,  # int64 / fp32 [rows, entries], fp32 [rows]
+    entries, chunk_start, chunk_width,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: dz[column - chunk_start] += coefficient / T for the row's columns inside the chunk. The
+    columns are unique per row (duplicates combined beforehand, the rest -1), so no two lanes touch one element: no
+    atomics, and the result has no order."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    ok = j < entries
+    column = tl.load(columns_ptr + row * entries + j, mask=ok, other=-1)
+    local = column - chunk_start
+    inside = ok & (column >= 0) & (local >= 0) & (local < chunk_width)
+    add = tl.load(coefficients_ptr + row * entries + j, mask=inside, other=0.0) * tl.load(inv_temp_ptr + row)
+    where = dz_ptr + row * dz_stride + local
+    old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+    tl.store(where, (old + add).to(dz_ptr.dtype.element_ty), mask=inside)

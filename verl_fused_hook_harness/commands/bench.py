@@ -18,11 +18,16 @@ liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
 the backward's recompute, 3 without). fused_loss (the op with verl's ppo_loss
 inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
-layer plus the policy loss (bench_loss.py; they need `import verl`).
+layer plus the policy loss (bench_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
+--topk ids), verl_kl_topk (verl's megatron forward_kl_topk on full logits) and verl_kl_topk_chunked (its
+use_chunked_topk path) time the output layer plus verl's forward_kl_topk; sum_pi_squared our log-probs, entropy
+and sum pi^2 (bench_distill.py).
 
     verl-fused-hook bench --out results/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
     verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
+    verl-fused-hook bench --shapes "16384,4096,151936;65536,4096,151936" --topk 128 \
+        --methods floor,kl_topk,verl_kl_topk,verl_kl_topk_chunked,sum_pi_squared
     verl-fused-hook bench --plot-only results/bench_every_peer.json --out docs/images/bench_every_peer.png  # redraw, no GPU
 """
 
@@ -234,7 +239,8 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     torch.cuda.empty_cache()
     for name, fn in methods.items():
         if getattr(fn, "returns_loss", False):
-            out[name] = _guard(f"accuracy {name}", lambda: bench_loss.loss_accuracy(fn, hidden, weight, labels, temperature))
+            check = getattr(fn, "accuracy", None) or functools.partial(bench_loss.loss_accuracy, fn)
+            out[name] = _guard(f"accuracy {name}", lambda: check(hidden, weight, labels, temperature))
             print(f"# accuracy {name} {out[name]}", flush=True)
             continue
 
@@ -286,6 +292,8 @@ def main(argv=None) -> int:
                         help="forward+backward time only (no forward-only, masked or memory runs)")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--topk", type=int, default=128, help="the teacher's top-k of the distillation methods "
+                        "(kl_topk, verl_kl_topk, verl_kl_topk_chunked; verl's default 128)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
@@ -339,12 +347,13 @@ def measure(args, argv: list[str]) -> int:
     skipped: dict[str, str] = {}
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
     accuracy_shapes = parse_shapes(args.accuracy_shape) if args.accuracy_shape else []
-    methods = load_methods(names, args.verl_kernel_dir, skipped, shapes + accuracy_shapes)
+    methods = load_methods(names, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
+        "topk": args.topk,
         "methods": (["floor"] if args.floor else []) + list(methods),
         "skipped": skipped,
         "leave_free_gib": args.leave_free_gib,

@@ -15,11 +15,11 @@ import torch
 from verl_fused_hook.ops import log_probs_and_entropy
 
 from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
-from . import bench_liger, bench_loss
+from . import bench_distill, bench_liger, bench_loss
 
 ALL_METHODS = (
     "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
-    "fused_loss_gspo", "verl_loss_gspo",
+    "fused_loss_gspo", "verl_loss_gspo", "kl_topk", "verl_kl_topk", "verl_kl_topk_chunked", "sum_pi_squared",
 )  # fmt: skip
 
 
@@ -100,10 +100,10 @@ def cut_cross_entropy():
 
 
 def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
-                 shapes: list[tuple[int, int, int]] = ()) -> dict[str, Callable]:
+                 shapes: list[tuple[int, int, int]] = (), topk: int = 128) -> dict[str, Callable]:
     """The named methods that can run here (the floor is measured apart); why each other one cannot goes into
     `skipped` and on a line. `shapes`: every (N, H, V) the run will time (Liger's native kernel reserves its
-    workspace for the largest once)."""
+    workspace for the largest once); `topk`: the teacher's top-k of the distillation methods."""
     loaders = {
         "triton": lambda: ours("triton"),
         "triton_keep": lambda: ours("triton", KEEP_LOGITS_BYTES),
@@ -119,6 +119,7 @@ def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
         "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
         "fused_loss_gspo": lambda: bench_loss.fused_loss_method("gspo"),
         "verl_loss_gspo": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
+        **bench_distill.loaders(topk),
     }
     methods = {}
     for name in names:

@@ -31,6 +31,9 @@ def markdown(results: dict) -> str:
         "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
     ]
+    if any(name in names for name in ("kl_topk", "verl_kl_topk", "verl_kl_topk_chunked")):
+        lines[1:1] = ["", f"kl_topk, verl_kl_topk*: the output layer plus verl's forward_kl_topk at the teacher's top-"
+                      f"{results.get('topk')} (verl_kl_topk_chunked: verl's use_chunked_topk path)."]
     if results.get("back_to_back", 1) > 1:
         lines[1:1] = ["", f"Each timing: {results['back_to_back']} calls back to back (the GPU held at its power cap, as "
                       "inside a training step); times per call."]
@@ -42,6 +45,10 @@ def markdown(results: dict) -> str:
             mem = r.get("extra_gib")
             cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
+    out_of_memory = {name: [row["N"] for row in results["shapes"]
+                            if str(row.get(name, {}).get("fwd_bwd_ms", "")).startswith("out of memory")] for name in names}
+    if any(out_of_memory.values()):
+        lines += [""] + [f"- {name}: OOM at N={', '.join(map(str, ns))}" for name, ns in out_of_memory.items() if ns]
     for fused_name, verl_name in (("fused_loss", "verl_loss"), ("fused_loss_gspo", "verl_loss_gspo")):
         if not {fused_name, verl_name} <= set(names):
             continue

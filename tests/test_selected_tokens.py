@@ -1,0 +1,202 @@
+"""`token_log_probs` with the portable backend on the CPU, against the fp64 reference (tests/selected_tokens_cases.py).
+
+Tolerances: values are fp32 logits of sums over H = 24 products (1e-5 absolute covers their rounding, 1e-6
+measured); gradients are fp32 sums over the vocabulary (1e-5 relative, Frobenius). Logits offset by +-1e4 / T
+(T >= 0.5): fp32 holds them to 2^-9, and a sum of 24 products rounds a few times: 8 ulps (1.6e-2) absolute for the
+values (5.7e-3 measured), and as much relative for the gradients (p's relative error is z's absolute one; 1.1e-3
+measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
+
+from verl_fused_hook import TokenLogProbs, token_log_probs
+
+VALUE_TOL = 1e-5
+GRAD_TOL = 1e-5
+
+
+def run(case, top_k=0, backend="torch", tile_rows=8, **kwargs) -> tuple[TokenLogProbs, torch.Tensor, torch.Tensor]:
+    hidden = case.hidden.clone().requires_grad_()
+    weight = case.weight.clone().requires_grad_()
+    out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
+                          score_mask=case.score_mask, vocab_size=case.vocab_size, top_k=top_k,
+                          calculate_sum_pi_squared=True, backend=backend, tile_rows=tile_rows, **kwargs)
+    upstream_loss(out, case).backward()
+    return out, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"per_row_temperature": False, "masked": False},
+        {"padded": 211, "vocab": 211, "k": 1},
+        {"k": 40},  # more ids than a tile has rows, many duplicates
+    ],
+    ids=["per_row_temperature_masked", "one_temperature_every_row", "no_padding_one_id", "forty_ids"],
+)
+def test_against_fp64(options):
+    case = make_case(**options)
+    want = reference(case, top_k=5)
+    out, d_hidden, d_weight = run(case, top_k=5)
+    for name in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared", "top_log_probs"):
+        assert max_abs(getattr(out, name), want[name]) <= VALUE_TOL, name
+    assert torch.equal(out.top_ids, want["top_ids"])
+    assert out.token_log_probs.dtype == torch.float32 and out.top_ids.dtype == torch.int64
+    assert rel(d_hidden, want["d_hidden"]) <= GRAD_TOL
+    assert rel(d_weight, want["d_weight"]) <= GRAD_TOL
+    assert torch.count_nonzero(d_weight[case.vocab_size:]) == 0  # padding columns get nothing
+
+
+def test_rows_not_computed_hold_zero_and_get_no_gradient():
+    case = make_case()
+    out, d_hidden, _ = run(case, top_k=3)
+    off = ~scored_rows(case)
+    assert off.any()
+    for name in ("log_probs", "entropy", "token_log_probs", "top_log_probs", "sum_pi_squared"):
+        assert torch.count_nonzero(getattr(out, name)[off]) == 0, name
+    assert (out.top_ids[off] == -1).all()
+    assert torch.count_nonzero(d_hidden[off]) == 0
+
+
+def test_extreme_logits():
+    case = make_case(extreme=True)
+    want = reference(case, top_k=4)
+    out, d_hidden, d_weight = run(case, top_k=4)
+    for name in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared", "top_log_probs"):
+        assert torch.isfinite(getattr(out, name)).all(), name
+        assert max_abs(getattr(out, name), want[name]) <= 8 * 2**-9, name
+    assert rel(d_hidden, want["d_hidden"]) <= 8 * 2**-9 and rel(d_weight, want["d_weight"]) <= 8 * 2**-9
+
+
+def test_empty_selection_and_no_rows():
+    case = make_case(k=0)
+    want = reference(case)
+    out, d_hidden, _ = run(case)
+    assert out.token_log_probs.shape == (37, 0)
+    assert rel(d_hidden, want["d_hidden"]) <= GRAD_TOL
+    case = make_case()
+    case.score_mask = torch.zeros_like(case.score_mask)
+    out, d_hidden, d_weight = run(case, top_k=2)
+    assert torch.count_nonzero(out.token_log_probs) == 0 and (out.top_ids == -1).all()
+    assert torch.count_nonzero(d_hidden) == 0 and torch.count_nonzero(d_weight) == 0
+
+
+def test_only_token_gradients_flow():
+    """No gradient through log_probs or entropy: the dense part is sum_j c_j alone."""
+    case = make_case()
+    case.g_lp.zero_()
+    case.g_ent.zero_()
+    want = reference(case)
+    hidden = case.hidden.clone().requires_grad_()
+    weight = case.weight.clone().requires_grad_()
+    out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
+                          score_mask=case.score_mask, vocab_size=case.vocab_size, calculate_log_probs=False,
+                          calculate_entropy=False, backend="torch", tile_rows=8)
+    assert out.log_probs is None and out.entropy is None and out.top_ids is None and out.sum_pi_squared is None
+    (out.token_log_probs * case.g_tokens).sum().backward()
+    assert rel(hidden.grad, want["d_hidden"]) <= GRAD_TOL and rel(weight.grad, want["d_weight"]) <= GRAD_TOL
+
+
+def test_duplicates_add_their_gradients():
+    """An id asked twice gets the sum of both coefficients: the same gradient as once with their sum."""
+    case = make_case(masked=False)
+    twice = run(case)
+    case.token_ids = case.token_ids[:, 1:]  # column 1 repeats column 0
+    case.g_tokens = torch.cat([case.g_tokens[:, :1] + case.g_tokens[:, 1:2], case.g_tokens[:, 2:]], 1)
+    once = run(case)
+    assert rel(twice[1], once[1]) <= 1e-6 and rel(twice[2], once[2]) <= 1e-6
+
+
+def test_matches_log_probs_and_entropy():
+    """The label's log-prob and the entropy are log_probs_and_entropy's, bit for bit (one statistics pass)."""
+    from verl_fused_hook import log_probs_and_entropy
+
+    case = make_case()
+    out = token_log_probs(case.hidden, case.weight, case.labels, case.token_ids, temperature=case.temperature,
+                          score_mask=case.score_mask, vocab_size=case.vocab_size, backend="torch", tile_rows=8)
+    log_probs, entropy = log_probs_and_entropy(case.hidden, case.weight, case.labels, temperature=case.temperature,
+                                               score_mask=case.score_mask, vocab_size=case.vocab_size, backend="torch",
+                                               tile_rows=8)
+    assert max_abs(out.log_probs, log_probs) <= 1e-6 and max_abs(out.entropy, entropy) <= 1e-6
+
+
+def test_batch_invariance():
+    """A row's outputs are bitwise the same alone and inside a bigger batch (with other rows masked around it)."""
+    case = make_case(n=29, masked=False)
+    everything = token_log_probs(case.hidden, case.weight, case.labels, case.token_ids, temperature=case.temperature,
+                                 vocab_size=case.vocab_size, top_k=4, calculate_sum_pi_squared=True, backend="torch")
+    for row in (0, 13, 28):
+        alone = token_log_probs(case.hidden[row : row + 1], case.weight, case.labels[row : row + 1],
+                                case.token_ids[row : row + 1], temperature=case.temperature[row : row + 1],
+                                vocab_size=case.vocab_size, top_k=4, calculate_sum_pi_squared=True, backend="torch")
+        for name, value in alone._asdict().items():
+            assert torch.equal(value[0], getattr(everything, name)[row]), (name, row)
+
+
+def test_ties_order_by_lower_id():
+    """Equal logits: the lower id first."""
+    hidden = torch.ones(2, 4)
+    weight = torch.zeros(10, 4)
+    weight[[7, 2, 5]] = 1.0  # three tied maxima
+    out = token_log_probs(hidden, weight, torch.zeros(2, dtype=torch.long), top_k=3, backend="torch")
+    assert out.top_ids.tolist() == [[2, 5, 7], [2, 5, 7]]
+
+
+def test_second_order_gradients_are_refused():
+    case = make_case()
+    hidden = case.hidden.clone().requires_grad_()
+    out = token_log_probs(hidden, case.weight, case.labels, case.token_ids, vocab_size=case.vocab_size, backend="torch")
+    (grad,) = torch.autograd.grad(out.token_log_probs.sum(), hidden, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()
+
+
+def _call(**changes):
+    case = make_case(n=6, k=3)
+    arguments = dict(hidden=case.hidden, weight=case.weight, labels=case.labels, token_ids=case.token_ids,
+                     vocab_size=case.vocab_size, backend="torch")
+    arguments.update(changes)
+    return token_log_probs(**arguments)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"token_ids": torch.zeros(6, 3)}, "token_ids: must be an integer tensor, got torch.float32"),
+        ({"token_ids": torch.zeros(6, 3, dtype=torch.bool)}, "token_ids: must be an integer tensor, got torch.bool"),
+        ({"token_ids": [[1, 2]] * 6}, "token_ids: expected an integer torch.Tensor or None, got list"),
+        ({"token_ids": torch.zeros(6, dtype=torch.long)}, "token_ids: must be shaped like labels (6,) plus a last dim"),
+        ({"token_ids": torch.zeros(5, 3, dtype=torch.long)}, "token_ids: must be shaped like labels (6,) plus a last dim"),
+        ({"token_ids": torch.full((6, 3), 197)}, "token_ids: ids must lie in [0, 197) (vocab_size) on every computed row, found 197"),
+        ({"token_ids": torch.full((6, 3), -1)}, "token_ids: ids must lie in [0, 197)"),
+        ({"top_k": -1}, "top_k: must be an int >= 0, got -1"),
+        ({"top_k": 198}, "top_k: must be an int in [0, 197] (vocab_size), got 198"),
+        ({"top_k": 2.0}, "top_k: must be an int >= 0, got 2.0"),
+        ({"top_k": True}, "top_k: must be an int >= 0, got True"),
+        ({"calculate_sum_pi_squared": 1}, "calculate_sum_pi_squared: expected a bool, got 1"),
+        ({"calculate_log_probs": None}, "calculate_log_probs: expected a bool, got None"),
+        ({"backend": "verl"}, "backend: 'verl' cannot run token_log_probs"),
+        ({"backend": "cuda"}, "backend: unknown 'cuda'"),
+        ({"labels": torch.full((6,), 500)}, "labels: ids must lie in [0, 197)"),
+        ({"temperature": 0.0}, "temperature: must be finite and > 0"),
+    ],
+)
+def test_bad_input_names_the_field(changes, message):
+    with pytest.raises(ValueError) as error:
+        _call(**changes)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_ids_of_rows_not_computed_are_not_read():
+    case = make_case(n=6, k=3)
+    ids = case.token_ids.clone()
+    ids[2] = 10_000  # a padding row's garbage
+    mask = torch.arange(6) != 2
+    out = token_log_probs(case.hidden, case.weight, case.labels, ids, score_mask=mask, vocab_size=case.vocab_size,
+                          backend="torch")
+    assert torch.count_nonzero(out.token_log_probs[2]) == 0

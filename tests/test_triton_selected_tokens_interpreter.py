@@ -1,0 +1,140 @@
+"""`token_log_probs`' Triton path on the CPU through Triton's interpreter (TRITON_INTERPRET=1), against fp64 and the
+torch math: the gather-dot (`token_logits_kernel`), the sparse fix-up (`add_sparse_gradient_kernel`), the statistics
+kernel's SQUARES flag, the top-k path over kept logits in several chunks, and the whole op forward and backward.
+
+The named fakes of tests/test_triton_interpreter.py (fp16 for bf16, small tiles, four "SMs", cuBLAS's fp32-output
+addmm, the availability check) are its `_interpret_on_cpu`. Tolerances: fp32 values 1e-5 absolute; fp16 d_logits
+(2^-11 rounding, the sparse entries rounded twice) 1e-3 relative for the gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+VALUE_TOL = 1e-5
+GRAD_TOL = 1e-3
+
+
+def _kernel_cases() -> dict:
+    """Run in the subprocess: each kernel against the torch math on the same inputs."""
+    import torch
+    from test_triton_interpreter import _interpret_on_cpu
+
+    from verl_fused_hook.ops import triton_kernels
+    from verl_fused_hook.ops.arguments import build_problem
+    from verl_fused_hook.ops.softmax_math import inverse_temperature, label_columns
+    from verl_fused_hook.ops.token_math import combine_duplicate_columns, square_sum
+    from verl_fused_hook.ops.triton_selected_tokens import statistics_with_squares, token_logits
+
+    _interpret_on_cpu()
+    g = torch.Generator().manual_seed(3)
+    n, h, v, k = 21, 200, 150, 19  # H not a multiple of the gather-dot's 128, k of its 16
+    hidden = torch.randn(n, h, generator=g).half()
+    weight = (torch.randn(v, h, generator=g) * 0.3).half()
+    inv_temp = (torch.rand(n, generator=g) + 0.5).reciprocal()
+    columns = torch.randint(-1, v, (n, k), generator=g)
+    got = token_logits(hidden, weight, columns, inv_temp)
+    want = (hidden.double() @ weight.double().t() * inv_temp.double().unsqueeze(1)).gather(1, columns.clamp_min(0))
+    want = torch.where(columns >= 0, want, 0.0)
+    results = {"gather_dot": (got.double() - want).abs().max().item()}
+
+    # the fix-up on an fp16 chunk [n, 64] at columns 40..103 of the shard, duplicates combined first
+    sparse = combine_duplicate_columns(torch.randint(-1, v, (n, k), generator=g), torch.randn(n, k, generator=g))
+    dz = torch.randn(n, 80, generator=g).half()[:, :64]  # a strided chunk, as the backward's tile
+    expected = dz.float().clone()
+    inside = (sparse.columns >= 40) & (sparse.columns < 104)
+    for row, j in inside.nonzero().tolist():
+        expected[row, sparse.columns[row, j] - 40] += sparse.coefficients[row, j] * inv_temp[row]
+    triton_kernels.add_sparse_gradient_kernel[(n,)](dz, dz.stride(0), sparse.columns.contiguous(),
+                                                    sparse.coefficients.contiguous(), inv_temp, k, 40, 64, BLOCK=32)
+    results["fix_up"] = (dz.float() - expected.half().float()).abs().max().item()
+
+    # the SQUARES flag: square sums per row (several splits merged) against the torch math
+    labels = torch.randint(0, v, (n,), generator=g)
+    temperature = inv_temp.reciprocal()
+    problem = build_problem(hidden, weight, labels, temperature=temperature, tp_group=None, score_mask=None,
+                            ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None)
+    rows = problem.active_rows
+    partials, squares = statistics_with_squares(problem, hidden, weight, label_columns(problem, rows).int(),
+                                                inverse_temperature(temperature, rows), True, None)
+    z = hidden.double() @ weight.double().t() * inv_temp.double().unsqueeze(1)
+    results["squares"] = ((squares.double() - square_sum(z)) / square_sum(z)).abs().max().item()
+    results["row_max"] = (partials.row_max.double() - z.amax(1)).abs().max().item()
+    return results
+
+
+def _op_cases() -> list[dict]:
+    """Run in the subprocess: the whole op through the Triton passes, against fp64."""
+    import torch
+    from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
+    from test_triton_interpreter import _interpret_on_cpu
+
+    from verl_fused_hook.ops import token_log_probs, triton_selected_tokens
+
+    _interpret_on_cpu()
+    results = []
+    for name, options, chunk_bytes in [
+        ("top-k in chunks of 16 rows", {}, 16 * (2 * 208 + 4 * 7 + 4 * 203) + 1),
+        ("top-k in one chunk, one temperature", {"per_row_temperature": False}, 1024**3),
+        ("ids without top-k, every row", {"masked": False}, None),
+    ]:
+        if chunk_bytes:
+            triton_selected_tokens.TOP_K_CHUNK_BYTES = chunk_bytes
+        case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16, **options)
+        top_k = 5 if chunk_bytes else 0
+        want = reference(case, top_k=top_k)
+        hidden, weight = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+        out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
+                              score_mask=case.score_mask, vocab_size=case.vocab_size, top_k=top_k,
+                              calculate_sum_pi_squared=True, backend="triton")
+        upstream_loss(out, case).backward()
+        off = ~scored_rows(case)
+        result = {"case": name, "d_hidden": rel(hidden.grad, want["d_hidden"]),
+                  "d_weight": rel(weight.grad, want["d_weight"]),
+                  "off_rows_zero": bool((hidden.grad[off] == 0).all() and (out.token_log_probs[off] == 0).all())}
+        for field in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared") + (("top_log_probs",) if top_k else ()):
+            result[field] = max_abs(getattr(out, field), want[field])
+        if top_k:
+            result["top_ids_exact"] = bool(torch.equal(out.top_ids, want["top_ids"]))
+        results.append(result)
+    return results
+
+
+def _run_interpreted(function: str):
+    """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
+    tests = Path(__file__).resolve().parent
+    code = (f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
+            f"print(json.dumps(t.{function}()))")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_selected_token_kernels_in_the_interpreter():
+    results = _run_interpreted("_kernel_cases")
+    assert results["gather_dot"] <= VALUE_TOL, results
+    assert results["fix_up"] == 0.0, results  # fp16(old + c / T), the same rounding as the torch expectation
+    assert results["squares"] <= VALUE_TOL and results["row_max"] <= VALUE_TOL, results
+
+
+def test_token_log_probs_triton_path_in_the_interpreter():
+    cases = _run_interpreted("_op_cases")
+    assert len(cases) == 3
+    for case in cases:
+        label = case["case"]
+        assert case["off_rows_zero"], label
+        for field in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared", "top_log_probs"):
+            assert case.get(field, 0.0) <= VALUE_TOL, (label, field, case)
+        assert case.get("top_ids_exact", True), case
+        assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
