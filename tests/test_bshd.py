@@ -423,8 +423,8 @@ def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
 
 
 def test_ab_bshd_evaluation_flags_mismatches():
-    from verl_fused_hook_harness.commands import ab_parity
-    from verl_fused_hook_harness.commands.ab_bshd import evaluate_bshd
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
+    from verl_fused_hook_harness.commands.ab.bshd import evaluate_bshd
 
     base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
             "grads": {"w": torch.full((3,), 2.0)}, "peak_bytes": 1}

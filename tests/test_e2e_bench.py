@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench_worker(rank, world_size, out, *extra):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     return e2e_bench.main([
         "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
@@ -53,7 +53,7 @@ def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_wri
 
 
 def test_layers_must_be_positive(capsys):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     with pytest.raises(SystemExit):
         e2e_bench.main(["--device", "cpu", "--layers", "0"])
@@ -65,7 +65,7 @@ def test_timed_repeats_run_in_rounds_over_the_modes():
     own timed steps feed its tally."""
     import torch
 
-    from verl_fused_hook_harness.commands.e2e_setup import Clock, Primed, time_in_rounds
+    from verl_fused_hook_harness.commands.e2e.common import Clock, Primed, time_in_rounds
 
     calls, modes_set, counter = [], [], [0]
 

@@ -556,7 +556,7 @@ def test_fused_loss_entry_is_validated():
 def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu(mode):
     """fused_loss and verl_loss (and their _gspo twins) compute the same loss and gradients; verl's Triton kernel needs CUDA, so
     verl_loss's kernel is stood in for by the portable op here (a fake of verl's kernel, named so)."""
-    from verl_fused_hook_harness.commands import bench, bench_loss
+    from verl_fused_hook_harness.commands.bench import op_bench as bench, policy_loss as bench_loss
 
     def fake_verl_kernel(h, w, labels, temperature, score_mask=None):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, backend="torch")

@@ -346,7 +346,7 @@ def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
 def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     out = tmp_path / "ab_mtp.json"
     code = ab_parity.main(["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)])
@@ -359,7 +359,7 @@ def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
 
 
 def test_ab_parity_refuses_negative_mtp_layers(capsys):
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     with pytest.raises(SystemExit):
         ab_parity.main(["--device", "cpu", "--mtp-layers", "-1"])
@@ -370,7 +370,7 @@ def _e2e_mtp_worker(rank, world_size, out):
     from megatron.core.models.gpt import gpt_model
     from verl.models.mcore import mtp_patch
 
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     def call_sites():
         return gpt_model.process_mtp_loss, mtp_patch._process_mtp_loss
@@ -387,7 +387,7 @@ def _e2e_mtp_worker(rank, world_size, out):
 def test_e2e_bench_mtp_option_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook_harness.commands.e2e_bench_mtp import SIDES
+    from verl_fused_hook_harness.commands.e2e.mtp import SIDES
 
     code, restored = run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0]
     assert code == 0 and all(restored)

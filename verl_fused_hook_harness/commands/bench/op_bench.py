@@ -3,10 +3,10 @@
 Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
 times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
-rounds over the methods, bench_timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
+rounds over the methods, timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
 its power cap as in a training step), records the
 peak memory a method allocates beyond its inputs and returned gradients, the SM clock
-and power while each method's steps run (bench_clocks.py, NVML), checks
+and power while each method's steps run (clocks.py, NVML), checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
 
@@ -18,10 +18,10 @@ liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
 the backward's recompute, 3 without). fused_loss (the op with verl's ppo_loss
 inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
-layer plus the policy loss (bench_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
+layer plus the policy loss (policy_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
 --topk ids), verl_kl_topk (verl's megatron forward_kl_topk on full logits) and verl_kl_topk_chunked (its
 use_chunked_topk path) time the output layer plus verl's forward_kl_topk; sum_pi_squared our log-probs, entropy
-and sum pi^2 (bench_distill.py).
+and sum pi^2 (distill.py).
 
     verl-fused-hook bench --out results/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
@@ -45,14 +45,14 @@ import torch
 
 from verl_fused_hook.ops.chunking import available_bytes
 
-from ..support.reports import write_json
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from . import bench_loss
-from .bench_clocks import ClockMeter
-from .bench_memory import ChunkPlans, hold_memory
-from .bench_methods import ALL_METHODS, load_methods
-from .bench_report import markdown, plot
-from .bench_timing import settle_clocks, time_in_rounds, time_ms
+from ...support.reports import write_json
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from . import policy_loss
+from .clocks import ClockMeter
+from .held_memory import ChunkPlans, hold_memory
+from .methods import ALL_METHODS, load_methods
+from .report import markdown, plot
+from .timing import settle_clocks, time_in_rounds, time_ms
 
 GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
@@ -239,7 +239,7 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     torch.cuda.empty_cache()
     for name, fn in methods.items():
         if getattr(fn, "returns_loss", False):
-            check = getattr(fn, "accuracy", None) or functools.partial(bench_loss.loss_accuracy, fn)
+            check = getattr(fn, "accuracy", None) or functools.partial(policy_loss.loss_accuracy, fn)
             out[name] = _guard(f"accuracy {name}", lambda: check(hidden, weight, labels, temperature))
             print(f"# accuracy {name} {out[name]}", flush=True)
             continue
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     if args.plot_only:
         return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA device")
+        raise SystemExit("bench needs a CUDA device")
     if args.leave_free_gib is not None and args.leave_free_gib <= 0:
         parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..support.compare import VALUES, differing_parameters, error, worst_gradient
-from ..support.hf_model import build_gpt_from_hf, load_hf_config
+from ...support.compare import VALUES, differing_parameters, error, worst_gradient
+from ...support.hf_model import build_gpt_from_hf, load_hf_config
 
 ENV_VALUES = {"legacy": "0", "hook": "1"}  # VERL_FUSED_USE_OP_HOOK per mode
 TP_GAP = "legacy+tp-sum"
@@ -60,7 +60,7 @@ class Setup:
     device: str
     dtype: str  # a key of DTYPES
     seed: int
-    layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (ab_bshd.py)
+    layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (bshd.py)
     verbose: bool = False  # workers print a line per scenario
 
     @property
@@ -93,7 +93,7 @@ def world_size_for(device: str, scenarios) -> int:
 
 def build_model(scenario: Scenario, setup: Setup, mtp_num_layers: int | None = None):
     """(hf_config, model): the scenario's GPTModel on `setup.device`, identical weights in every process."""
-    from ..stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only in worker processes
+    from ...stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only in worker processes
 
     init_model_parallel(scenario.tp, seed=setup.seed)
     hf_config = load_hf_config(setup.hf_path)

@@ -80,7 +80,7 @@ def _megatron_tp1(device: str) -> None:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        from ..support.distributed import init_single_process
+        from ...support.distributed import init_single_process
 
         init_single_process(device, seed=0)
 

@@ -22,7 +22,7 @@ seeded weights) on the same synthetic GRPO batches through verl's real
   `load_checkpoint`s it and runs steps K/2+1..K;
 - the whole run again with verl's parameter, gradient and optimizer offload on.
 
-Modes (train_parity_modes.py): legacy (VERL_FUSED_USE_OP_HOOK=0, verl's
+Modes (train/modes.py): legacy (VERL_FUSED_USE_OP_HOOK=0, verl's
 monkey-patched forward), hook-verl (hook, backend verl: verl's Triton kernel;
 CUDA only), hook-auto (hook, backend auto: this package's kernel, score mask
 off), hook-auto-mask (hook, backend auto, score mask on: only the rows
@@ -62,7 +62,7 @@ hook-verl is skipped. On the CPU offload runs verl's functions, but the
 "device" they load to is the CPU itself. On CUDA (one GPU, TP=1) every step
 runs bitwise repeatable (`support/determinism.py`).
 
-Identities checked (exit status 1 when one fails; train_parity_report.py):
+Identities checked (exit status 1 when one fails; train/report.py):
 legacy and the mode that computes with legacy's kernel (hook-verl on CUDA,
 hook-auto on the CPU) identical at every step (loss, gradient norm, checksum);
 in every mode the resumed steps identical to the uninterrupted ones and the
@@ -98,12 +98,12 @@ from pathlib import Path
 
 import torch
 
-from ..support.grpo_batches import RolloutShape
-from ..support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from . import train_parity_report as report_file
-from .train_parity_modes import MODES
-from .train_parity_runs import Plan, resumed_worker, run_group, uninterrupted_worker
+from ...support.grpo_batches import RolloutShape
+from ...support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from . import report as report_file
+from .modes import MODES
+from .runs import Plan, resumed_worker, run_group, uninterrupted_worker
 
 
 def _pair(text: str, field: str) -> tuple[int, int]:
