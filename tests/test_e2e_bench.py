@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def _bench_worker(rank, world_size, out, *extra):
 
 
 def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
-    assert run_on_gloo(_bench_worker, 1, tmp_path, "--layers", "3", "--recompute")[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, "--layers", "3", "--recompute")[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {  # the tiny config has 2 layers and no recompute
         "num_layers": 3, "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -37,7 +37,7 @@ def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
 
 
 def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_written(tmp_path):
-    assert run_on_gloo(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {"num_layers": 2, "recompute_granularity": None, "recompute_method": None,
                                "recompute_num_layers": None}

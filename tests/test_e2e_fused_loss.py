@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 RTOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def _bench_worker(rank, world_size, out, policy_loss="vanilla"):
 def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
     from verl_fused_hook_harness.commands.e2e.fused_loss import PARITY_KEY
 
-    assert run_on_gloo(_bench_worker, 1, tmp_path)[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path)[0] == 0
     report = json.loads((tmp_path / "e2e_fused_loss.json").read_text())
     (size,) = report["sizes"]
     rows = {row["mode"]: row for row in size["modes"]}
@@ -67,7 +67,7 @@ def test_fused_loss_bench_refuses_other_layouts(capsys):
 def test_fused_loss_bench_runs_gspo_and_sft_steps_on_cpu(tmp_path, policy_loss):
     from verl_fused_hook_harness.commands.e2e.fused_loss import PARITY_KEY
 
-    assert run_on_gloo(_bench_worker, 1, tmp_path, policy_loss)[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, policy_loss)[0] == 0
     report = json.loads((tmp_path / "e2e_fused_loss.json").read_text())
     assert report["actor_config"] == ({"loss": "sft_loss"} if policy_loss == "sft" else report["actor_config"])
     assert policy_loss == "sft" or report["actor_config"]["loss_mode"] == "gspo"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MOE = ROOT / "verl_fused_hook_harness/configs/tiny_qwen3_moe"
@@ -36,7 +36,7 @@ def _worker(rank, world_size, out):
 
 
 def test_moe_model_runs_every_mode_and_the_moe_config_has_qwen3_30b_a3b_shapes(tmp_path):
-    ((status, shapes),) = run_on_gloo(_worker, 1, tmp_path)
+    ((status, shapes),) = run_in_processes(_worker, 1, tmp_path)
     assert status == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     (size,) = report["sizes"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook.verl_integration.loss_support import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
@@ -394,7 +394,7 @@ def tp_worker(rank, world_size):
 
 
 def test_tp2_gloo_matches_the_unfused_op_on_every_rank():
-    results = run_on_gloo(tp_worker, 2)
+    results = run_in_processes(tp_worker, 2)
     for outcome in results:
         for variant in ("got", "got_row_gradients", "got_host"):
             assert_same(outcome["want"], outcome[variant])
