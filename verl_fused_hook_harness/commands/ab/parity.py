@@ -62,6 +62,7 @@ import torch
 from verl_fused_hook.ops import BACKEND_CHOICES
 from verl_fused_hook.switch import ENV_VAR
 
+from ...support.arguments import DTYPES, add_device_argument, known_names, resolve_device
 from ...support.distributed import backend_for, run_in_processes
 from ...support.hf_model import TINY_QWEN2, config_folder
 from ...support.reports import write_json
@@ -70,7 +71,6 @@ from ...support.verl_engine import prepare_verl_process
 from . import bshd, parallel, thd
 from .mtp import run_mtp_parity
 from .scenarios import (
-    DTYPES,
     ENV_VALUES,
     SCENARIOS,
     TP4_SCENARIOS,
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         "--backend", default=None, help="the hook's op backend (default: verl on CUDA, torch on CPU: legacy's own kernel)"
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: bf16 with --backend triton, else fp32)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu")
+    add_device_argument(parser)
     parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook_harness/configs/tiny_qwen2_kv4)")
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -153,9 +153,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.mtp_layers and args.layout == "bshd":
         parser.error("--mtp-layers: the MTP scenario runs on the packed layout; drop --layout bshd")
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    device = resolve_device(parser, args.device)
     backend = args.backend or ("verl" if device == "cuda" else "torch")
     if backend not in BACKEND_CHOICES:
         parser.error(f"--backend {backend!r}: allowed {', '.join(BACKEND_CHOICES)}")
@@ -171,10 +169,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     known = SCENARIOS + TP4_SCENARIOS
     scenarios = TP4_SCENARIOS if args.tp == 4 else SCENARIOS
     if args.scenarios:
-        wanted = set(args.scenarios.split(","))
-        unknown = wanted - {s.name for s in known}
-        if unknown:
-            parser.error(f"--scenarios: unknown {sorted(unknown)}; allowed: {', '.join(s.name for s in known)}")
+        wanted = known_names(parser, "--scenarios", args.scenarios, [s.name for s in known])
         scenarios = tuple(s for s in known if s.name in wanted)
     if args.tp is not None:
         scenarios = tuple(s for s in scenarios if s.tp == args.tp)

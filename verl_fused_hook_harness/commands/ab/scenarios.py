@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...support.arguments import DTYPES
 from ...support.compare import VALUES, differing_parameters, error, worst_gradient
 from ...support.hf_model import build_gpt_from_hf, load_hf_config
 
@@ -32,7 +33,6 @@ UNFUSED_RTOL_BF16 = 5e-2
 # (docs/benchmarks.md); bf16 gradients carry the bf16 rounding of d_hidden through the layers.
 TWO_KERNEL_VALUE_TOL = 1e-4
 TWO_KERNEL_GRAD_RTOL = 2e-2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COMPARED = (*VALUES, "grads")
 
 
@@ -58,7 +58,7 @@ class Setup:
     hf_path: str
     backend: str
     device: str
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of support.arguments.DTYPES
     seed: int
     layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (bshd.py)
     verbose: bool = False  # workers print a line per scenario

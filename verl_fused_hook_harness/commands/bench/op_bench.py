@@ -45,16 +45,18 @@ import torch
 
 from verl_fused_hook.ops.chunking import available_bytes
 
-from ...support.reports import write_json
+from ...support.arguments import known_names
+from ...support.compare import max_abs
+from ...support.reference import reference_log_probs_entropy, relative_error
+from ...support.reports import device_name, write_json
 from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import policy_loss
 from .clocks import ClockMeter
-from .held_memory import ChunkPlans, hold_memory
+from .held_memory import GIB, ChunkPlans, hold_memory
 from .methods import ALL_METHODS, load_methods
 from .report import markdown, plot
 from .timing import settle_clocks, time_in_rounds, time_ms
 
-GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
 # Long context, where a backward whose chunking depends on N shows a cliff (issue 16's table).
 LONG_SHAPES = "32768,4096,248320;65536,4096,248320;131072,4096,248320;131072,4096,151936;131072,2048,151936"
@@ -225,17 +227,11 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     """Max abs error of log-probs/entropy and relative (Frobenius) error of both gradients vs fp64."""
     hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=12345)
     out = {}
-    references = {}
-    for with_entropy in (True, False):
-        hd = hidden.double().requires_grad_()
-        wd = weight.double().requires_grad_()
-        log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
-        lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        ent = -(log_softmax.exp() * log_softmax).sum(-1)
-        total = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0)
-        dh, dw = torch.autograd.grad(total, (hd, wd))
-        references[with_entropy] = (lp.detach(), ent.detach(), dh, dw)
-        del log_softmax, hd, wd
+    references = {  # with entropy, and for the loss-only peers without (entropy's gradient weight 0)
+        with_entropy: reference_log_probs_entropy(hidden, weight, labels, temperature=temperature,
+                                                  grad_outputs=(g_lp, g_ent if with_entropy else torch.zeros_like(g_ent)))
+        for with_entropy in (True, False)
+    }
     torch.cuda.empty_cache()
     for name, fn in methods.items():
         if getattr(fn, "returns_loss", False):
@@ -258,12 +254,11 @@ def accuracy(methods, n, h, v, temperature) -> dict:
                 grads.append(g_ent)
             dh, dw = torch.autograd.grad(outputs, (h, w), grads)
             dw = getattr(w, "main_grad", dw)
-            rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
             return {
-                "log_prob_max_err": (lp.double() - ref[0]).abs().max().item(),
-                "entropy_max_err": None if ent is None else (ent.double() - ref[1]).abs().max().item(),
-                "d_hidden_rel_err": rel(dh, ref[2]),
-                "d_weight_rel_err": rel(dw, ref[3]),
+                "log_prob_max_err": max_abs(ref[0], lp),
+                "entropy_max_err": None if ent is None else max_abs(ref[1], ent),
+                "d_hidden_rel_err": relative_error(dh, ref[2]),
+                "d_weight_rel_err": relative_error(dw, ref[3]),
             }
 
         out[name] = _guard(f"accuracy {name}", measure)
@@ -319,6 +314,7 @@ def main(argv=None) -> int:
         return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA device")
+    args.methods = known_names(parser, "--methods", args.methods, ALL_METHODS)
     if args.leave_free_gib is not None and args.leave_free_gib <= 0:
         parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):
@@ -339,17 +335,13 @@ def redraw(json_path: Path, out: Path) -> int:
 def measure(args, argv: list[str]) -> int:
     """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables
     (with --leave-free-gib, another allocation holds the rest of the GPU at each shape, recorded)."""
-    names = [m for m in args.methods.split(",") if m]
-    unknown = set(names) - set(ALL_METHODS)
-    if unknown:
-        raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(ALL_METHODS)}")
-    args.floor = "floor" in names
+    args.floor = "floor" in args.methods
     skipped: dict[str, str] = {}
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
     accuracy_shapes = parse_shapes(args.accuracy_shape) if args.accuracy_shape else []
-    methods = load_methods(names, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
+    methods = load_methods(args.methods, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
     results = {
-        "device": torch.cuda.get_device_name(),
+        "device": device_name("cuda"),
         "torch": torch.__version__,
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
 from ...support.compare import max_abs
 from ...support.determinism import deterministic_steps
 from ...support.hf_model import QWEN3_30B_A3B_2LAYER, QWEN_7B_2LAYER, config_folder
@@ -227,13 +228,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--moe", action="store_true", help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
                         "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    add_device_argument(parser)
     parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
     parser.add_argument("--layout", choices=("thd", "bshd"), default="thd",
                         help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
                         "verl as it ships (fused off, unfused forward) vs hook mode")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--warmups", type=int, default=2, help="forward+backward warm-ups per size and mode (>= 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
-    parser.add_argument("--policy-loss", choices=("vanilla", "gspo", "sft"), default="vanilla",
+    parser.add_argument("--policy-loss", choices=fused_loss.POLICY_LOSSES, default="vanilla",
                         help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss "
                         "(an SFT step)")
     parser.add_argument("--fused-loss", action="store_true",
@@ -266,12 +267,10 @@ def main(argv=None) -> int:
 
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The checked arguments' benchmark: the layout's modes, `--mtp` or `--fused-loss`."""
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(parser, args.device)
     if args.cpu_init is None:
         args.cpu_init = args.device == "cpu"
-    args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
+    args.dtype = DTYPES[args.dtype or default_dtype(args.device)]
     if args.moe and args.hf_config is not None:
         parser.error("--moe: the MoE model is the shipped Qwen3-30B-A3B-shaped config; drop --hf-config (or give "
                      "an MoE config with --hf-config alone)")
@@ -290,12 +289,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         layout_modes = bshd.BSHD_MODES
     else:
         layout_modes = MODES
-    args.modes = set(args.modes.split(",")) if args.modes else {m.name for m in layout_modes}
-    unknown = args.modes - {m.name for m in layout_modes}
-    if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with "
-                     f"{'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}: "
-                     f"{', '.join(m.name for m in layout_modes)}")
+    where = f" with {'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}"
+    names = [m.name for m in layout_modes]
+    args.modes = set(known_names(parser, "--modes", args.modes, names, where) if args.modes else names)
     reference = fused_loss.TWO_PASS if args.fused_loss else REFERENCE[args.layout]
     if reference not in args.modes:
         parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")

@@ -21,14 +21,19 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook.switch import ENV_VAR
-from verl_fused_hook.verl_integration.model_plan import counts_of
 
 from ...stand_ins.cuda_on_cpu import cuda_names_on_cpu
 from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.determinism import deterministic_steps
 from ...support.distributed import backend_for, run_in_processes
 from ...support.grpo_batches import RolloutShape, packed, rollout
-from ...support.train_engine import EngineSetup, build_engine, load_checkpoint_for_resume, release_engines
+from ...support.train_engine import (
+    EngineSetup,
+    build_engine,
+    fused_loss_forwards,
+    load_checkpoint_for_resume,
+    release_engines,
+)
 from ...support.verl_engine import prepare_verl_process
 from . import report as report_file
 from .modes import MODES, Mode, fused_kernel_options
@@ -100,12 +105,6 @@ def mode_context(mode: Mode, device: str):
     that may read every row: its engines are built with `output_processor_score_mask=false`."""
     with cuda_names_on_cpu(), (contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device)):
         yield
-
-
-def fused_loss_forwards(engine) -> int:
-    """How many engine forwards of `engine` computed their loss inside the op (the plugin's own count): the
-    report's proof that a fused-loss mode ran verl's ppo_loss inside the op, and that no other mode did."""
-    return sum(counts_of(model).fused_loss_forwards for model in engine.module)
 
 
 def build_engines(plan: Plan, mode: Mode, offload: bool):
