@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", action="store_true", help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
                         "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1")
     add_device_argument(parser)
-    parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order")
+    parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order, each once")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
     parser.add_argument("--layout", choices=("thd", "bshd"), default="thd",
                         help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
@@ -279,6 +279,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    repeated = sorted({size for size in args.sizes if args.sizes.count(size) > 1})
+    if repeated:  # each would be measured again and reported as more rows (and reruns) at that size
+        parser.error(f"--sizes: {repeated} given more than once; each size is measured and reported once")
     if args.policy_loss != "vanilla" and not args.fused_loss:
         parser.error("--policy-loss: only with --fused-loss")
     if args.fused_loss and (args.mtp or args.layout == "bshd"):
