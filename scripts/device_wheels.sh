@@ -4,7 +4,7 @@
 # ab-parity --device cuda, bench's peers and tests/gpu import there.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
 # PYTHONPATH=/tmp/site:$PWD/scripts/device_stubs:$PWD (the ray stand-in; see scripts/device_stubs/README.md).
-# verl's kernel for bench.py is then at /tmp/site/verl/utils/kernel (--verl-kernel-dir).
+# verl's kernel for `verl-fused-hook bench` is then at /tmp/site/verl/utils/kernel (--verl-kernel-dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -8,7 +8,9 @@ tests/test_cp_fused_loss.py read one 2-process and one 4-process launch
 Also here: the test-only faults injected into a stage hand-off (never a runtime
 switch): functions given each engine of a faulty side after its build, which
 change what a non-first pipeline stage receives; and an observer of when the
-output layer's input is alive, which changes nothing.
+output layer's input is alive, which changes nothing. And the judge of two sides (`differences`): a list of
+what differs, named, rather than asserts, so that one check passes for hook mode against verl's unfused path
+and fails, saying what broke, where a fault was injected.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from verl_fused_hook_harness.support.parallel_compare import differences
+from verl_fused_hook_harness.support.parallel_compare import ABS_FLOOR, RTOL, flatten, tensor_error
 from verl_fused_hook_harness.support.parallel_engine import (
     HOOK,
     HOOK_FUSED_LOSS,
@@ -164,6 +166,48 @@ def results(world: int) -> dict:
 def case_results(name: str) -> list[dict]:
     world = CASES[name].world if name in CASES else FAULTS[name][0].world
     return results(world)[name]
+
+
+# ---------------------------------------------------------------- judging a side: what differs, named
+
+
+def _close(want: float, got: float, rtol: float) -> bool:
+    return abs(got - want) <= rtol * max(abs(want), ABS_FLOOR / rtol)
+
+
+def differences(want: dict, got: dict, *, rtol: float = RTOL, gradients_of_got_only: bool = False) -> list[str]:
+    """What differs between two results of `run_side` on one rank beyond `rtol` (empty: they agree).
+
+    gradients_of_got_only: `got` holds a part of `want`'s parameters (a pipeline stage or an expert shard of
+    the reference's unsplit model): compare those. Losses and metrics are compared where `got` has them (the
+    last pipeline stage)."""
+    found = []
+    if got["losses"]:
+        if len(got["losses"]) != len(want["losses"]):
+            found.append(f"losses: {len(got['losses'])} micro-batches vs {len(want['losses'])}")
+        else:
+            for index, (w, g) in enumerate(zip(want["losses"], got["losses"])):
+                if not _close(w, g, rtol):
+                    found.append(f"loss of micro-batch {index}: {g!r} vs {w!r}")
+    if got["metrics"]:
+        if set(got["metrics"]) != set(want["metrics"]):
+            found.append(f"metric keys: {sorted(set(got['metrics']) ^ set(want['metrics']))} on one side only")
+        for key in sorted(set(got["metrics"]) & set(want["metrics"])):
+            w, g = flatten(want["metrics"][key]), flatten(got["metrics"][key])
+            if len(w) != len(g) or not all(_close(a, b, rtol) for a, b in zip(w, g)):
+                found.append(f"metric {key}: {got['metrics'][key]!r} vs {want['metrics'][key]!r}")
+    for key in ("log_probs", "entropy"):
+        if key in got and tensor_error(want[key], got[key]) > rtol:
+            found.append(f"{key}: relative error {tensor_error(want[key], got[key]):.3g}")
+    names = set(got["grads"]) if gradients_of_got_only else set(got["grads"]) | set(want["grads"])
+    missing = sorted(names - set(want["grads"]) | names - set(got["grads"]))
+    if missing:
+        found.append(f"gradients held by one side only: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for name in sorted(names - set(missing)):
+        error = tensor_error(want["grads"][name], got["grads"][name])
+        if error > rtol:
+            found.append(f"gradient of {name}: relative error {error:.3g}")
+    return found
 
 
 def side_differences(name: str, side: str) -> list[str]:

@@ -109,13 +109,13 @@ def test_peak_memory_is_reported_per_mode(cpu_report):
 
 
 def _script_module():
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     return ab_parity
 
 
 def _scenarios_module():
-    from verl_fused_hook_harness.commands import ab_scenarios
+    from verl_fused_hook_harness.commands.ab import scenarios as ab_scenarios
 
     return ab_scenarios
 
@@ -177,7 +177,7 @@ def _synthetic_runs(value_error: float, grad_error: float, rerun_grad_error: flo
 def test_evaluate_holds_one_kernel_to_zero_and_two_kernels_to_their_accuracy(
     one_kernel, value_error, grad_error, rerun_error, match
 ):
-    from verl_fused_hook_harness.commands import ab_thd
+    from verl_fused_hook_harness.commands.ab import thd as ab_thd
 
     runs = _synthetic_runs(value_error, grad_error, rerun_error)
     entry = ab_thd.evaluate(ab_thd.Scenario(1, False, False), runs, one_kernel=one_kernel, rtol=1.0)

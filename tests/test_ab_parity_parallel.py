@@ -56,7 +56,7 @@ def test_vpp_moe_run_passes(tmp_path):
 )
 def test_refused_flag_combinations(args, message, capsys):
     """argparse errors (exit 2) naming the flag, before any process starts."""
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     with pytest.raises(SystemExit) as stopped:
         ab_parity.main(["--device", "cpu", *args])

@@ -15,7 +15,7 @@ from test_triton_interpreter import _run_interpreted
 
 from verl_fused_hook import log_probs_and_entropy, log_probs_entropy_and_loss
 from verl_fused_hook.ops.softmax_math import ordered_sum
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 H, V, VOCAB = 48, 1003, 997  # a vocabulary that divides nothing, padded columns past 997
 PROBE = 7  # the rows whose values must not move
@@ -112,7 +112,7 @@ def _tensor_parallel_probe(rank: int, world_size: int):
 def test_tensor_parallel_values_do_not_depend_on_the_batch(world_size):
     """At a fixed TP size: the ranks' partials are all-gathered and merged in rank order, not all-reduced (whose
     summation order follows the message size); every rank returns the same bits."""
-    results = run_on_gloo(_tensor_parallel_probe, world_size)
+    results = run_in_processes(_tensor_parallel_probe, world_size)
     for rank_result in results:
         assert rank_result["alone"] == results[0]["alone"]
         for count, values in rank_result["inside"].items():

@@ -1,4 +1,4 @@
-"""bench's SM clock and power readings (bench_clocks.py): filed under the step that ran, summarized, reported.
+"""bench's SM clock and power readings (commands/bench/clocks.py): filed under the step that ran, summarized, reported.
 
 NVML needs an NVIDIA driver, which this machine lacks: the meter's reading process (a real spawned process)
 imports a named stand-in for pynvml here, tests/nvml_stand_in.py, that returns the clock and power the test
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from verl_fused_hook_harness.commands.bench_clocks import ClockMeter, clocks_table, megacycles
-from verl_fused_hook_harness.commands.bench_report import markdown
+from verl_fused_hook_harness.commands.bench.clocks import ClockMeter, clocks_table, megacycles
+from verl_fused_hook_harness.commands.bench.report import markdown
 
 
 def _program(reading_file, reading: str) -> None:

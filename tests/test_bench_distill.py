@@ -1,4 +1,4 @@
-"""The bench's distillation methods (bench_distill.py) at a tiny shape on the CPU: ours (portable backend), verl's
+"""The bench's distillation methods (commands/bench/distill.py) at a tiny shape on the CPU: ours (portable backend), verl's
 megatron path and verl's use_chunked_topk path give the same loss and gradients (fp32 inputs, so verl's logits are
 fp32 here: 1e-5 relative), each method's accuracy check runs, and the report names where a method ran out of memory.
 No timing."""
@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("verl")
 
-from verl_fused_hook_harness.commands import bench_distill  # noqa: E402
-from verl_fused_hook_harness.commands.bench_report import markdown  # noqa: E402
+from verl_fused_hook_harness.commands.bench import distill as bench_distill  # noqa: E402
+from verl_fused_hook_harness.commands.bench.report import markdown  # noqa: E402
 
 N, H, V, K = 24, 16, 300, 8
 

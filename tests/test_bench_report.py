@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from verl_fused_hook_harness.commands import bench
+from verl_fused_hook_harness.commands.bench import op_bench as bench
 
 
 def _run(tmp_path):
@@ -35,7 +35,7 @@ def test_plot_only_redraws_and_prints_the_tables_marking_out_of_memory(tmp_path,
 
 
 def test_the_plot_title_folds_a_long_command_within_the_figure_width_and_keeps_all_of_it():
-    from verl_fused_hook_harness.commands.bench_report import TITLE_CHARACTERS_PER_INCH, figure_title
+    from verl_fused_hook_harness.commands.bench.report import TITLE_CHARACTERS_PER_INCH, figure_title
 
     shapes = ";".join(f"{n},4096,151936" for n in (8192, 16384, 32768, 65536, 131072, 262144))
     command = f"verl-fused-hook bench --shapes {shapes} --methods floor,triton,liger_sm90 --out /root/out/run"
@@ -52,7 +52,7 @@ def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger
     import torch
 
     from verl_fused_hook.ops import log_probs_entropy_and_loss
-    from verl_fused_hook_harness.commands.bench_memory import ChunkPlans
+    from verl_fused_hook_harness.commands.bench.held_memory import ChunkPlans
 
     chunking_logger = logging.getLogger("verl_fused_hook.ops.chunking")
     level = chunking_logger.level
@@ -74,7 +74,7 @@ def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger
 def test_liger_hopper_methods_are_skipped_with_their_reason_where_they_cannot_run(capsys):
     """On this CPU-only machine neither Liger Hopper kernel can run: each is left out with the reason, never
     replaced by Liger's slower fallback under the same name."""
-    from verl_fused_hook_harness.commands.bench_methods import load_methods
+    from verl_fused_hook_harness.commands.bench.methods import load_methods
 
     skipped = {}
     methods = load_methods(["liger_sm90", "liger_tp_native", "naive"], None, skipped)
@@ -90,7 +90,7 @@ def test_a_peer_limited_per_call_runs_as_calls_of_at_most_its_rows_with_the_same
     """liger_tp_native refuses 32768 tokens or more per call; bench runs larger N as calls of at most 16384 rows.
     Stand-in for Liger's GPU kernel (it cannot run here): an fp64 torch log-softmax per call. Split into 3 calls of
     at most 5 rows, the 13 rows' log-probs, entropy and both gradients equal one call's to fp64 rounding."""
-    from verl_fused_hook_harness.commands.bench_liger import in_calls_of_at_most
+    from verl_fused_hook_harness.commands.bench.liger_hopper import in_calls_of_at_most
 
     calls = []
 
@@ -126,10 +126,10 @@ def test_the_report_says_which_methods_were_skipped_and_why(tmp_path, capsys):
 
 
 def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
-    """bench_timing.time_in_rounds on a clock that only counts (no GPU): warm-ups first, then the timed repeats in
+    """bench's timing.time_in_rounds on a clock that only counts (no GPU): warm-ups first, then the timed repeats in
     rounds A, B, C, A, B, C; a step failing in a round leaves the rounds with its reason; a slow step (warm-up past
     SLOW_MS) gets at most three repeats."""
-    from verl_fused_hook_harness.commands.bench_timing import SLOW_MS, time_in_rounds
+    from verl_fused_hook_harness.commands.bench.timing import SLOW_MS, time_in_rounds
 
     order, calls = [], {"a": 0, "b": 0, "slow": 0, "bad": 0}
 
@@ -165,7 +165,7 @@ def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
 
 def test_bench_records_a_step_that_fails_in_a_later_warm_up():
     """A step whose second warm-up fails leaves with its reason (the run goes on); the others are timed."""
-    from verl_fused_hook_harness.commands.bench_timing import time_in_rounds
+    from verl_fused_hook_harness.commands.bench.timing import time_in_rounds
 
     calls = {"ok": 0, "late": 0}
 
@@ -191,7 +191,7 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
 def test_bench_times_back_to_back_calls_and_reports_the_time_per_call():
     """--back-to-back K: each timing (warm-ups too) runs the step K times with nothing between them, and the time
     per call is what is kept; SLOW_MS applies per call (K calls past it, one call under it: every repeat)."""
-    from verl_fused_hook_harness.commands.bench_timing import SLOW_MS, time_in_rounds
+    from verl_fused_hook_harness.commands.bench.timing import SLOW_MS, time_in_rounds
 
     runs = {"fast": 0, "slow": 0}
     per_run_ms = {"fast": 10.0, "slow": SLOW_MS / 2}  # two slow calls take > SLOW_MS, one call does not

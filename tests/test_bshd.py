@@ -201,19 +201,19 @@ def test_hook_bshd_matches_verl_unfused_bshd(padding):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["nosp", "sp"])
 def test_hook_bshd_matches_verl_unfused_bshd_tp2(sequence_parallel):
-    from verl_fused_hook_harness.support.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_in_processes
 
-    for results in run_on_gloo(parity_worker, 2, "both", sequence_parallel):
+    for results in run_in_processes(parity_worker, 2, "both", sequence_parallel):
         assert_parity(results)
 
 
 def test_hook_bshd_context_parallel_matches_verl_and_cp1():
     """CP=2: hook vs verl on each rank; both vs the CP=1 run (values, and gradients summed over the CP ranks,
     as megatron's data-parallel reduction over DP x CP sums them); the ranks together score the rows verl reads."""
-    from verl_fused_hook_harness.support.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_in_processes
 
     reference = parity_worker(0, 1, "both", False)["verl"]
-    ranks = run_on_gloo(context_parallel_worker, 2, "both")
+    ranks = run_in_processes(context_parallel_worker, 2, "both")
     for result in ranks:
         for key in ("log_probs", "entropy"):
             assert relative_error(result["verl"]["read"][key], result["hook"]["read"][key]) <= RELATIVE, key
@@ -423,8 +423,8 @@ def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
 
 
 def test_ab_bshd_evaluation_flags_mismatches():
-    from verl_fused_hook_harness.commands import ab_parity
-    from verl_fused_hook_harness.commands.ab_bshd import evaluate_bshd
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
+    from verl_fused_hook_harness.commands.ab.bshd import evaluate_bshd
 
     base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
             "grads": {"w": torch.full((3,), 2.0)}, "peak_bytes": 1}

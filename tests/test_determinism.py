@@ -11,7 +11,7 @@ from verl_fused_hook_harness.support.determinism import (
     deterministic_steps,
     prepare_cublas_workspace,
 )
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 
 def switch_worker(rank, world_size):
@@ -46,7 +46,7 @@ def switch_worker(rank, world_size):
 
 def test_switches_torch_and_megatron_on_and_restores_both():
     env = {CUBLAS_WORKSPACE_VARIABLE: ""}
-    seen = run_on_gloo(switch_worker, 1, env=env)[0]
+    seen = run_in_processes(switch_worker, 1, env=env)[0]
     assert seen["before"] == (False, False)
     assert CUBLAS_WORKSPACE_VARIABLE in seen["unset_workspace_error"]
     assert seen["inside"] == (True, True, False)  # warn_only off: attention backwards are deterministic only then

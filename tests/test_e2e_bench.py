@@ -1,6 +1,6 @@
 """`e2e-bench` options on the CPU (timings there mean nothing): `--layers` and `--recompute` reach the built model
 (its config's fields, as the report records them) and a run with both completes, hook mode still identical to
-legacy on the portable op."""
+legacy on the portable op. Its table reports each mode once per size, with the numbers of the rounds that timed it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reports import gib, ms
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cells(line: str) -> list[str]:
+    """A markdown table line's cells."""
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def _bench_worker(rank, world_size, out, *extra):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     return e2e_bench.main([
         "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
@@ -24,7 +30,7 @@ def _bench_worker(rank, world_size, out, *extra):
 
 
 def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
-    assert run_on_gloo(_bench_worker, 1, tmp_path, "--layers", "3", "--recompute")[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, "--layers", "3", "--recompute")[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {  # the tiny config has 2 layers and no recompute
         "num_layers": 3, "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -37,7 +43,7 @@ def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
 
 
 def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_written(tmp_path):
-    assert run_on_gloo(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {"num_layers": 2, "recompute_granularity": None, "recompute_method": None,
                                "recompute_num_layers": None}
@@ -50,10 +56,66 @@ def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_wri
         assert f"# {row['mode']}: by device time" in no_grad and "aten::mm" in no_grad
         assert "backward" not in no_grad.lower()  # the forward alone
     assert " ±" in (tmp_path / "e2e.md").read_text()
+    rows = report["sizes"][0]["modes"]  # the table: a line per mode, the JSON's numbers
+    lines = [_cells(line) for line in (tmp_path / "e2e.md").read_text().splitlines() if line.startswith("| 128 ")]
+    assert [line[1] for line in lines] == [row["mode"] for row in rows] == ["legacy", "hook+ours"]
+    assert [line[3].split(" ±")[0] for line in lines] == [ms(row["train_s"]) for row in rows]
+
+
+def test_a_size_given_twice_is_refused(capsys):
+    """A size given twice was measured twice and reported as a second set of rows (and, on CUDA, a second legacy
+    rerun) at that size: refused before anything is built."""
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
+
+    with pytest.raises(SystemExit):
+        e2e_bench.main(["--device", "cpu", "--sizes", "256,128,256"])
+    assert "--sizes: [256] given more than once; each size is measured and reported once" in capsys.readouterr().err
+
+
+def test_the_table_reports_each_mode_once_per_size_with_its_rounds_numbers():
+    """Rows as a run fills them: one per mode at each size when its parity step is done, then the timed rounds
+    (repeats over every mode) writing into those rows. The table has each (size, mode) once and one legacy rerun per
+    size, each time cell the median of that mode's own repeats."""
+    import torch
+
+    from verl_fused_hook_harness.commands.e2e.common import Clock, Primed, time_in_rounds
+    from verl_fused_hook_harness.commands.e2e.thd import MODES, PARITY_KEY, markdown_table
+
+    parity = {"log_probs": 1.91e-06, "entropy": 2.86e-06, "policy_loss": 0.0, "grads_max_abs": 0.000427, "grads_rel": 0.012}
+    report, sizes = {"layout": "thd", "sizes": []}, (128, 256)
+    for tokens in sizes:
+        entry = {"tokens": tokens, "sequence_lengths": [tokens // 8] * 8, "modes": [],
+                 "legacy_rerun": dict.fromkeys(parity, 0.0)}
+        report["sizes"].append(entry)
+        primed = []
+        for index, mode in enumerate(MODES):
+            row = {"mode": mode.name, "kernel": mode.kernel, "masked": mode.score_mask}
+            if mode.name != "legacy":
+                row[PARITY_KEY["thd"]] = parity
+            entry["modes"].append(row)
+            work = lambda elements=1000 * (index + 1): torch.empty(elements)  # noqa: E731  (a peak per mode)
+            primed.append(Primed(None, row, lambda: None, {"train": work, "forward": work}))
+        time_in_rounds(primed, Clock("cpu"), 3, {"train": None, "forward": None}, on_oom=None)
+
+    lines = [_cells(line) for line in markdown_table(report).splitlines()[2:]]
+    labels = {tokens: f"{tokens:,} (8)" for tokens in sizes}
+    assert [(line[0], line[1]) for line in lines] == [
+        (labels[tokens], name) for tokens in sizes for name in [m.name for m in MODES] + ["legacy rerun"]
+    ]
+    rows = {(labels[size["tokens"]], row["mode"]): row for size in report["sizes"] for row in size["modes"]}
+    for line in lines:
+        if line[1] == "legacy rerun":
+            assert line[7:] == ["0", "0", "0", "0 (0)"]
+            continue
+        row = rows[(line[0], line[1])]
+        assert len(row["train_times_s"]) == len(row["forward_times_s"]) == 3
+        assert line[3].split(" ±")[0] == ms(row["train_s"]) and row["train_s"] == sorted(row["train_times_s"])[1]
+        assert line[4] == gib(row["train_peak_bytes"]) and row["train_peak_bytes"] >= 4000
+        assert line[7] == ("reference" if line[1] == "legacy" else "1.91e-06")
 
 
 def test_layers_must_be_positive(capsys):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     with pytest.raises(SystemExit):
         e2e_bench.main(["--device", "cpu", "--layers", "0"])
@@ -65,7 +127,7 @@ def test_timed_repeats_run_in_rounds_over_the_modes():
     own timed steps feed its tally."""
     import torch
 
-    from verl_fused_hook_harness.commands.e2e_setup import Clock, Primed, time_in_rounds
+    from verl_fused_hook_harness.commands.e2e.common import Clock, Primed, time_in_rounds
 
     calls, modes_set, counter = [], [], [0]
 

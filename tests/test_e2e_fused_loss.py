@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 RTOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _bench_worker(rank, world_size, out, policy_loss="vanilla"):
     """The benchmark in a fresh process."""
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     return e2e_bench.main([
         "--fused-loss", "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
@@ -27,9 +27,9 @@ def _bench_worker(rank, world_size, out, policy_loss="vanilla"):
 
 
 def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
-    from verl_fused_hook_harness.commands.e2e_fused_loss import PARITY_KEY
+    from verl_fused_hook_harness.commands.e2e.fused_loss import PARITY_KEY
 
-    assert run_on_gloo(_bench_worker, 1, tmp_path)[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path)[0] == 0
     report = json.loads((tmp_path / "e2e_fused_loss.json").read_text())
     (size,) = report["sizes"]
     rows = {row["mode"]: row for row in size["modes"]}
@@ -50,7 +50,7 @@ def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
 
 
 def test_fused_loss_bench_refuses_other_layouts(capsys):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     with pytest.raises(SystemExit):
         e2e_bench.main(["--fused-loss", "--device", "cpu", "--layout", "bshd"])
@@ -65,9 +65,9 @@ def test_fused_loss_bench_refuses_other_layouts(capsys):
 
 @pytest.mark.parametrize("policy_loss", ["gspo", "sft"])
 def test_fused_loss_bench_runs_gspo_and_sft_steps_on_cpu(tmp_path, policy_loss):
-    from verl_fused_hook_harness.commands.e2e_fused_loss import PARITY_KEY
+    from verl_fused_hook_harness.commands.e2e.fused_loss import PARITY_KEY
 
-    assert run_on_gloo(_bench_worker, 1, tmp_path, policy_loss)[0] == 0
+    assert run_in_processes(_bench_worker, 1, tmp_path, policy_loss)[0] == 0
     report = json.loads((tmp_path / "e2e_fused_loss.json").read_text())
     assert report["actor_config"] == ({"loss": "sft_loss"} if policy_loss == "sft" else report["actor_config"])
     assert policy_loss == "sft" or report["actor_config"]["loss_mode"] == "gspo"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MOE = ROOT / "verl_fused_hook_harness/configs/tiny_qwen3_moe"
@@ -19,7 +19,7 @@ TINY_MOE = ROOT / "verl_fused_hook_harness/configs/tiny_qwen3_moe"
 def _worker(rank, world_size, out):
     from mbridge import AutoBridge
 
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
     from verl_fused_hook_harness.support.hf_model import QWEN3_30B_A3B_2LAYER, load_hf_config, local_spec_overrides
 
     status = e2e_bench.main([
@@ -36,7 +36,7 @@ def _worker(rank, world_size, out):
 
 
 def test_moe_model_runs_every_mode_and_the_moe_config_has_qwen3_30b_a3b_shapes(tmp_path):
-    ((status, shapes),) = run_on_gloo(_worker, 1, tmp_path)
+    ((status, shapes),) = run_in_processes(_worker, 1, tmp_path)
     assert status == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     (size,) = report["sizes"]
@@ -51,7 +51,7 @@ def test_moe_model_runs_every_mode_and_the_moe_config_has_qwen3_30b_a3b_shapes(t
 
 
 def test_moe_option_takes_no_other_config(capsys):
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     with pytest.raises(SystemExit):
         e2e_bench.main(["--device", "cpu", "--moe", "--hf-config", str(TINY_MOE)])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook.verl_integration.loss_support import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
@@ -394,7 +394,7 @@ def tp_worker(rank, world_size):
 
 
 def test_tp2_gloo_matches_the_unfused_op_on_every_rank():
-    results = run_on_gloo(tp_worker, 2)
+    results = run_in_processes(tp_worker, 2)
     for outcome in results:
         for variant in ("got", "got_row_gradients", "got_host"):
             assert_same(outcome["want"], outcome[variant])
@@ -556,7 +556,7 @@ def test_fused_loss_entry_is_validated():
 def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu(mode):
     """fused_loss and verl_loss (and their _gspo twins) compute the same loss and gradients; verl's Triton kernel needs CUDA, so
     verl_loss's kernel is stood in for by the portable op here (a fake of verl's kernel, named so)."""
-    from verl_fused_hook_harness.commands import bench, bench_loss
+    from verl_fused_hook_harness.commands.bench import op_bench as bench, policy_loss as bench_loss
 
     def fake_verl_kernel(h, w, labels, temperature, score_mask=None):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, backend="torch")

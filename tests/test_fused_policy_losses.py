@@ -26,7 +26,7 @@ from functools import partial
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 SEED = 1234
 RTOL = 1e-5
@@ -185,7 +185,7 @@ TOKEN_LEVEL = ("vanilla", "dppo_tv", "dppo_kl", "sapo", "gpg", "dro", "cispo", "
 
 
 def test_token_level_losses_inside_the_op_equal_verls_loss_tp1():
-    (results,) = run_on_gloo(worker, 1, TOKEN_LEVEL, None)
+    (results,) = run_in_processes(worker, 1, TOKEN_LEVEL, None)
     assert_matches(results, TOKEN_LEVEL, 0)
 
 
@@ -197,7 +197,7 @@ def chunk_counts(log: list[str], loss_mode: str) -> list[int]:
 
 def test_sequence_level_losses_in_chunks_of_whole_sequences_tp1():
     names = ("gspo", "geo_mean", "bypass_mode")
-    (results,) = run_on_gloo(worker, 1, names, SMALL_CHUNK_GIB)
+    (results,) = run_in_processes(worker, 1, names, SMALL_CHUNK_GIB)
     assert_matches(results, names, 0)
     for mode in names:  # every micro-batch of both fused variants spans several chunks, none falls back
         counts = chunk_counts(results["log"], mode)
@@ -207,13 +207,13 @@ def test_sequence_level_losses_in_chunks_of_whole_sequences_tp1():
 
 def test_losses_inside_the_op_under_tp2():
     names = ("vanilla", "gspo", "sft")
-    for rank, results in enumerate(run_on_gloo(worker, 2, names, SMALL_CHUNK_GIB)):
+    for rank, results in enumerate(run_in_processes(worker, 2, names, SMALL_CHUNK_GIB)):
         assert_matches(results, names, rank)
         assert min(chunk_counts(results["log"], "gspo")) >= 2, results["log"]
 
 
 def test_a_sequence_longer_than_a_chunk_and_non_separable_losses_take_the_two_pass_path():
-    (results,) = run_on_gloo(worker, 1, ("gspo", "clip_cov", "kl_cov"), TINY_CHUNK_GIB)
+    (results,) = run_in_processes(worker, 1, ("gspo", "clip_cov", "kl_cov"), TINY_CHUNK_GIB)
     assert_matches(results, ("gspo",), 0)  # the loss computed inside the op's own two-pass path: still exact
     assert_matches(results, TWO_PASS_ONLY, 0, expect_fused=False)
     log = results["log"]

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.reference import max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor, log_probs_and_entropy
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook.verl_integration import log_level_from_env
 from verl_fused_hook.verl_integration.lazy_import import when_imported
 from verl_fused_hook.verl_integration.replacements import _originals, original, replace, restore
@@ -137,7 +138,7 @@ def test_op_computes_in_fp32_under_cpu_autocast():
     ref_lp, ref_h, ref_dh, ref_dw = reference_log_probs_entropy(hidden, weight, labels, temperature=0.7, grad_outputs=(g_lp, g_h))
     assert log_probs.dtype == torch.float32
     for name, got, want in (("log_probs", log_probs, ref_lp), ("entropy", entropy, ref_h), ("d_hidden", hidden.grad, ref_dh), ("d_weight", weight.grad, ref_dw)):
-        assert max_rel(got.detach(), want) < FP32_REL, name
+        assert compare.error(want, got.detach(), relative=True) < FP32_REL, name
 
 
 def test_second_order_gradients_raise():
@@ -201,7 +202,7 @@ def _mismatched_rows_worker(rank, world_size):
 
 
 def test_tp_ranks_with_different_row_counts_get_an_error_not_a_hang():
-    messages = run_on_gloo(_mismatched_rows_worker, 2)
+    messages = run_in_processes(_mismatched_rows_worker, 2)
     for message in messages:
         assert message is not None and message.startswith("hidden/labels/score_mask")
         assert "rank 0: 4 rows (4 scored), rank 1: 6 rows (6 scored)" in message

@@ -12,7 +12,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
 PADDED_VOCAB, TRUE_VOCAB, TEMPERATURE = 128, 123, 0.7
@@ -111,9 +111,9 @@ def scenarios_worker(rank, world_size, names):
 
 @pytest.fixture(scope="module")
 def scenario_results():
-    results = run_on_gloo(scenarios_worker, 1, [n for n in SCENARIOS if SCENARIOS[n][0] == 1])[0]
+    results = run_in_processes(scenarios_worker, 1, [n for n in SCENARIOS if SCENARIOS[n][0] == 1])[0]
     for tp in (2, 4):
-        per_rank = run_on_gloo(scenarios_worker, tp, [n for n in SCENARIOS if SCENARIOS[n][0] == tp])
+        per_rank = run_in_processes(scenarios_worker, tp, [n for n in SCENARIOS if SCENARIOS[n][0] == tp])
         for name in per_rank[0]:
             results[name] = [rank_results[name] for rank_results in per_rank]
     return results
@@ -154,7 +154,7 @@ def mtp_worker(rank, world_size):
 
 
 def test_mtp_gradient_reaches_the_model():
-    grads = run_on_gloo(mtp_worker, 1)[0]
+    grads = run_in_processes(mtp_worker, 1)[0]
     mtp_names = [name for name in grads if name.startswith("mtp.")]
     assert len(mtp_names) > 5
     for name, (default, hooked) in grads.items():
@@ -178,7 +178,7 @@ def schedule_plan_worker(rank, world_size):
 
 
 def test_schedule_plan_threads_the_processor_and_gets_tensors():
-    direct, planned = run_on_gloo(schedule_plan_worker, 1)[0]
+    direct, planned = run_in_processes(schedule_plan_worker, 1)[0]
     assert isinstance(planned, tuple) and all(isinstance(t, torch.Tensor) for t in planned)
     assert len(planned) == 2 and torch.equal(planned[0], direct[0]) and torch.equal(planned[1], direct[1])
 
@@ -198,5 +198,5 @@ def pipeline_worker(rank, world_size):
 
 
 def test_pipeline_stage_without_post_process_returns_hidden_states():
-    shape, calls = run_on_gloo(pipeline_worker, 1)[0]
+    shape, calls = run_in_processes(pipeline_worker, 1)[0]
     assert shape == (16, 2, 64) and calls == 0

@@ -57,7 +57,7 @@ def test_the_package_is_imported_from_the_venv(installed):
     bin_dir, python = installed
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     location = subprocess.run(
-        [str(python), "-c", "import verl_fused_hook_harness.commands.ab_parity as m; print(m.__file__)"],
+        [str(python), "-c", "import verl_fused_hook_harness.commands.ab.parity as m; print(m.__file__)"],
         capture_output=True, text=True, env=environ, check=True, cwd=bin_dir.parent,  # not this checkout
     ).stdout.strip()
     assert Path(location).is_relative_to(bin_dir.parent), location

@@ -478,9 +478,9 @@ def tp_worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def tp_ranks():
-    from verl_fused_hook_harness.support.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_in_processes
 
-    return run_on_gloo(tp_worker, 2)
+    return run_in_processes(tp_worker, 2)
 
 
 @pytest.mark.parametrize("case, ends", [("groups", [400, 680, 1010]), ("short on rank 1", [400, 680, 1010]),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
 from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 N, H, V, TRUE_VOCAB, T = 61, 24, 43, 40, 0.7
@@ -170,7 +170,7 @@ def test_tensor_parallel_ranks_add_their_own_shard():
     hidden, weight, labels, score_mask, g_lp, g_ent = _inputs()
     weight = weight[:42]  # two shards of 21 columns, the last 3 padding
     labels = labels.clamp(max=38)
-    per_rank = run_on_gloo(_tp_worker, 2, hidden, weight, labels, score_mask, g_lp, g_ent)
+    per_rank = run_in_processes(_tp_worker, 2, hidden, weight, labels, score_mask, g_lp, g_ent)
     for returned, added, scale in per_rank:
         assert (added - returned).abs().max().item() <= FP32_RTOL * scale.item()
     assert bool((per_rank[1][1][-3:] == 0).all())
@@ -213,7 +213,7 @@ def _ddp_worker(rank, world_size, tied, overlap):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_hook_under_megatron_ddp(tied, overlap):
-    (returned, fused), flags = run_on_gloo(_ddp_worker, 1, tied, overlap)[0]
+    (returned, fused), flags = run_in_processes(_ddp_worker, 1, tied, overlap)[0]
     assert flags == [False, False, True, True]
     assert sorted(returned) == sorted(fused) and len(returned) > 10
     for name, expected in returned.items():
@@ -244,7 +244,7 @@ def _undistributed_worker(rank, world_size):
 
 
 def test_hook_without_ddp_returns_the_gradient_and_says_so():
-    returned, messages = run_on_gloo(_undistributed_worker, 1)[0]
+    returned, messages = run_in_processes(_undistributed_worker, 1)[0]
     assert returned
     assert len(messages) == 1 and "no main_grad" in messages[0] and "d_weight is returned" in messages[0]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 VOCAB, TEMPERATURE = 160, 0.7
 RTOL = 1e-5  # fp32: values and every gradient, relative to the reference's largest magnitude
@@ -160,7 +160,7 @@ def scenarios_worker(rank, world_size, names):
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def results(request):
     names = [name for name, scenario in SCENARIOS.items() if scenario[0] == request.param]
-    per_rank = run_on_gloo(scenarios_worker, request.param, names)
+    per_rank = run_in_processes(scenarios_worker, request.param, names)
     return {name: [rank_result[name] for rank_result in per_rank] for name in names}
 
 
@@ -301,7 +301,7 @@ def engine_step(switch, enable_train, records):
 
 @pytest.fixture(scope="module")
 def engine_runs():
-    return run_on_gloo(engine_steps_worker, 1, False)[0], run_on_gloo(engine_steps_worker, 1, True)[0]
+    return run_in_processes(engine_steps_worker, 1, False)[0], run_in_processes(engine_steps_worker, 1, True)[0]
 
 
 @pytest.fixture(params=[True, False], ids=["train", "no_train"])
@@ -346,7 +346,7 @@ def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
 def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     out = tmp_path / "ab_mtp.json"
     code = ab_parity.main(["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)])
@@ -359,7 +359,7 @@ def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
 
 
 def test_ab_parity_refuses_negative_mtp_layers(capsys):
-    from verl_fused_hook_harness.commands import ab_parity
+    from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     with pytest.raises(SystemExit):
         ab_parity.main(["--device", "cpu", "--mtp-layers", "-1"])
@@ -370,7 +370,7 @@ def _e2e_mtp_worker(rank, world_size, out):
     from megatron.core.models.gpt import gpt_model
     from verl.models.mcore import mtp_patch
 
-    from verl_fused_hook_harness.commands import e2e_bench
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
     def call_sites():
         return gpt_model.process_mtp_loss, mtp_patch._process_mtp_loss
@@ -387,9 +387,9 @@ def _e2e_mtp_worker(rank, world_size, out):
 def test_e2e_bench_mtp_option_on_cpu(tmp_path):
     import json
 
-    from verl_fused_hook_harness.commands.e2e_bench_mtp import SIDES
+    from verl_fused_hook_harness.commands.e2e.mtp import SIDES
 
-    code, restored = run_on_gloo(_e2e_mtp_worker, 1, tmp_path)[0]
+    code, restored = run_in_processes(_e2e_mtp_worker, 1, tmp_path)[0]
     assert code == 0 and all(restored)
     report = json.loads((tmp_path / "e2e_mtp.json").read_text())
     assert report["vocab_size"] == 1000 and report["mtp_layers"] == 1

@@ -18,7 +18,7 @@ unsplit sequence scores.
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 VOCAB = 160
 RTOL = 1e-5
@@ -110,7 +110,7 @@ def relative_error(got, want):
 def runs():
     """Per case: every rank's CP=2 results, the CP ranks of TP rank 0 in the first data-parallel replica
     (megatron's rank order: TP fastest, then CP), and every rank's CP=1 reference."""
-    ranks = run_on_gloo(cp_worker, WORLD, list(CASES))
+    ranks = run_in_processes(cp_worker, WORLD, list(CASES))
     results = {}
     for name, (tp, *_rest) in CASES.items():
         results[name] = dict(

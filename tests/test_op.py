@@ -4,7 +4,8 @@ import pytest
 import torch
 from saved_tensors import SavedTensorBytes
 from verl_fused_hook_harness.support.memory import PeakMemory
-from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
 
@@ -31,10 +32,11 @@ def run_op(hidden, weight, labels, grads, **kwargs):
 
 def assert_matches(got, want, atol, grad_rtol):
     (lp, ent, dh, dw), (rlp, rent, rdh, rdw) = got, want
-    assert max_abs(lp, rlp) <= atol, f"log_probs off by {max_abs(lp, rlp):.3g}"
-    assert max_abs(ent, rent) <= atol, f"entropy off by {max_abs(ent, rent):.3g}"
-    assert max_rel(dh, rdh) <= grad_rtol, f"d_hidden off by {max_rel(dh, rdh):.3g} (relative)"
-    assert max_rel(dw, rdw) <= grad_rtol, f"d_weight off by {max_rel(dw, rdw):.3g} (relative)"
+    assert compare.max_abs(lp, rlp) <= atol, f"log_probs off by {compare.max_abs(lp, rlp):.3g}"
+    assert compare.max_abs(ent, rent) <= atol, f"entropy off by {compare.max_abs(ent, rent):.3g}"
+    d_hidden_error, d_weight_error = compare.error(rdh, dh, relative=True), compare.error(rdw, dw, relative=True)
+    assert d_hidden_error <= grad_rtol, f"d_hidden off by {d_hidden_error:.3g} (relative)"
+    assert d_weight_error <= grad_rtol, f"d_weight off by {d_weight_error:.3g} (relative)"
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3, "per_row"])
@@ -127,9 +129,10 @@ def test_extreme_logits_stay_finite_and_exact(case):
     # fp32 logits of magnitude |z| carry ~|z| * 6e-8 of rounding themselves: tolerance 2e-6 * max |z|.
     largest_logit = (hidden.double() @ weight.double().t()).abs().max().item() / 0.7
     tolerance = 2e-6 * largest_logit
-    assert max_abs(got[0], want[0]) <= tolerance, (max_abs(got[0], want[0]), tolerance)
-    assert max_abs(got[1], want[1]) <= tolerance, (max_abs(got[1], want[1]), tolerance)
-    assert max_rel(got[2], want[2]) <= 1e-4 and max_rel(got[3], want[3]) <= 1e-4
+    assert compare.max_abs(got[0], want[0]) <= tolerance, (compare.max_abs(got[0], want[0]), tolerance)
+    assert compare.max_abs(got[1], want[1]) <= tolerance, (compare.max_abs(got[1], want[1]), tolerance)
+    assert compare.error(want[2], got[2], relative=True) <= 1e-4
+    assert compare.error(want[3], got[3], relative=True) <= 1e-4
 
 
 def test_entropy_optional_and_no_grad_path_identical():

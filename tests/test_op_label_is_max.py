@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 # Rows whose fp64 top-two logits are closer than this could flip under fp32 rounding; the inputs
 # below have none, and the test checks that instead of skipping such rows silently.
@@ -95,5 +95,5 @@ def sharded_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_label_is_max_over_tensor_parallel_ranks(world_size):
     *_, want = make_case()
-    for label_is_max in run_on_gloo(sharded_worker, world_size):
+    for label_is_max in run_in_processes(sharded_worker, world_size):
         assert torch.equal(label_is_max, want)

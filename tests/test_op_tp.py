@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
-from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ATOL = 5e-5  # log-prob / entropy (entropy sums up to 32k columns in fp32)
 GRAD_RTOL = 1e-5
@@ -44,7 +45,7 @@ def all_cases_worker(rank, world_size):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def rank_results(request):
-    return request.param, run_on_gloo(all_cases_worker, request.param)
+    return request.param, run_in_processes(all_cases_worker, request.param)
 
 
 def shard_worker(rank, world_size, case, mask_everything):
@@ -80,10 +81,10 @@ def test_ranks_match_fp64_reference(case, rank_results):
     log_probs, entropies, d_hiddens, d_weights = zip(*results)
     for rank in range(1, world_size):
         assert torch.equal(log_probs[rank], log_probs[0]) and torch.equal(entropies[rank], entropies[0]), "ranks must agree"
-    assert max_abs(log_probs[0], want_lp) <= ATOL and max_abs(entropies[0], want_ent) <= ATOL
+    assert compare.max_abs(log_probs[0], want_lp) <= ATOL and compare.max_abs(entropies[0], want_ent) <= ATOL
     # Each rank returns its partial d_hidden; their sum is the full gradient.
-    assert max_rel(sum(d_hiddens), want_dh) <= GRAD_RTOL
-    assert max_rel(torch.cat(d_weights), want_dw) <= GRAD_RTOL
+    assert compare.error(want_dh, sum(d_hiddens), relative=True) <= GRAD_RTOL
+    assert compare.error(want_dw, torch.cat(d_weights), relative=True) <= GRAD_RTOL
 
 
 def test_ranks_with_every_row_masked(rank_results):

@@ -10,10 +10,11 @@ tensor_parallel_output_grad=True) followed by the op with "partial": the same bi
 import pytest
 import torch
 import torch.distributed as dist
-from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook.ops import TP_HIDDEN_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ATOL = 1e-5  # log-prob / entropy, fp32
 GRAD_RTOL = 1e-5  # gradients, relative to the reference's largest entry
@@ -107,13 +108,13 @@ def all_layouts_worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_on_gloo(all_layouts_worker, 2)
+    return run_in_processes(all_layouts_worker, 2)
 
 
 def _check_outputs(results, want_lp, want_ent):
     for log_probs, entropy, *_ in results:
         assert torch.equal(log_probs, results[0][0]) and torch.equal(entropy, results[0][1]), "ranks must agree"
-        assert max_abs(log_probs, want_lp) <= ATOL and max_abs(entropy, want_ent) <= ATOL
+        assert compare.max_abs(log_probs, want_lp) <= ATOL and compare.max_abs(entropy, want_ent) <= ATOL
 
 
 @pytest.mark.parametrize("case", ["replicated", "loss_inside replicated"])
@@ -123,8 +124,8 @@ def test_replicated_gives_every_rank_the_full_gradient(ranks, case):
     _check_outputs(results, want_lp, want_ent)
     for _, _, d_hidden, _ in results:
         assert torch.equal(d_hidden, results[0][2]), "the all-reduce leaves every rank the same gradient"
-        assert max_rel(d_hidden, want_dh) <= GRAD_RTOL
-    assert max_rel(torch.cat([r[3] for r in results]), want_dw) <= GRAD_RTOL
+        assert compare.error(want_dh, d_hidden, relative=True) <= GRAD_RTOL
+    assert compare.error(want_dw, torch.cat([r[3] for r in results]), relative=True) <= GRAD_RTOL
 
 
 @pytest.mark.parametrize("case", ["sequence_sharded", "loss_inside sequence_sharded"])
@@ -134,16 +135,16 @@ def test_sequence_sharded_gives_each_rank_the_gradient_of_its_slice(ranks, case)
     _check_outputs(results, want_lp, want_ent)  # outputs cover every row, as labels do
     for rank, (_, _, d_hidden, _) in enumerate(results):
         assert d_hidden.shape == (S // 2, B, H)
-        assert max_rel(d_hidden, want_dh.chunk(2)[rank]) <= GRAD_RTOL
-    assert max_rel(torch.cat([r[3] for r in results]), want_dw) <= GRAD_RTOL
+        assert compare.error(want_dh.chunk(2)[rank], d_hidden, relative=True) <= GRAD_RTOL
+    assert compare.error(want_dw, torch.cat([r[3] for r in results]), relative=True) <= GRAD_RTOL
 
 
 def test_partial_gives_each_rank_its_shards_part(ranks):
     want_lp, want_ent, want_dh, want_dw = reference()
     results = [per_rank["partial"] for per_rank in ranks]
     _check_outputs(results, want_lp, want_ent)
-    assert max_rel(results[0][2], want_dh) > 1e-2  # one shard's part is not the gradient
-    assert max_rel(sum(r[2] for r in results), want_dh) <= GRAD_RTOL
+    assert compare.error(want_dh, results[0][2], relative=True) > 1e-2  # one shard's part is not the gradient
+    assert compare.error(want_dh, sum(r[2] for r in results), relative=True) <= GRAD_RTOL
 
 
 @pytest.mark.parametrize("mode, megatron", [("replicated", "megatron copy_to"), ("sequence_sharded", "megatron sequence gather")])

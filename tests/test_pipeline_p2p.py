@@ -32,7 +32,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 HIDDEN = 4
 FORWARD_ROWS, BACKWARD_ROWS = (5, 7), (3, 2)  # per rank: the activation it sends next, the gradient it sends back
@@ -94,7 +94,7 @@ def hook_engine_refusal() -> str | None:
 
 @pytest.fixture(scope="module")
 def observed():
-    return run_on_gloo(p2p_worker, 2)
+    return run_in_processes(p2p_worker, 2)
 
 
 def test_shape_exchange_swaps_directions_at_pp2(observed):

@@ -9,7 +9,7 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.module import Float16Module
 
 from verl_fused_hook import OutputProcessorUnsupportedError, require_output_processor_support
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
 
@@ -66,7 +66,7 @@ def probe_worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_on_gloo(probe_worker, 1)[0]
+    return run_in_processes(probe_worker, 1)[0]
 
 
 def test_probe_passes_through_wrappers(outcomes):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from selected_tokens_cases import make_case, max_abs, reference, rel, upstream_loss
 
 from verl_fused_hook import token_log_probs
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 WORLD = 2
 VALUE_TOL = 1e-5
@@ -55,7 +55,7 @@ def worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def rank_results():
-    return run_on_gloo(worker, WORLD)
+    return run_in_processes(worker, WORLD)
 
 
 @pytest.mark.parametrize("layout", ["replicated", "sequence_sharded"])

@@ -3,7 +3,7 @@
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
 
 LENGTHS = (5, 9, 4)
@@ -28,5 +28,5 @@ def packed_vs_separate_worker(rank, world_size):
 
 
 def test_packed_sequences_do_not_see_each_other():
-    error, scale = run_on_gloo(packed_vs_separate_worker, 1)[0]
+    error, scale = run_in_processes(packed_vs_separate_worker, 1)[0]
     assert scale > 0.1 and error <= 1e-5, (error, scale)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from verl_fused_hook_harness.support.grpo_batches import RolloutShape, packed, rollout
-from verl_fused_hook_harness.commands import train_parity, train_parity_report
+from verl_fused_hook_harness.commands.train import parity as train_parity, report as train_parity_report
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity"]

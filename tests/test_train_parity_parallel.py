@@ -51,7 +51,7 @@ def test_modes_train_identically_and_resume_exactly(layout, tmp_path):
 
 
 def test_ep_needs_an_moe_config(capsys):
-    from verl_fused_hook_harness.commands import train_parity
+    from verl_fused_hook_harness.commands.train import parity as train_parity
 
     with pytest.raises(SystemExit):
         train_parity.main(["--device", "cpu", "--ep", "2"])

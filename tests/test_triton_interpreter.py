@@ -584,7 +584,7 @@ def test_two_pass_keep_logits_tensor_parallel_in_the_interpreter(keep):
     so "some rows" keeps 32 rows on rank 0 and 48 on rank 1), against fp64 over the real columns."""
     import torch
 
-    from verl_fused_hook_harness.support.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_in_processes
 
     n, h, v, vocab_size = 70, 64, 320, 301
     g = torch.Generator().manual_seed(300)
@@ -594,7 +594,7 @@ def test_two_pass_keep_logits_tensor_parallel_in_the_interpreter(keep):
     temperature = torch.rand(n, generator=g) + 0.5
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     keep_bytes = 10**9 if keep == "every row" else 47 * (2 * 160 + 4 * 5)
-    results = run_on_gloo(_tp_keep_logits_worker, 2, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size,
+    results = run_in_processes(_tp_keep_logits_worker, 2, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size,
                           keep_bytes, env={"TRITON_INTERPRET": "1"})
     assert [r[0] for r in results] == ([n, n] if keep == "every row" else [32, 48])
     ref = _fp64_reference(hidden, weight[:vocab_size], labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, g_ent)

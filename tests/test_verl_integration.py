@@ -447,9 +447,9 @@ def _tp2_hook_step_worker(rank, world_size):
 
 
 def test_tp2_sequence_parallel_mixed_temperatures_and_score_mask():
-    from verl_fused_hook_harness.support.distributed import run_on_gloo
+    from verl_fused_hook_harness.support.distributed import run_in_processes
 
-    results = run_on_gloo(_tp2_hook_step_worker, 2, env={ENV_VAR: "1"})
+    results = run_in_processes(_tp2_hook_step_worker, 2, env={ENV_VAR: "1"})
     for result in results:
         for key in ("log_probs", "entropy"):
             torch.testing.assert_close(result["read"][key], result["expected"][key], **CLOSE)

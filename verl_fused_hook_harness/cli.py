@@ -10,10 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "ab-parity": ("verl_fused_hook_harness.commands.ab_parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
-    "bench": ("verl_fused_hook_harness.commands.bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
-    "e2e-bench": ("verl_fused_hook_harness.commands.e2e_bench", "verl's engine forward+backward in each mode (CUDA)"),
-    "train-parity": ("verl_fused_hook_harness.commands.train_parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
+    "ab-parity": ("verl_fused_hook_harness.commands.ab.parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
+    "bench": ("verl_fused_hook_harness.commands.bench.op_bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
+    "e2e-bench": ("verl_fused_hook_harness.commands.e2e.bench", "verl's engine forward+backward in each mode (CUDA)"),
+    "train-parity": ("verl_fused_hook_harness.commands.train.parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
     "doctor": ("verl_fused_hook_harness.commands.doctor", "what the plugin will do on this machine: versions, hook probe, backend, entry point, plan, op self-check"),
 }
 

@@ -1,7 +1,7 @@
 """`verl-fused-hook ab-parity --mtp-layers 1` on CUDA (skipped without CUDA): hook mode's fused MTP loss (this
 package's Triton kernel, bf16) against verl's own MTP path (fused kernels off), TP=1 on the shipped tiny Qwen2.
 
-At one rank the command runs both sides in one worker process (commands/ab_parity_mtp.py), so the run pays
+At one rank the command runs both sides in one worker process (commands/ab/mtp.py), so the run pays
 Python's imports and CUDA/NCCL start-up twice (this command, its worker), not three times; on the CPU the
 same command takes ~20 s, nearly all of it start-up. The command prints per-phase timings; a run past
 TIME_LIMIT_S fails with them instead of eating the device call.

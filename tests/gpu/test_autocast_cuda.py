@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.reference import max_abs, max_rel, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 
 pytestmark = [
@@ -46,9 +47,10 @@ def test_autocast_changes_nothing(backend, dtype, autocast_dtype):
     # below the ~1e-3 an fp16 GEMM would cause
     tolerance = 1e-6 if backend == "torch" else 1e-4
     for name, got, want in zip(("log_probs", "entropy", "d_hidden", "d_weight"), under_autocast, plain):
-        assert got.dtype == want.dtype and max_rel(got, want) <= tolerance, name
+        assert got.dtype == want.dtype and compare.error(want, got, relative=True) <= tolerance, name
     if dtype == torch.float32:
         hidden, weight, labels, grads = inputs
         ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, grad_outputs=grads)
-        assert max_abs(under_autocast[0], ref[0]) <= 5e-5 and max_abs(under_autocast[1], ref[1]) <= 5e-5
-        assert max_rel(under_autocast[2], ref[2]) <= 1e-5 and max_rel(under_autocast[3], ref[3]) <= 1e-5
+        assert compare.max_abs(under_autocast[0], ref[0]) <= 5e-5 and compare.max_abs(under_autocast[1], ref[1]) <= 5e-5
+        assert compare.error(ref[2], under_autocast[2], relative=True) <= 1e-5
+        assert compare.error(ref[3], under_autocast[3], relative=True) <= 1e-5

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,7 +119,7 @@ def _tp_worker(rank, world_size, hidden, weight, labels, temperature):
 def test_tensor_parallel_two_ranks_on_one_gpu():
     hidden, weight, labels, temperature = _inputs(PROBE + 1500, 2048, 151936, seed=9)
     labels = labels % 151930
-    results = run_on_gloo(_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), temperature.cpu())
+    results = run_in_processes(_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), temperature.cpu())
     alone = results[0][0]
     for rank_alone, inside in results:
         assert torch.equal(rank_alone[0], alone[0]) and torch.equal(rank_alone[1], alone[1])

@@ -1,5 +1,5 @@
 """`verl-fused-hook e2e-bench --mtp 1` on CUDA at a small size (skipped without CUDA): the step runs on both sides,
-and the output layer's memory probe (support/head_memory.py) gives real CUDA figures that add up.
+and the output layer's memory probe (commands/e2e/head_memory.py) gives real CUDA figures that add up.
 
 Tiny Qwen2 shapes with a 32000-token vocabulary, 4096 tokens, bf16, hook mode on this package's Triton kernel.
 Checked: both sides measured, parity with verl's MTP path within bf16 tolerances, and per side a measured peak

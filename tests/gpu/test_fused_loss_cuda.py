@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss
-from verl_fused_hook_harness.commands import bench_loss
+from verl_fused_hook_harness.commands.bench import policy_loss as bench_loss
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from verl_fused_hook.ops import log_probs_and_entropy
-from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,7 +71,7 @@ def test_groups_of_rows_add_into_fp32_main_grad():
 
     ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=TRUE_VOCAB,
                                       active=score_mask, grad_outputs=(g_lp, g_ent))
-    assert max_abs(lp, ref[0]) <= VALUE_TOL and max_abs(ent, ref[1]) <= VALUE_TOL
+    assert compare.max_abs(lp, ref[0]) <= VALUE_TOL and compare.max_abs(ent, ref[1]) <= VALUE_TOL
     assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
     errors = {"d_hidden": _rel(d_hidden, ref[2]), "d_hidden_returned": _rel(d_hidden0, ref[2]),
               "d_weight": _rel(fused.main_grad.double() - 0.5, ref[3]), "d_weight_returned": _rel(plain.grad, ref[3])}

@@ -15,7 +15,7 @@ import torch
 from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
 
 from verl_fused_hook.ops import token_log_probs
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,7 +78,7 @@ def _tp_worker(rank, world_size):
 
 
 def test_tensor_parallel_two_ranks_on_one_gpu():
-    results = run_on_gloo(_tp_worker, 2)
+    results = run_in_processes(_tp_worker, 2)
     case = make_case(n=501, h=1024, padded=32008, vocab=32003, k=64, tp=2, dtype=torch.bfloat16, weight_scale=1024**-0.5)
     want = reference(case, top_k=TOP_K)
     outputs, d_hiddens, d_weights = zip(*results)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 
 pytestmark = [
@@ -36,7 +37,7 @@ def test_torch_backend_on_cuda_matches_fp64(dtype, value_tol, grad_tol):
     ref_lp, ref_ent, ref_dh, ref_dw = reference_log_probs_entropy(
         hidden, weight, labels, temperature=temperature, vocab_size=vocab, active=score_mask, grad_outputs=(g_lp, g_ent)
     )
-    assert max_abs(lp, ref_lp) <= value_tol and max_abs(ent, ref_ent) <= value_tol
+    assert compare.max_abs(lp, ref_lp) <= value_tol and compare.max_abs(ent, ref_ent) <= value_tol
     assert _rel(hidden.grad, ref_dh) <= grad_tol
     assert _rel(weight.grad, ref_dw) <= grad_tol
     assert hidden.grad.dtype == dtype and torch.count_nonzero(weight.grad[vocab:]) == 0

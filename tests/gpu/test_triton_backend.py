@@ -11,11 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.reference import max_abs, reference_log_probs_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook.ops.backends import resolve_backend
 from verl_fused_hook.ops.arguments import LogProbProblem, build_problem, default_tile_rows
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,10 +71,10 @@ def _check(
         hidden, weight, labels.clamp(min=0), temperature=temperature, vocab_size=vocab_size, active=active,
         grad_outputs=(g_lp, g_ent) if grads else None,
     )
-    assert _within(lp, ref[0], rel_tol), max_abs(lp, ref[0])
+    assert _within(lp, ref[0], rel_tol), compare.max_abs(lp, ref[0])
     assert bool((lp[~active] == 0).all())
     if entropy:
-        assert _within(ent, ref[1], rel_tol), max_abs(ent, ref[1])
+        assert _within(ent, ref[1], rel_tol), compare.max_abs(ent, ref[1])
     else:
         assert ent is None
     if grads:
@@ -231,15 +232,15 @@ def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
     hidden, weight, g = _inputs(n, h, v, seed=31)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    results = run_on_gloo(
+    results = run_in_processes(
         _tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, keep_logits_bytes
     )
     ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
     d_hidden = sum(r[2] for r in results)  # the caller's all-reduce of the partial d_hidden
     d_weight = torch.cat([r[3] for r in results])
     for lp, ent, *_ in results:
-        assert max_abs(lp, ref[0].cpu()) <= VALUE_TOL
-        assert max_abs(ent, ref[1].cpu()) <= VALUE_TOL
+        assert compare.max_abs(lp, ref[0].cpu()) <= VALUE_TOL
+        assert compare.max_abs(ent, ref[1].cpu()) <= VALUE_TOL
     assert _rel(d_hidden, ref[2].cpu()) <= GRAD_TOL
     assert _rel(d_weight, ref[3].cpu()) <= GRAD_TOL
     assert bool((d_weight[vocab_size:] == 0).all())
@@ -288,14 +289,14 @@ def test_row_tiled_backward_tensor_parallel(v, vocab_size, groups):
     hidden, weight, g = _inputs(n, h, v, seed=41)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    results = run_on_gloo(
+    results = run_in_processes(
         _tiled_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, 256
     )
     ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
     assert [r[0] for r in results] == [groups, groups]
     for _, lp, ent, *_ in results:
-        assert max_abs(lp, ref[0].cpu()) <= VALUE_TOL
-        assert max_abs(ent, ref[1].cpu()) <= VALUE_TOL
+        assert compare.max_abs(lp, ref[0].cpu()) <= VALUE_TOL
+        assert compare.max_abs(ent, ref[1].cpu()) <= VALUE_TOL
     assert _rel(sum(r[3] for r in results), ref[2].cpu()) <= GRAD_TOL
     assert _rel(torch.cat([r[4] for r in results]), ref[3].cpu()) <= GRAD_TOL
     assert bool((results[1][4][vocab_size - v // 2 :] == 0).all())
@@ -323,8 +324,8 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
 
     rows = torch.randperm(n, device="cuda", generator=g)[:128]
     ref = reference_log_probs_entropy(hidden[rows], weight, labels[rows], temperature=0.7, grad_outputs=(g_lp[rows], g_ent[rows]))
-    assert max_abs(lp[rows], ref[0]) <= VALUE_TOL
-    assert max_abs(ent[rows], ref[1]) <= VALUE_TOL
+    assert compare.max_abs(lp[rows], ref[0]) <= VALUE_TOL
+    assert compare.max_abs(ent[rows], ref[1]) <= VALUE_TOL
     assert _rel(hd.grad[rows], ref[2]) <= GRAD_TOL
     del ref
 

@@ -14,7 +14,7 @@ import torch
 
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -165,7 +165,7 @@ def test_fused_loss_tensor_parallel_two_ranks_on_one_gpu():
     hidden, weight, g = _inputs(n, h, v, seed=31)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    results = run_on_gloo(_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size)
+    results = run_in_processes(_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size)
     ref = reference_log_probs_entropy(
         hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent)
     )

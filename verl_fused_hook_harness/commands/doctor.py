@@ -35,6 +35,7 @@ from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
 
+from ..support.arguments import DTYPES
 from ..support.reference import reference_log_probs_entropy, relative_error
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 
@@ -218,7 +219,7 @@ def check_op(dtype: torch.dtype) -> Finding:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=4096, help="the model's hidden size, for the backend pick")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype (default bf16)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the model's dtype (default bf16)")
     parser.add_argument("--config-name", default=None, help="verl trainer config to compose (default ppo_trainer "
                                                             "when overrides are given)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides as on verl's command line, e.g. "
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.hidden_size < 1:
         parser.error(f"--hidden-size: must be >= 1, got {args.hidden_size}")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     with UpstreamNotices(verbose=args.verbose):
         findings = check_versions()
         findings.append(check_hook_probe())

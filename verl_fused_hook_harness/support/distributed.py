@@ -87,11 +87,6 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any, backend: str = "
         return [outcome["result"] for outcome in outcomes]
 
 
-def run_on_gloo(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list:
-    """`run_in_processes` on the CPU (gloo)."""
-    return run_in_processes(fn, world_size, *args, backend="gloo", env=env)
-
-
 def init_single_process(device: str, seed: int) -> None:
     """This process as a one-rank group (NCCL on CUDA, else gloo) with megatron's parallel state at TP=1."""
     from ..stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only where a model is built

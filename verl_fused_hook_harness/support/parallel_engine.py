@@ -280,10 +280,8 @@ def run_side(
     what `observer` reported (under "observed")."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_fused_hook.verl_integration.model_plan import counts_of
-
     from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
-    from .train_engine import release_engines
+    from .train_engine import fused_loss_forwards, release_engines
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     legacy_kernel = portable_legacy_kernel_on_cpu(device) if side == LEGACY else contextlib.nullcontext()
@@ -300,7 +298,7 @@ def run_side(
         "losses": [float(loss) for loss in output.get("loss", [])],
         "metrics": {key: _plain(value) for key, value in output.get("metrics", {}).items()},
         "grads": grads,
-        "fused_loss_calls": sum(counts_of(chunk).fused_loss_forwards for chunk in engine.module),
+        "fused_loss_calls": fused_loss_forwards(engine),
         "layout": engine_layout(engine),
     }
     if report is not None:

@@ -1,5 +1,6 @@
-"""Independent fp64 reference for log-probs, entropy and their gradients (full logits, autograd), and the error
-measures every accuracy check states its tolerances in (tests, doctor, bench)."""
+"""Independent fp64 reference for log-probs, entropy and their gradients (full logits, autograd), and the
+gradients' error measure (Frobenius, relative) the accuracy checks state their tolerances in (tests, doctor,
+bench); the elementwise measures are support/compare.py's."""
 
 from __future__ import annotations
 
@@ -29,16 +30,6 @@ def reference_log_probs_entropy(hidden, weight, labels, *, temperature=1.0, voca
         (log_probs * g_lp.double() + entropy * g_h.double()).sum().backward()
         grads = (h.grad, w.grad)
     return log_probs.detach(), entropy.detach(), grads[0], grads[1]
-
-
-def max_abs(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def max_rel(a, b) -> float:
-    """Largest absolute error relative to the reference's largest magnitude."""
-    scale = b.double().abs().max().item()
-    return max_abs(a, b) / scale if scale > 0 else max_abs(a, b)
 
 
 def relative_error(a, b) -> float:

@@ -155,6 +155,15 @@ def load_checkpoint_for_resume(engine, path: str) -> None:
                 adam.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
+def fused_loss_forwards(engine) -> int:
+    """How many forwards of `engine` computed their loss inside the op (the plugin's own count): the proof that a
+    fused-loss side ran verl's ppo_loss inside the op, and that no other side did. The plugin is imported only here:
+    an engine built without it (test_engine_release's "absent" setup) must import none of it."""
+    from verl_fused_hook.verl_integration.model_plan import counts_of
+
+    return sum(counts_of(chunk).fused_loss_forwards for chunk in engine.module)
+
+
 # What verl's `register_megatron_training_hooks` sets on each model chunk's TransformerConfig (all default None).
 TRAINING_HOOK_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
 

@@ -1,6 +1,6 @@
 """Liger-Kernel's Hopper kernels as bench methods: `liger_sm90` and `liger_tp_native`.
 
-Why apart from bench_methods' `liger` (its fused linear cross-entropy, the loss only): Liger >= 0.8.5 also
+Why apart from methods.py's `liger` (its fused linear cross-entropy, the loss only): Liger >= 0.8.5 also
 returns per-token NLL and entropy at a temperature, the problem this package solves, through two kernels that
 run only on Hopper-class GPUs and only with packages pip does not pull in:
 
@@ -97,7 +97,7 @@ def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
     if not shapes:
         return "no shapes to reserve its workspace for"
     if not dist.is_initialized():
-        from ..support.distributed import free_port
+        from ...support.distributed import free_port
 
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -3,10 +3,10 @@
 Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
 times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
-rounds over the methods, bench_timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
+rounds over the methods, timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
 its power cap as in a training step), records the
 peak memory a method allocates beyond its inputs and returned gradients, the SM clock
-and power while each method's steps run (bench_clocks.py, NVML), checks
+and power while each method's steps run (clocks.py, NVML), checks
 accuracy against fp64 on a smaller shape, and writes a markdown table, a JSON
 file and a PNG plot.
 
@@ -18,10 +18,10 @@ liger (Liger-Kernel FLCE: loss only) and cce (cut-cross-entropy: loss only)
 when installed, and floor (the cuBLAS GEMMs of the same shapes: 4 GEMMs with
 the backward's recompute, 3 without). fused_loss (the op with verl's ppo_loss
 inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
-layer plus the policy loss (bench_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
+layer plus the policy loss (policy_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
 --topk ids), verl_kl_topk (verl's megatron forward_kl_topk on full logits) and verl_kl_topk_chunked (its
 use_chunked_topk path) time the output layer plus verl's forward_kl_topk; sum_pi_squared our log-probs, entropy
-and sum pi^2 (bench_distill.py).
+and sum pi^2 (distill.py).
 
     verl-fused-hook bench --out results/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
@@ -45,16 +45,18 @@ import torch
 
 from verl_fused_hook.ops.chunking import available_bytes
 
-from ..support.reports import write_json
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from . import bench_loss
-from .bench_clocks import ClockMeter
-from .bench_memory import ChunkPlans, hold_memory
-from .bench_methods import ALL_METHODS, load_methods
-from .bench_report import markdown, plot
-from .bench_timing import settle_clocks, time_in_rounds, time_ms
+from ...support.arguments import known_names
+from ...support.compare import max_abs
+from ...support.reference import reference_log_probs_entropy, relative_error
+from ...support.reports import device_name, write_json
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from . import policy_loss
+from .clocks import ClockMeter
+from .held_memory import GIB, ChunkPlans, hold_memory
+from .methods import ALL_METHODS, load_methods
+from .report import markdown, plot
+from .timing import settle_clocks, time_in_rounds, time_ms
 
-GIB = 1024**3
 STANDARD_SHAPES = "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936"
 # Long context, where a backward whose chunking depends on N shows a cliff (issue 16's table).
 LONG_SHAPES = "32768,4096,248320;65536,4096,248320;131072,4096,248320;131072,4096,151936;131072,2048,151936"
@@ -225,21 +227,15 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     """Max abs error of log-probs/entropy and relative (Frobenius) error of both gradients vs fp64."""
     hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=12345)
     out = {}
-    references = {}
-    for with_entropy in (True, False):
-        hd = hidden.double().requires_grad_()
-        wd = weight.double().requires_grad_()
-        log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
-        lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        ent = -(log_softmax.exp() * log_softmax).sum(-1)
-        total = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0)
-        dh, dw = torch.autograd.grad(total, (hd, wd))
-        references[with_entropy] = (lp.detach(), ent.detach(), dh, dw)
-        del log_softmax, hd, wd
+    references = {  # with entropy, and for the loss-only peers without (entropy's gradient weight 0)
+        with_entropy: reference_log_probs_entropy(hidden, weight, labels, temperature=temperature,
+                                                  grad_outputs=(g_lp, g_ent if with_entropy else torch.zeros_like(g_ent)))
+        for with_entropy in (True, False)
+    }
     torch.cuda.empty_cache()
     for name, fn in methods.items():
         if getattr(fn, "returns_loss", False):
-            check = getattr(fn, "accuracy", None) or functools.partial(bench_loss.loss_accuracy, fn)
+            check = getattr(fn, "accuracy", None) or functools.partial(policy_loss.loss_accuracy, fn)
             out[name] = _guard(f"accuracy {name}", lambda: check(hidden, weight, labels, temperature))
             print(f"# accuracy {name} {out[name]}", flush=True)
             continue
@@ -258,12 +254,11 @@ def accuracy(methods, n, h, v, temperature) -> dict:
                 grads.append(g_ent)
             dh, dw = torch.autograd.grad(outputs, (h, w), grads)
             dw = getattr(w, "main_grad", dw)
-            rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
             return {
-                "log_prob_max_err": (lp.double() - ref[0]).abs().max().item(),
-                "entropy_max_err": None if ent is None else (ent.double() - ref[1]).abs().max().item(),
-                "d_hidden_rel_err": rel(dh, ref[2]),
-                "d_weight_rel_err": rel(dw, ref[3]),
+                "log_prob_max_err": max_abs(ref[0], lp),
+                "entropy_max_err": None if ent is None else max_abs(ref[1], ent),
+                "d_hidden_rel_err": relative_error(dh, ref[2]),
+                "d_weight_rel_err": relative_error(dw, ref[3]),
             }
 
         out[name] = _guard(f"accuracy {name}", measure)
@@ -318,7 +313,8 @@ def main(argv=None) -> int:
     if args.plot_only:
         return redraw(Path(args.plot_only), Path(args.out))
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA device")
+        raise SystemExit("bench needs a CUDA device")
+    args.methods = known_names(parser, "--methods", args.methods, ALL_METHODS)
     if args.leave_free_gib is not None and args.leave_free_gib <= 0:
         parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):
@@ -339,17 +335,13 @@ def redraw(json_path: Path, out: Path) -> int:
 def measure(args, argv: list[str]) -> int:
     """Every method at every shape, the accuracy check, then OUT.json, OUT.md, OUT.png and the tables
     (with --leave-free-gib, another allocation holds the rest of the GPU at each shape, recorded)."""
-    names = [m for m in args.methods.split(",") if m]
-    unknown = set(names) - set(ALL_METHODS)
-    if unknown:
-        raise SystemExit(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(ALL_METHODS)}")
-    args.floor = "floor" in names
+    args.floor = "floor" in args.methods
     skipped: dict[str, str] = {}
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
     accuracy_shapes = parse_shapes(args.accuracy_shape) if args.accuracy_shape else []
-    methods = load_methods(names, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
+    methods = load_methods(args.methods, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
     results = {
-        "device": torch.cuda.get_device_name(),
+        "device": device_name("cuda"),
         "torch": torch.__version__,
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,

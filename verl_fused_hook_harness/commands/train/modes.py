@@ -7,7 +7,7 @@ and a merged report, read back from JSON, has only the mode names to go by.
 
 from __future__ import annotations
 
-from ..support.modes import Mode
+from ...support.modes import Mode
 
 LEGACY = "legacy"
 # The hook's backend per kernel: verl's kernel, or "auto" (this package's kernel for the device).

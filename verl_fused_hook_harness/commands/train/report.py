@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..support.reports import pyplot
-from .train_parity_modes import LEGACY, MODES, one_kernel_mode, ordered_modes
+from ...support.reports import pyplot
+from .modes import LEGACY, MODES, one_kernel_mode, ordered_modes
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import time
 
 import torch
 
-from ..support.compare import error
-from ..support.distributed import backend_for, run_in_processes
-from ..support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
-from ..support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
-from ..support.reports import write_json
-from ..support.verl_engine import prepare_verl_process
-from .ab_scenarios import TABLE_HEADER, build_model, compare_runs, comparison_row, gradients_of, within, world_size_for
+from ...support.compare import error
+from ...support.distributed import backend_for, run_in_processes
+from ...support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
+from ...support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
+from ...support.reports import write_json
+from ...support.verl_engine import prepare_verl_process
+from .scenarios import TABLE_HEADER, build_model, compare_runs, comparison_row, gradients_of, within, world_size_for
 
 SIDES = ("verl", "hook")
 CUDA_ACCEPTANCE_SLACK = 0.01

@@ -22,7 +22,7 @@ seeded weights) on the same synthetic GRPO batches through verl's real
   `load_checkpoint`s it and runs steps K/2+1..K;
 - the whole run again with verl's parameter, gradient and optimizer offload on.
 
-Modes (train_parity_modes.py): legacy (VERL_FUSED_USE_OP_HOOK=0, verl's
+Modes (train/modes.py): legacy (VERL_FUSED_USE_OP_HOOK=0, verl's
 monkey-patched forward), hook-verl (hook, backend verl: verl's Triton kernel;
 CUDA only), hook-auto (hook, backend auto: this package's kernel, score mask
 off), hook-auto-mask (hook, backend auto, score mask on: only the rows
@@ -62,7 +62,7 @@ hook-verl is skipped. On the CPU offload runs verl's functions, but the
 "device" they load to is the CPU itself. On CUDA (one GPU, TP=1) every step
 runs bitwise repeatable (`support/determinism.py`).
 
-Identities checked (exit status 1 when one fails; train_parity_report.py):
+Identities checked (exit status 1 when one fails; train/report.py):
 legacy and the mode that computes with legacy's kernel (hook-verl on CUDA,
 hook-auto on the CPU) identical at every step (loss, gradient norm, checksum);
 in every mode the resumed steps identical to the uninterrupted ones and the
@@ -96,14 +96,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from ..support.grpo_batches import RolloutShape
-from ..support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from . import train_parity_report as report_file
-from .train_parity_modes import MODES
-from .train_parity_runs import Plan, resumed_worker, run_group, uninterrupted_worker
+from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
+from ...support.grpo_batches import RolloutShape
+from ...support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from . import report as report_file
+from .modes import MODES
+from .runs import Plan, resumed_worker, run_group, uninterrupted_worker
 
 
 def _pair(text: str, field: str) -> tuple[int, int]:
@@ -116,7 +115,7 @@ def _pair(text: str, field: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there")
+    add_device_argument(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: gloo processes; CUDA: 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (CPU only: gloo processes)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (CPU only, an MoE --hf-config such as "
@@ -137,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "call that only adds offload-on runs to be merged with one that resumed)")
     parser.add_argument("--nondeterministic", action="store_true", help="CUDA: PyTorch's default (faster, not "
                         "bitwise repeatable) algorithms; identities are then not expected to hold")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="train_parity", help="folder for train_parity.{json,md,png}, rewritten "
                         "after every finished run")
@@ -157,10 +156,8 @@ def parse_plan(argv, checkpoint_root: str) -> tuple[Plan, Path]:
 
 
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint_root: str) -> Plan:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(parser, args.device)
     cuda = device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
     if cuda and args.tp != 1:
         parser.error(f"--tp {args.tp}: on CUDA this command runs on one GPU (TP=1)")
     for flag, size in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
@@ -176,10 +173,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     if args.modes:
-        modes = tuple(args.modes.split(","))
-        unknown = [m for m in modes if m not in MODES]
-        if unknown:
-            parser.error(f"--modes: unknown {unknown}; allowed: {', '.join(MODES)}")
+        modes = tuple(known_names(parser, "--modes", args.modes, MODES))
         if not cuda and any(MODES[m].cuda_only for m in modes):
             parser.error("--modes: hook-verl runs verl's Triton kernel and needs CUDA")
     else:
@@ -199,7 +193,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
     experts = getattr(load_hf_config(hf_path), "num_experts", None) or 0
     if args.ep > 1 and (not experts or experts % args.ep):
         parser.error(f"--ep {args.ep}: needs an MoE --hf-config whose experts divide by it (this one has {experts})")
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype or ("bf16" if cuda else "fp32")]
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype or default_dtype(device)]  # verl's names
     offload = {"both": (False, True), "off": (False,), "on": (True,)}[args.offload]
     offload_modes = tuple(args.offload_modes.split(",")) if args.offload_modes else modes
     if any(m not in modes for m in offload_modes):

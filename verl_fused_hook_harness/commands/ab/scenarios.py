@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..support.compare import VALUES, differing_parameters, error, worst_gradient
-from ..support.hf_model import build_gpt_from_hf, load_hf_config
+from ...support.arguments import DTYPES
+from ...support.compare import VALUES, differing_parameters, error, worst_gradient
+from ...support.hf_model import build_gpt_from_hf, load_hf_config
 
 ENV_VALUES = {"legacy": "0", "hook": "1"}  # VERL_FUSED_USE_OP_HOOK per mode
 TP_GAP = "legacy+tp-sum"
@@ -32,7 +33,6 @@ UNFUSED_RTOL_BF16 = 5e-2
 # (docs/benchmarks.md); bf16 gradients carry the bf16 rounding of d_hidden through the layers.
 TWO_KERNEL_VALUE_TOL = 1e-4
 TWO_KERNEL_GRAD_RTOL = 2e-2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COMPARED = (*VALUES, "grads")
 
 
@@ -58,9 +58,9 @@ class Setup:
     hf_path: str
     backend: str
     device: str
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of support.arguments.DTYPES
     seed: int
-    layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (ab_bshd.py)
+    layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (bshd.py)
     verbose: bool = False  # workers print a line per scenario
 
     @property
@@ -93,7 +93,7 @@ def world_size_for(device: str, scenarios) -> int:
 
 def build_model(scenario: Scenario, setup: Setup, mtp_num_layers: int | None = None):
     """(hf_config, model): the scenario's GPTModel on `setup.device`, identical weights in every process."""
-    from ..stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only in worker processes
+    from ...stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only in worker processes
 
     init_model_parallel(scenario.tp, seed=setup.seed)
     hf_config = load_hf_config(setup.hf_path)

@@ -21,17 +21,22 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook.switch import ENV_VAR
-from verl_fused_hook.verl_integration.model_plan import counts_of
 
-from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
-from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
-from ..support.determinism import deterministic_steps
-from ..support.distributed import backend_for, run_in_processes
-from ..support.grpo_batches import RolloutShape, packed, rollout
-from ..support.train_engine import EngineSetup, build_engine, load_checkpoint_for_resume, release_engines
-from ..support.verl_engine import prepare_verl_process
-from . import train_parity_report as report_file
-from .train_parity_modes import MODES, Mode, fused_kernel_options
+from ...stand_ins.cuda_on_cpu import cuda_names_on_cpu
+from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
+from ...support.determinism import deterministic_steps
+from ...support.distributed import backend_for, run_in_processes
+from ...support.grpo_batches import RolloutShape, packed, rollout
+from ...support.train_engine import (
+    EngineSetup,
+    build_engine,
+    fused_loss_forwards,
+    load_checkpoint_for_resume,
+    release_engines,
+)
+from ...support.verl_engine import prepare_verl_process
+from . import report as report_file
+from .modes import MODES, Mode, fused_kernel_options
 
 TEMPERATURE = 1.0
 ENTROPY_COEF = 0.01
@@ -73,7 +78,7 @@ class Plan:
         return os.path.join(self.checkpoint_root, mode)
 
     def configuration(self) -> dict:
-        """What must agree between two reports for their runs to be compared (train_parity_report)."""
+        """What must agree between two reports for their runs to be compared (report.py)."""
         layout = {name: size for name, size in (("pp", self.pp), ("ep", self.ep)) if size > 1}  # earlier reports: 1
         return {
             "device": self.device, "tp": self.tp, **layout, "dtype": self.dtype, "steps": self.steps,
@@ -100,12 +105,6 @@ def mode_context(mode: Mode, device: str):
     that may read every row: its engines are built with `output_processor_score_mask=false`."""
     with cuda_names_on_cpu(), (contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device)):
         yield
-
-
-def fused_loss_forwards(engine) -> int:
-    """How many engine forwards of `engine` computed their loss inside the op (the plugin's own count): the
-    report's proof that a fused-loss mode ran verl's ppo_loss inside the op, and that no other mode did."""
-    return sum(counts_of(model).fused_loss_forwards for model in engine.module)
 
 
 def build_engines(plan: Plan, mode: Mode, offload: bool):
@@ -250,7 +249,7 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
 def prepare_process(plan: Plan, rank: int) -> None:
     prepare_verl_process(rank)
     if plan.device == "cpu":
-        from ..stand_ins.megatron_cpu import init_model_parallel
+        from ...stand_ins.megatron_cpu import init_model_parallel
 
         init_model_parallel(plan.tp, seed=plan.seed, pp_size=plan.pp, ep_size=plan.ep)  # the engine finds it set up
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 
-from ..support.micro_batches import TEMPERATURE, forward_step_batch
-from ..support.modes import Mode
-from ..support.verl_engine import UNFUSED, build_step, megatron_engine
-from .e2e_thd import Step
+from ...support.micro_batches import TEMPERATURE, forward_step_batch
+from ...support.modes import Mode
+from ...support.verl_engine import UNFUSED, build_step, megatron_engine
+from .thd import Step
 
 BSHD_MODES = (
     Mode("verl-unfused", hook=False, kernel="unfused"),  # the switch unset: verl as it ships

@@ -32,7 +32,7 @@ kernels, so hook vs legacy is held to the kernels' accuracy instead of 0 (log-pr
 
 `--layout bshd` compares on verl's padded layout (`use_remove_padding=False`), where verl has no fused
 path: hook mode against verl as it ships there (fused kernels off, its unfused BSHD forward), within the
-unfused tolerance (ab_bshd.py).
+unfused tolerance (ab/bshd.py).
 
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
                                   [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N] [--verbose]
@@ -42,10 +42,10 @@ Upstream warnings and log lines (megatron-core, verl, torch) are counted, not pr
 line at the end; `--verbose` prints them, and a line per scenario and mode.
 
 `--pp N`, `--vpp N`, `--ep N`, `--moe-experts N` (any of them) run the pipeline/expert comparison instead
-(ab_parallel.py): verl's train_batch through megatron's schedule, legacy vs hook vs verl's unfused path vs the
+(ab/parallel.py): verl's train_batch through megatron's schedule, legacy vs hook vs verl's unfused path vs the
 same model without the split, in fp32; with `--tp` as well. On the CPU TP x PP x EP gloo processes.
 
-`--mtp-layers N` runs the MTP scenario instead (ab_parity_mtp.py, packed layout): models with N MTP
+`--mtp-layers N` runs the MTP scenario instead (ab/mtp.py, packed layout): models with N MTP
 layers, hook mode's fused MTP loss against verl's own MTP path (fused kernels off), within the unfused tolerance.
 Exit status: 0 when hook and legacy match (exactly with one kernel on both sides, within the kernels'
 accuracy with two) and the hook matches the unfused forward, 1 otherwise.
@@ -62,15 +62,15 @@ import torch
 from verl_fused_hook.ops import BACKEND_CHOICES
 from verl_fused_hook.switch import ENV_VAR
 
-from ..support.distributed import backend_for, run_in_processes
-from ..support.hf_model import TINY_QWEN2, config_folder
-from ..support.reports import write_json
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from ..support.verl_engine import prepare_verl_process
-from . import ab_bshd, ab_parallel, ab_thd
-from .ab_parity_mtp import run_mtp_parity
-from .ab_scenarios import (
-    DTYPES,
+from ...support.arguments import DTYPES, add_device_argument, known_names, resolve_device
+from ...support.distributed import backend_for, run_in_processes
+from ...support.hf_model import TINY_QWEN2, config_folder
+from ...support.reports import write_json
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from ...support.verl_engine import prepare_verl_process
+from . import bshd, parallel, thd
+from .mtp import run_mtp_parity
+from .scenarios import (
     ENV_VALUES,
     SCENARIOS,
     TP4_SCENARIOS,
@@ -94,9 +94,9 @@ def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):
     for scenario in scenarios:
         started = time.time()
         if setup.layout == "bshd":
-            results[scenario.name] = ab_bshd.run_bshd(scenario, mode, setup)
+            results[scenario.name] = bshd.run_bshd(scenario, mode, setup)
         else:
-            results.update(ab_thd.run_scenario(scenario, mode, setup))
+            results.update(thd.run_scenario(scenario, mode, setup))
         if rank == 0 and setup.verbose:
             layout = " bshd" if setup.layout == "bshd" else ""
             print(f"[{mode}] {scenario.name}{layout} done in {time.time() - started:.1f}s", flush=True)
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         "--backend", default=None, help="the hook's op backend (default: verl on CUDA, torch on CPU: legacy's own kernel)"
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: bf16 with --backend triton, else fp32)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu")
+    add_device_argument(parser)
     parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook_harness/configs/tiny_qwen2_kv4)")
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -132,14 +132,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: verl's train_batch through "
-                        "megatron's schedule, legacy vs hook vs verl's unfused path vs the unsplit model (ab_parallel.py)")
+                        "megatron's schedule, legacy vs hook vs verl's unfused path vs the unsplit model (ab/parallel.py)")
     parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline stage (interleaved schedule)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (data-parallel ranks = EP)")
     parser.add_argument("--moe-experts", type=int, default=0, metavar="N",
                         help="an MoE model with N experts, top-2 (default config: the shipped tiny Qwen3-MoE)")
     parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                         help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
-                             "(ab_parity_mtp.py); 0 (default): the legacy/hook comparison")
+                             "(ab/mtp.py); 0 (default): the legacy/hook comparison")
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     with UpstreamNotices(verbose=args.verbose):
@@ -153,9 +153,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.mtp_layers and args.layout == "bshd":
         parser.error("--mtp-layers: the MTP scenario runs on the packed layout; drop --layout bshd")
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    device = resolve_device(parser, args.device)
     backend = args.backend or ("verl" if device == "cuda" else "torch")
     if backend not in BACKEND_CHOICES:
         parser.error(f"--backend {backend!r}: allowed {', '.join(BACKEND_CHOICES)}")
@@ -171,10 +169,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     known = SCENARIOS + TP4_SCENARIOS
     scenarios = TP4_SCENARIOS if args.tp == 4 else SCENARIOS
     if args.scenarios:
-        wanted = set(args.scenarios.split(","))
-        unknown = wanted - {s.name for s in known}
-        if unknown:
-            parser.error(f"--scenarios: unknown {sorted(unknown)}; allowed: {', '.join(s.name for s in known)}")
+        wanted = known_names(parser, "--scenarios", args.scenarios, [s.name for s in known])
         scenarios = tuple(s for s in known if s.name in wanted)
     if args.tp is not None:
         scenarios = tuple(s for s in scenarios if s.tp == args.tp)
@@ -187,7 +182,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if too_big:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
-    if ab_parallel.parallel_flags_given(args):
+    if parallel.parallel_flags_given(args):
         return run_parallel(parser, args, device, backend, hf_path if args.hf_config else None)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout,
@@ -199,13 +194,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def run_parallel(parser, args, device: str, backend: str, hf_path: str | None) -> int:
     """The --pp/--vpp/--ep/--moe-experts comparison (fp32, one process or GPU a rank)."""
-    ab_parallel.check_parallel_args(parser, args, hf_path)
+    parallel.check_parallel_args(parser, args, hf_path)
     if args.dtype not in (None, "fp32"):
         parser.error("--pp/--vpp/--ep/--moe-experts run in fp32")
-    case = ab_parallel.parallel_case(args, hf_path, backend)
+    case = parallel.parallel_case(args, hf_path, backend)
     if device == "cuda" and case.world > torch.cuda.device_count():
         parser.error(f"{case.name}: needs {case.world} GPUs, {torch.cuda.device_count()} here")
-    return ab_parallel.run_parallel_parity(case, device, device == "cpu" or backend == "verl", args.json)
+    return parallel.run_parallel_parity(case, device, device == "cpu" or backend == "verl", args.json)
 
 
 def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path: str | None) -> int:
@@ -226,13 +221,13 @@ def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path:
     report = {"device": device, "backend": backend, "dtype": dtype, "one_kernel": setup.one_kernel,
               "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol, "layout": setup.layout}
     if setup.layout == "bshd":
-        report["scenarios"] = [ab_bshd.evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]
+        report["scenarios"] = [bshd.evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]
         report["match"] = all(entry["match"] for entry in report["scenarios"])
-        ab_bshd.print_bshd_report(report)
+        bshd.print_bshd_report(report)
     else:
-        report["scenarios"] = [ab_thd.evaluate(scenario, runs, setup.one_kernel, rtol) for scenario in scenarios]
+        report["scenarios"] = [thd.evaluate(scenario, runs, setup.one_kernel, rtol) for scenario in scenarios]
         report["match"] = all(entry["match"] for entry in report["scenarios"])
-        ab_thd.print_report(report)
+        thd.print_report(report)
     if json_path:
         write_json(report, json_path)
     return 0 if report["match"] else 1

@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..support.determinism import prepare_cublas_workspace
-from ..support.distributed import init_single_process
-from ..support.hf_model import build_gpt_from_hf, load_hf_config
-from ..support.memory import PeakMemory
-from ..support.micro_batches import TEMPERATURE
-from ..support.reports import device_name
-from ..support.verl_engine import prepare_verl_process
+from ...support.determinism import prepare_cublas_workspace
+from ...support.distributed import init_single_process
+from ...support.hf_model import build_gpt_from_hf, load_hf_config
+from ...support.memory import PeakMemory
+from ...support.micro_batches import TEMPERATURE
+from ...support.reports import device_name
+from ...support.verl_engine import prepare_verl_process
 
 # megatron's full activation recompute as verl's users set it (override_transformer_config): every layer's
 # activations are recomputed in backward, one layer per checkpoint.

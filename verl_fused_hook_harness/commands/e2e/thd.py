@@ -12,13 +12,13 @@ import contextlib
 
 from verl_fused_hook.verl_integration.forward_step import HookStep
 
-from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
-from ..support.compare import VALUES, differing_parameters, max_abs, worst_gradient
-from ..support.micro_batches import TEMPERATURE, grpo_loss, response_rows, response_values
-from ..support.modes import Mode
-from ..support.reports import gib, ms
-from ..support.verl_engine import build_step, fused_engine_forward
-from .e2e_setup import snapshot_gradients, spread
+from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
+from ...support.compare import VALUES, differing_parameters, max_abs, worst_gradient
+from ...support.micro_batches import TEMPERATURE, grpo_loss, response_rows, response_values
+from ...support.modes import Mode
+from ...support.reports import gib, ms
+from ...support.verl_engine import build_step, fused_engine_forward
+from .common import snapshot_gradients, spread
 
 MODES = (
     Mode("legacy", hook=False, kernel="verl"),

@@ -16,7 +16,7 @@ Per row: median fwd+bwd time and peak memory above the weights and batch, or
 OOM when the step ran out of device memory (recorded, not raised). Parity (hook
 vs verl, where verl ran) on the first step: log-probs, entropy, loss, the logged
 MTP loss, acceptance counts and every parameter gradient. Then one more step
-with `HeadMemoryProbe` (support/head_memory.py): the output layer's own extra
+with `HeadMemoryProbe` (head_memory.py): the output layer's own extra
 memory inside that real step (main head plus MTP heads, from the MTP loss call
 to the hidden states' gradient), beside the op's fp32 hidden-gradient
 accumulator and the issue's target (1.5 GiB plus that accumulator).
@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from ..support.compare import differing_parameters, error, worst_gradient
-from ..support.head_memory import HeadMemoryProbe
-from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, grpo_loss, response_rows, response_values
-from ..support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
-from ..support.reports import gib, ms, write_report
-from .e2e_setup import Clock, build_model, free_step_memory, model_fields, prepare_process, report_header, snapshot_gradients
+from ...support.compare import differing_parameters, error, worst_gradient
+from .head_memory import HeadMemoryProbe
+from ...support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, grpo_loss, response_rows, response_values
+from ...support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
+from ...support.reports import gib, ms, write_report
+from .common import Clock, build_model, free_step_memory, model_fields, prepare_process, report_header, snapshot_gradients
 
 SIDES = ("hook", "verl")  # hook first: verl's side may run out of memory
 

@@ -18,7 +18,7 @@ its backward. Modes:
 On CUDA verl's kernel is verl's Triton kernel and ours is the `triton`
 backend. On the CPU (to validate the flow; timings there mean nothing) neither
 Triton kernel can run: the legacy forward's kernel is swapped for the portable
-op and both kernels are the `torch` backend, as in the A/B script (ab_parity.py).
+op and both kernels are the `torch` backend, as in the A/B script (ab/parity.py).
 
 Per size and mode: median time and peak memory of forward+backward and of the
 no-grad forward (CUDA events / torch.cuda.max_memory_allocated; peak is above
@@ -35,7 +35,7 @@ hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
 `--layout bshd` runs verl's padded layout instead (engines with `use_remove_padding=False`, the same
 sequences right-padded to the longest): verl has no fused path there, so the reference is verl as it
 ships (switch unset: its build step turns fused kernels off and `forward_step` runs the unfused BSHD
-forward over full logits) against hook mode, which keeps fused kernels on (e2e_bshd.py). Every
+forward over full logits) against hook mode, which keeps fused kernels on (e2e/bshd.py). Every
 mode goes through verl's `forward_step`. A mode that runs out of device memory is reported as OOM.
 
 `--moe` benchmarks an MoE-shaped model (Qwen3-30B-A3B shapes, 2 layers, configs/qwen3_30b_a3b_2layer; EP=1):
@@ -46,9 +46,9 @@ Usage: verl-fused-hook e2e-bench [--hf-config PATH | --moe] [--sizes 16384,32768
                                  [--layers N] [--recompute] [--warmups W] [--repeats R] [--verbose]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
-(--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, e2e_bench_mtp.py;
+(--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, e2e/mtp.py;
  --fused-loss: the actor update through verl's forward_step with ppo_loss, output_processor_fused_loss off vs on,
- e2e_fused_loss.py)
+ e2e/fused_loss.py)
 """
 
 from __future__ import annotations
@@ -62,16 +62,17 @@ from pathlib import Path
 
 import torch
 
-from ..support.compare import max_abs
-from ..support.determinism import deterministic_steps
-from ..support.hf_model import QWEN3_30B_A3B_2LAYER, QWEN_7B_2LAYER, config_folder
-from ..support.micro_batches import e2e_rollout
-from ..support.modes import kernel_backends
-from ..support.reports import gib, ms, write_report
-from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
-from ..support.verl_engine import megatron_engine, reset_fused_mode
-from . import e2e_bench_mtp, e2e_bshd, e2e_fused_loss
-from .e2e_setup import (
+from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
+from ...support.compare import max_abs
+from ...support.determinism import deterministic_steps
+from ...support.hf_model import QWEN3_30B_A3B_2LAYER, QWEN_7B_2LAYER, config_folder
+from ...support.micro_batches import e2e_rollout
+from ...support.modes import kernel_backends
+from ...support.reports import gib, ms, write_report
+from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
+from ...support.verl_engine import megatron_engine, reset_fused_mode
+from . import bshd, fused_loss, mtp
+from .common import (
     Clock,
     Primed,
     build_model,
@@ -81,7 +82,7 @@ from .e2e_setup import (
     prepare_process,
     time_in_rounds,
 )
-from .e2e_thd import MODES, PARITY_KEY, REFERENCE, Step, compare_samples, enable_mode, markdown_table, parity_note, parity_sample
+from .thd import MODES, PARITY_KEY, REFERENCE, Step, compare_samples, enable_mode, markdown_table, parity_note, parity_sample
 
 
 def run(args) -> dict:
@@ -103,9 +104,9 @@ def run(args) -> dict:
             for mode in MODES
         }
     else:
-        all_modes, enable, step_class = e2e_bshd.BSHD_MODES, e2e_bshd.enable_bshd_mode, e2e_bshd.BshdStep
+        all_modes, enable, step_class = bshd.BSHD_MODES, bshd.enable_bshd_mode, bshd.BshdStep
         engines = {
-            mode.name: e2e_bshd.bshd_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
+            mode.name: bshd.bshd_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
             for mode in all_modes
         }
     reference_name, parity_key = REFERENCE[layout], PARITY_KEY[layout]
@@ -119,7 +120,7 @@ def run(args) -> dict:
         batch = e2e_rollout(hf_config.vocab_size, tokens, device, args.seed)
         entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
         if layout == "bshd":
-            entry["padded_tokens"] = e2e_bshd.padded_tokens(batch[4])
+            entry["padded_tokens"] = bshd.padded_tokens(batch[4])
         report["sizes"].append(entry)
         reference, primed = None, []
         for mode in modes:
@@ -227,13 +228,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--moe", action="store_true", help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
                         "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order")
+    add_device_argument(parser)
+    parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order, each once")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
     parser.add_argument("--layout", choices=("thd", "bshd"), default="thd",
                         help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
                         "verl as it ships (fused off, unfused forward) vs hook mode")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--warmups", type=int, default=2, help="forward+backward warm-ups per size and mode (>= 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
@@ -246,12 +247,12 @@ def main(argv=None) -> int:
     parser.add_argument("--mtp", type=int, default=0, metavar="N",
                         help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
-    parser.add_argument("--policy-loss", choices=("vanilla", "gspo", "sft"), default="vanilla",
+    parser.add_argument("--policy-loss", choices=fused_loss.POLICY_LOSSES, default="vanilla",
                         help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss "
                         "(an SFT step)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
-                        "off vs on (e2e_fused_loss.json/.md)")
+                        "off vs on (fused_loss.json/.md)")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="the model's layer count instead of the HF config's (e.g. 28: the Qwen2.5-7B-shaped "
                         "config at full depth)")
@@ -266,12 +267,10 @@ def main(argv=None) -> int:
 
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The checked arguments' benchmark: the layout's modes, `--mtp` or `--fused-loss`."""
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(parser, args.device)
     if args.cpu_init is None:
         args.cpu_init = args.device == "cpu"
-    args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
+    args.dtype = DTYPES[args.dtype or default_dtype(args.device)]
     if args.moe and args.hf_config is not None:
         parser.error("--moe: the MoE model is the shipped Qwen3-30B-A3B-shaped config; drop --hf-config (or give "
                      "an MoE config with --hf-config alone)")
@@ -280,23 +279,23 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except ValueError as error:
         parser.error(f"--hf-config: {error}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    repeated = sorted({size for size in args.sizes if args.sizes.count(size) > 1})
+    if repeated:  # each would be measured again and reported as more rows (and reruns) at that size
+        parser.error(f"--sizes: {repeated} given more than once; each size is measured and reported once")
     if args.policy_loss != "vanilla" and not args.fused_loss:
         parser.error("--policy-loss: only with --fused-loss")
     if args.fused_loss and (args.mtp or args.layout == "bshd"):
         parser.error("--fused-loss runs on the packed layout without MTP; drop --mtp / --layout bshd")
     if args.fused_loss:
-        layout_modes = e2e_fused_loss.LOSS_MODES
+        layout_modes = fused_loss.LOSS_MODES
     elif args.layout == "bshd":
-        layout_modes = e2e_bshd.BSHD_MODES
+        layout_modes = bshd.BSHD_MODES
     else:
         layout_modes = MODES
-    args.modes = set(args.modes.split(",")) if args.modes else {m.name for m in layout_modes}
-    unknown = args.modes - {m.name for m in layout_modes}
-    if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; allowed with "
-                     f"{'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}: "
-                     f"{', '.join(m.name for m in layout_modes)}")
-    reference = e2e_fused_loss.TWO_PASS if args.fused_loss else REFERENCE[args.layout]
+    where = f" with {'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}"
+    names = [m.name for m in layout_modes]
+    args.modes = set(known_names(parser, "--modes", args.modes, names, where) if args.modes else names)
+    reference = fused_loss.TWO_PASS if args.fused_loss else REFERENCE[args.layout]
     if reference not in args.modes:
         parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")
     if args.mtp < 0 or args.vocab_size < 1:
@@ -309,9 +308,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error(f"--layers: expected >= 1, got {args.layers}")
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
     if args.mtp:
-        print(e2e_bench_mtp.markdown_table(e2e_bench_mtp.run_mtp(args)))
+        print(mtp.markdown_table(mtp.run_mtp(args)))
     elif args.fused_loss:
-        print(e2e_fused_loss.markdown_table(e2e_fused_loss.run_fused_loss(args)))
+        print(fused_loss.markdown_table(fused_loss.run_fused_loss(args)))
     else:
         report = run(args)
         print()

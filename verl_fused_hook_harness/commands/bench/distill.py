@@ -23,6 +23,9 @@ import torch
 
 from verl_fused_hook.ops import token_log_probs
 
+from ...support.compare import relative_scalar
+from ...support.reference import relative_error
+
 # verl's DistillationLossConfig.log_prob_min_clamp default.
 LOG_PROB_MIN_CLAMP = -10.0
 
@@ -80,7 +83,7 @@ def _megatron_tp1(device: str) -> None:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        from ..support.distributed import init_single_process
+        from ...support.distributed import init_single_process
 
         init_single_process(device, seed=0)
 
@@ -149,13 +152,12 @@ def kl_accuracy(fn, k: int, clamp: float | None, hidden, weight, labels, tempera
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     loss = fn(h, w, labels, temperature, None)
     dh, dw = torch.autograd.grad(loss, (h, w))
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     return {
         "log_prob_max_err": None,
         "entropy_max_err": None,
-        "loss_rel_err": abs(loss.item() - want.item()) / abs(want.item()),
-        "d_hidden_rel_err": rel(dh, want_dh),
-        "d_weight_rel_err": rel(dw, want_dw),
+        "loss_rel_err": relative_scalar(want.item(), loss.item()),
+        "d_hidden_rel_err": relative_error(dh, want_dh),
+        "d_weight_rel_err": relative_error(dw, want_dw),
     }
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..support.parallel_compare import worst_errors
-from ..support.parallel_engine import HOOK, LEGACY, REFERENCE, UNFUSED, CaseRun, ParallelCase, run_launch
-from ..support.reports import write_json
-from .ab_scenarios import TWO_KERNEL_GRAD_RTOL, TWO_KERNEL_VALUE_TOL, UNFUSED_RTOL, UNFUSED_RTOL_CUDA
+from ...support.parallel_compare import worst_errors
+from ...support.parallel_engine import HOOK, LEGACY, REFERENCE, UNFUSED, CaseRun, ParallelCase, run_launch
+from ...support.reports import write_json
+from .scenarios import TWO_KERNEL_GRAD_RTOL, TWO_KERNEL_VALUE_TOL, UNFUSED_RTOL, UNFUSED_RTOL_CUDA
 
 SPLIT_RTOL = 1e-5  # fp32: the pipeline and expert split change no arithmetic (measured 0 dense, 1e-6 with EP)
 QUANTITIES = ("losses", "metrics", "log_probs", "entropy", "grads")

@@ -1,5 +1,5 @@
 """The methods the op benchmark times: this package's op (each backend), full logits, verl's kernel and the
-peers users pick instead (Liger-Kernel, cut-cross-entropy), and the policy-loss methods (bench_loss.py).
+peers users pick instead (Liger-Kernel, cut-cross-entropy), and the policy-loss methods (policy_loss.py).
 
 Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None), or a scalar
 loss for the loss methods (marked `fn.returns_loss`). A peer that is not installed is skipped with a line.
@@ -14,8 +14,8 @@ import torch
 
 from verl_fused_hook.ops import log_probs_and_entropy
 
-from ..stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
-from . import bench_distill, bench_liger, bench_loss
+from ...stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
+from . import distill, liger_hopper, policy_loss
 
 ALL_METHODS = (
     "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
@@ -112,14 +112,14 @@ def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
         "naive": lambda: naive,
         "verl": lambda: verl_kernel(verl_kernel_dir),
         "liger": liger,
-        "liger_sm90": bench_liger.liger_sm90,
-        "liger_tp_native": lambda: bench_liger.liger_tp_native(shapes),
+        "liger_sm90": liger_hopper.liger_sm90,
+        "liger_tp_native": lambda: liger_hopper.liger_tp_native(shapes),
         "cce": cut_cross_entropy,
-        "fused_loss": bench_loss.fused_loss_method,
-        "verl_loss": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
-        "fused_loss_gspo": lambda: bench_loss.fused_loss_method("gspo"),
-        "verl_loss_gspo": lambda: bench_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
-        **bench_distill.loaders(topk),
+        "fused_loss": policy_loss.fused_loss_method,
+        "verl_loss": lambda: policy_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
+        "fused_loss_gspo": lambda: policy_loss.fused_loss_method("gspo"),
+        "verl_loss_gspo": lambda: policy_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
+        **distill.loaders(topk),
     }
     methods = {}
     for name in names:

@@ -20,6 +20,9 @@ from verl_fused_hook.ops import log_probs_entropy_and_loss
 from verl_fused_hook.verl_integration.loss_support import ppo_loss_name
 from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
+from ...support.compare import relative_scalar
+from ...support.reference import relative_error
+
 SEQUENCE_TOKENS = 2048
 
 
@@ -133,11 +136,10 @@ def loss_accuracy(fn, hidden, weight, labels, temperature) -> dict:
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     loss = fn(h, w, labels, temperature, None)
     dh, dw = torch.autograd.grad(loss, (h, w))
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     return {
         "log_prob_max_err": None,
         "entropy_max_err": None,
-        "loss_rel_err": abs(loss.item() - want_loss.item()) / abs(want_loss.item()),
-        "d_hidden_rel_err": rel(dh, want_dh),
-        "d_weight_rel_err": rel(dw, want_dw),
+        "loss_rel_err": relative_scalar(want_loss.item(), loss.item()),
+        "d_hidden_rel_err": relative_error(dh, want_dh),
+        "d_weight_rel_err": relative_error(dw, want_dw),
     }

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..support.nvml_readings import read_until_stopped
-from .bench_timing import event_ms
+from .nvml_readings import read_until_stopped
+from .timing import event_ms
 
 # Seconds between readings: ~12 per 60 ms step.
 SAMPLE_INTERVAL_S = 0.005
@@ -27,7 +27,7 @@ SAMPLE_INTERVAL_S = 0.005
 
 class ClockMeter:
     """A spawned process reads the SM clock (MHz) and power (W) every SAMPLE_INTERVAL_S with timestamps
-    (support/nvml_readings.py); the meter files each reading under the step whose time window holds it."""
+    (nvml_readings.py); the meter files each reading under the step whose time window holds it."""
 
     def __init__(self, uuid: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S):
         spawn = multiprocessing.get_context("spawn")
@@ -68,7 +68,7 @@ class ClockMeter:
             self._fetch()  # outside the window: the reading process's buffer stays short
 
     def clock(self, name: str | None, step: Callable[[], object]) -> float:
-        """A `bench_timing.time_in_rounds` clock: the step's CUDA-event time, its readings filed under `name`
+        """A `timing.time_in_rounds` clock: the step's CUDA-event time, its readings filed under `name`
         (the window closes after the closing synchronize, so it covers the GPU's whole run of the step); None
         (a warm-up) files nothing."""
         if name is None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from ..support.reports import pyplot
-from .bench_clocks import clocks_table
+from ...support.reports import pyplot
+from .clocks import clocks_table
 
 
 def _fmt(value, reference=None):

@@ -18,10 +18,10 @@ import contextlib
 
 import torch
 
-from ..support.memory import PeakMemory
-from ..support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
-from ..support.verl_engine import UNFUSED, build_step, megatron_engine
-from .ab_scenarios import ENV_VALUES, TABLE_HEADER, Scenario, Setup, build_model, compare_runs, comparison_row, gradients_of, peak_table, within
+from ...support.memory import PeakMemory
+from ...support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
+from ...support.verl_engine import UNFUSED, build_step, megatron_engine
+from .scenarios import ENV_VALUES, TABLE_HEADER, Scenario, Setup, build_model, compare_runs, comparison_row, gradients_of, peak_table, within
 
 REFERENCE = "verl"  # the switch unset: verl turns fused kernels off and runs its unfused BSHD forward
 RESOLVED = {"legacy": UNFUSED, "hook": "hook"}  # keys: the A/B script's modes

@@ -14,13 +14,13 @@ from dataclasses import asdict
 
 import torch
 
-from ..stand_ins.legacy_kernel_swap import legacy_kernel_with_tp_sum, portable_legacy_kernel_on_cpu
-from ..support.compare import VALUES
-from ..support.determinism import deterministic_steps
-from ..support.memory import PeakMemory
-from ..support.micro_batches import TEMPERATURE, ab_rollout, engine_inputs, grpo_loss
-from ..support.verl_engine import UNFUSED as UNFUSED_MODE, fused_engine_forward, megatron_engine, resolved_mode
-from .ab_scenarios import (
+from ...stand_ins.legacy_kernel_swap import legacy_kernel_with_tp_sum, portable_legacy_kernel_on_cpu
+from ...support.compare import VALUES
+from ...support.determinism import deterministic_steps
+from ...support.memory import PeakMemory
+from ...support.micro_batches import TEMPERATURE, ab_rollout, engine_inputs, grpo_loss
+from ...support.verl_engine import UNFUSED as UNFUSED_MODE, fused_engine_forward, megatron_engine, resolved_mode
+from .scenarios import (
     ENV_VALUES,
     RERUN,
     TP_GAP,
@@ -79,7 +79,7 @@ def unfused_forward(engine, model, input_ids):
 
 def run_once(scenario: Scenario, mode: str, setup: Setup, variant: str) -> dict:
     """One forward+backward of one scenario; variant "fused" (this process's mode), "tp-sum" or "unfused".
-    On CUDA deterministic (see ab_parity's docstring)."""
+    On CUDA deterministic (see parity.py's docstring)."""
     device = setup.device
     hf_config, model = build_model(scenario, setup)
     options = {"output_processor_backend": setup.backend} if mode == "hook" else {}

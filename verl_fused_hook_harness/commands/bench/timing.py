@@ -50,7 +50,7 @@ def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats:
     returned for a step that failed (it then leaves the rounds). Each timing (warm-ups too) runs the step `calls`
     times back to back and is divided by `calls`: the time per call. The first warm-up is timed: a step slower
     than SLOW_MS a call gets no other and at most three timed repeats. `clock(name, step)`: runs the step once
-    and returns its ms (default: CUDA events; bench_clocks.ClockMeter.clock also files the SM clock under the
+    and returns its ms (default: CUDA events; clocks.ClockMeter.clock also files the SM clock under the
     name); warm-ups pass name None, so nothing of a warm-up (a JIT compile with the GPU idle, say) is filed under
     the step."""
     if calls < 1:

@@ -1,13 +1,13 @@
 """`e2e-bench --fused-loss`: one actor update through verl's `forward_step` with `ppo_loss`, fused loss off against on.
 
-Why a separate module: e2e_bench's THD modes use their own GRPO-style loss on
+Why a separate module: e2e-bench's THD modes use their own GRPO-style loss on
 the engine forward's output; `output_processor_fused_loss` only acts inside
 verl's `MegatronEngineWithLMHead.forward_step` when its loss function is
 verl's `ppo_loss`. So every mode here goes the whole way verl's actor update
 does: the build step, `forward_step(batch, model, ppo_loss, postprocess)`,
 verl's postprocess (loss and metrics), then backward of the scaled loss.
 
-The batch is e2e_bench's (same sequences, THD), completed as verl's actor
+The batch is e2e-bench's (same sequences, THD), completed as verl's actor
 update hands it over: loss/response masks, per-sequence temperature, GRPO
 advantages per token, old and reference log-probs (the model's own log-probs
 from a forward-only `forward_step`, as verl's compute_log_prob gives them,
@@ -15,7 +15,7 @@ plus small fixed noise so ratios and the KL term are not trivially 1 and 0)
 and verl's global-batch info. The loss is a GRPO-like `ActorConfig`: vanilla
 clipped loss, token-mean, entropy bonus, low-var KL against the reference.
 Each mode's parity step and warm-ups run first; the timed steps then go in
-rounds over the modes (e2e_setup.time_in_rounds).
+rounds over the modes (common.time_in_rounds).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch
 from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
 from verl_fused_hook.verl_integration.loss_support import unsupported_reason
 
-from ..stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
-from ..support.compare import relative_scalar
-from ..support.determinism import deterministic_steps
-from ..support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, jagged, response_rows
-from ..support.modes import Mode, kernel_backends
-from ..support.reports import gib, ms, write_report
-from ..support.verl_engine import megatron_engine, reset_fused_mode
-from .e2e_setup import (
+from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
+from ...support.compare import relative_scalar
+from ...support.determinism import deterministic_steps
+from ...support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, jagged, response_rows
+from ...support.modes import Mode, kernel_backends
+from ...support.reports import gib, ms, write_report
+from ...support.verl_engine import megatron_engine, reset_fused_mode
+from .common import (
     Clock,
     Primed,
     build_model,
@@ -49,7 +49,7 @@ from .e2e_setup import (
     spread,
     time_in_rounds,
 )
-from .e2e_thd import compare_samples, enable_mode
+from .thd import compare_samples, enable_mode
 
 LOSS_MODES = (
     Mode("hook+ours+mask", hook=True, kernel="ours", score_mask=True),  # two-pass: log-probs, then ppo_loss
@@ -108,7 +108,7 @@ def loss_engine(model, mode: Mode, backend: str | None, hf_path: str):
 
 
 def enable_loss_mode(model, engine, mode: Mode) -> str:
-    """e2e_thd's build step, then a check that the plan fuses the loss exactly when the mode says so."""
+    """thd.py's build step, then a check that the plan fuses the loss exactly when the mode says so."""
     resolved = enable_mode(model, engine, mode)
     if mode.hook and plan_of(model).fused_loss != mode.fused_loss:
         raise RuntimeError(f"mode {mode.name}: the plan's fused_loss is {plan_of(model).fused_loss}, expected {mode.fused_loss}")
@@ -203,7 +203,7 @@ def loss_snapshot(step: LossStep, report: dict) -> dict:
 
 
 def compare_loss(reference: dict, other: dict) -> dict:
-    """e2e_thd's comparison (log-probs, entropy, loss max_abs, worst gradient) plus the loss's relative error
+    """thd.py's comparison (log-probs, entropy, loss max_abs, worst gradient) plus the loss's relative error
     and every metric verl reports: both values and the relative error, and the worst of them."""
     rows = compare_samples(reference, other)
     if reference["metrics"].keys() != other["metrics"].keys():
