@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.distributed import run_on_gloo
+from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
 
 TEMPERATURE = 0.7
@@ -135,7 +135,7 @@ def _values(metric) -> list[float]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_first_on_policy_step_has_ratio_exactly_one(dtype):
-    result = run_on_gloo(_on_policy_worker, 1, dtype)[0]
+    result = run_in_processes(_on_policy_worker, 1, dtype)[0]
     # log-probs per sequence: micro-batches of 1, 2 and all 6 sequences, and reordered in micro-batches of 3
     assert result["same_bits"] == {1: True, 2: True, 6: True} and result["reordered_same_bits"], result
     # the update (micro-batches of 3, loss inside the op) recomputes exactly the old log-probs (micro-batches of 2)
