@@ -212,7 +212,11 @@ def differences(want: dict, got: dict, *, rtol: float = RTOL, gradients_of_got_o
 
 def side_differences(name: str, side: str) -> list[str]:
     """Every rank's differences of `side` from verl's unfused path, prefixed by the rank."""
-    return [f"rank {rank}: {d}" for rank, sides in enumerate(case_results(name)) for d in differences(sides[UNFUSED], sides[side])]
+    return [
+        f"rank {rank}: {d}"
+        for rank, sides in enumerate(case_results(name))
+        for d in differences(sides[UNFUSED], sides[side])
+    ]
 
 
 def reference_differences(name: str) -> list[str]:

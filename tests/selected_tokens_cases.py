@@ -25,8 +25,22 @@ class Case:
     g_tokens: torch.Tensor  # [N, k]
 
 
-def make_case(n=37, h=24, padded=203, vocab=197, k=6, *, seed=0, per_row_temperature=True, masked=True,
-              extreme=False, tp=1, dtype=torch.float32, device="cpu", weight_scale=0.5) -> Case:
+def make_case(
+    n=37,
+    h=24,
+    padded=203,
+    vocab=197,
+    k=6,
+    *,
+    seed=0,
+    per_row_temperature=True,
+    masked=True,
+    extreme=False,
+    tp=1,
+    dtype=torch.float32,
+    device="cpu",
+    weight_scale=0.5,
+) -> Case:
     """Ids on every shard of `tp` (each row's first id on the last shard's first column, its second the same as
     its first: a duplicate), labels among the ids on some rows, every third row masked, ignore_index on row 1."""
     g = torch.Generator().manual_seed(seed)
@@ -48,9 +62,16 @@ def make_case(n=37, h=24, padded=203, vocab=197, k=6, *, seed=0, per_row_tempera
     score_mask = (torch.arange(n) % 3 != 2) if masked else None
     grads = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)
     moved = lambda t: t.to(device)  # noqa: E731
-    return Case(moved(hidden).to(dtype), moved(weight).to(dtype), moved(labels), moved(token_ids), vocab,
-                moved(temperature) if isinstance(temperature, torch.Tensor) else temperature,
-                None if score_mask is None else moved(score_mask), *(moved(t) for t in grads))
+    return Case(
+        moved(hidden).to(dtype),
+        moved(weight).to(dtype),
+        moved(labels),
+        moved(token_ids),
+        vocab,
+        moved(temperature) if isinstance(temperature, torch.Tensor) else temperature,
+        None if score_mask is None else moved(score_mask),
+        *(moved(t) for t in grads),
+    )
 
 
 def scored_rows(case: Case) -> torch.Tensor:
@@ -74,8 +95,14 @@ def reference(case: Case, top_k: int = 0) -> dict:
     spp = torch.where(active, (2 * log_softmax).exp().sum(1), 0.0)
     loss = (lp * case.g_lp.double()).sum() + (ent * case.g_ent.double()).sum() + (tok * case.g_tokens.double()).sum()
     loss.backward()
-    out = {"log_probs": lp.detach(), "entropy": ent.detach(), "token_log_probs": tok.detach(), "sum_pi_squared": spp.detach(),
-           "d_hidden": hd.grad, "d_weight": wd.grad}
+    out = {
+        "log_probs": lp.detach(),
+        "entropy": ent.detach(),
+        "token_log_probs": tok.detach(),
+        "sum_pi_squared": spp.detach(),
+        "d_hidden": hd.grad,
+        "d_weight": wd.grad,
+    }
     if top_k:
         values, ids = log_softmax.detach().topk(top_k, dim=1)
         out["top_ids"] = torch.where(row, ids, -1)
@@ -85,8 +112,11 @@ def reference(case: Case, top_k: int = 0) -> dict:
 
 def upstream_loss(out, case: Case) -> torch.Tensor:
     """The scalar whose gradient the reference takes, from the op's outputs."""
-    return ((out.log_probs * case.g_lp).sum() + (out.entropy * case.g_ent).sum()
-            + (out.token_log_probs * case.g_tokens).sum())
+    return (
+        (out.log_probs * case.g_lp).sum()
+        + (out.entropy * case.g_ent).sum()
+        + (out.token_log_probs * case.g_tokens).sum()
+    )
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""The A/B parity command (`verl-fused-hook ab-parity`), run as users run it: legacy (VERL_FUSED_USE_OP_HOOK=0) vs hook (=1), TP=1 and TP=2 on gloo."""
+"""The A/B parity command (`verl-fused-hook ab-parity`), run as users run it: legacy (VERL_FUSED_USE_OP_HOOK=0) vs
+hook (=1), TP=1 and TP=2 on gloo."""
 
 from __future__ import annotations
 
@@ -88,7 +89,11 @@ def test_hook_matches_verl_unfused_forward_everywhere(cpu_report):
 
 def test_tp_gap_is_reported_and_is_the_only_difference(cpu_report):
     report, _ = cpu_report
-    gaps = [entry for entry in report["scenarios"] if entry["scenario"]["tp"] == 2 and not entry["scenario"]["sequence_parallel"]]
+    gaps = [
+        entry
+        for entry in report["scenarios"]
+        if entry["scenario"]["tp"] == 2 and not entry["scenario"]["sequence_parallel"]
+    ]
     assert len(gaps) == 2
     for entry in gaps:
         assert entry["compared_against"] == "legacy+tp-sum"
@@ -153,10 +158,24 @@ def test_compare_reports_the_worst_parameter():
 
 def _synthetic_runs(value_error: float, grad_error: float, rerun_grad_error: float):
     """Legacy (with a rerun and its unfused reference) and hook results for one scenario, errors as given."""
-    base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
-            "grads": {"w": torch.full((3,), 2.0)}, "mode": None, "peak_bytes": 1}
-    shifted = lambda dv, dg: {**base, "log_probs": base["log_probs"] + dv, "entropy": base["entropy"] + dv,  # noqa: E731
-                              "policy_loss": base["policy_loss"] + dv, "grads": {"w": base["grads"]["w"] + dg}}
+    base = {
+        "log_probs": torch.full((4,), -3.0),
+        "entropy": torch.full((4,), 2.0),
+        "policy_loss": torch.ones(1),
+        "grads": {"w": torch.full((3,), 2.0)},
+        "mode": None,
+        "peak_bytes": 1,
+    }
+
+    def shifted(dv, dg):
+        return {
+            **base,
+            "log_probs": base["log_probs"] + dv,
+            "entropy": base["entropy"] + dv,
+            "policy_loss": base["policy_loss"] + dv,
+            "grads": {"w": base["grads"]["w"] + dg},
+        }
+
     name = "tp1/nosp/untied"
     legacy = {name: {**base, "mode": "legacy"}, f"{name}:legacy-rerun": shifted(0.0, rerun_grad_error)}
     hook = {name: {**shifted(value_error, grad_error), "mode": "hook"}, f"{name}:verl-unfused": base}

@@ -50,8 +50,10 @@ def test_vpp_moe_run_passes(tmp_path):
         (("--ep", "2", "--moe-experts", "3"), "--moe-experts: expected 0 (dense) or a multiple of --ep (2), got 3"),
         (("--pp", "2", "--layout", "bshd"), "compare on the packed layout without MTP"),
         (("--pp", "2", "--dtype", "bf16"), "--pp/--vpp/--ep/--moe-experts run in fp32"),
-        (("--pp", "4", "--vpp", "2", "--hf-config", "verl_fused_hook_harness/configs/tiny_qwen2"),
-         "the model's 2 layers do not split into 8 chunks"),
+        (
+            ("--pp", "4", "--vpp", "2", "--hf-config", "verl_fused_hook_harness/configs/tiny_qwen2"),
+            "the model's 2 layers do not split into 8 chunks",
+        ),
     ],
 )
 def test_refused_flag_combinations(args, message, capsys):

@@ -31,8 +31,9 @@ def _inputs(dtype: torch.dtype, rows: int = 600, seed: int = 0):
 
 
 def _probe_values(hidden, weight, labels, temperature, where: slice, **options):
-    log_probs, entropy = log_probs_and_entropy(hidden, weight, labels, temperature=temperature, vocab_size=VOCAB,
-                                               backend="torch", **options)
+    log_probs, entropy = log_probs_and_entropy(
+        hidden, weight, labels, temperature=temperature, vocab_size=VOCAB, backend="torch", **options
+    )
     return log_probs[where], entropy[where]
 
 
@@ -58,8 +59,9 @@ def test_a_rows_values_do_not_depend_on_its_batch(dtype):
             assert torch.equal(log_probs, alone[0]) and torch.equal(entropy, alone[1]), (count, name)
     other_rows = hidden[others].flip(0)  # other rows, other values
     swapped = torch.cat([other_rows[:50], hidden[:PROBE]]), torch.cat([labels[others][:50], labels[:PROBE]])
-    values = _probe_values(swapped[0], weight, swapped[1], torch.cat([temperature[others][:50], temperature[:PROBE]]),
-                           slice(-PROBE, None))
+    values = _probe_values(
+        swapped[0], weight, swapped[1], torch.cat([temperature[others][:50], temperature[:PROBE]]), slice(-PROBE, None)
+    )
     assert torch.equal(values[0], alone[0]) and torch.equal(values[1], alone[1])
 
 
@@ -70,8 +72,14 @@ def test_the_fused_loss_computes_the_same_values_as_the_two_pass_op(chunk_rows):
     hidden, weight, labels, temperature = _inputs(torch.float32, rows=300, seed=1)
     two_pass = _probe_values(hidden, weight, labels, temperature, slice(None))
     result = log_probs_entropy_and_loss(
-        hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), labels, temperature=temperature,
-        vocab_size=VOCAB, backend="torch", loss_fn=lambda lp, ent: ((lp - 0.1 * ent).sum(), {}), loss_name="lp",
+        hidden.clone().requires_grad_(True),
+        weight.clone().requires_grad_(True),
+        labels,
+        temperature=temperature,
+        vocab_size=VOCAB,
+        backend="torch",
+        loss_fn=lambda lp, ent: ((lp - 0.1 * ent).sum(), {}),
+        loss_name="lp",
         chunk_rows=chunk_rows,
     )
     assert torch.equal(result.log_probs, two_pass[0]) and torch.equal(result.entropy, two_pass[1])
@@ -95,8 +103,9 @@ def _tensor_parallel_probe(rank: int, world_size: int):
     shard = torch.cat([weight, weight.new_zeros(-V % world_size, H)]).chunk(world_size)[rank]
 
     def values(h, y, t, where):
-        lp, ent = log_probs_and_entropy(h, shard, y, temperature=t, vocab_size=VOCAB, tp_group=dist.group.WORLD,
-                                        backend="torch")
+        lp, ent = log_probs_and_entropy(
+            h, shard, y, temperature=t, vocab_size=VOCAB, tp_group=dist.group.WORLD, backend="torch"
+        )
         return [lp[where].tolist(), ent[where].tolist()]
 
     alone = values(hidden[:PROBE], labels[:PROBE], temperature[:PROBE], slice(None))

@@ -85,18 +85,26 @@ def test_without_nvml_the_meter_says_why_and_the_report_says_so(tmp_path):
     meter, why = ClockMeter.open()  # no NVIDIA driver here, and maybe no nvidia-ml-py
     assert meter is None
     assert "nvidia-ml-py" in why or "NVML" in why
-    results = {"methods": ["floor", "triton"], "shapes": [{"N": 8, "H": 4, "V": 16, "triton": {"fwd_bwd_ms": 2.0}}],
-               "temperature": 0.7, "clocks_not_recorded": why}
+    results = {
+        "methods": ["floor", "triton"],
+        "shapes": [{"N": 8, "H": 4, "V": 16, "triton": {"fwd_bwd_ms": 2.0}}],
+        "temperature": 0.7,
+        "clocks_not_recorded": why,
+    }
     assert f"SM clock and power not recorded: {why}." in markdown(results)
     assert clocks_table(results) == []
 
 
 def test_the_report_gives_each_methods_clock_power_and_cycles_against_the_floors():
-    row = {"N": 8192, "H": 4096, "V": 151936,
-           "floor": {"fwd_bwd_ms": 60.0, "sm_clock_mhz": 1500.0, "power_w": 690.0},
-           "triton": {"fwd_bwd_ms": 61.2, "sm_clock_mhz": 1470.0, "power_w": 691.0},
-           "liger_sm90": {"fwd_bwd_ms": 57.0, "sm_clock_mhz": 1600.0, "power_w": 694.0},
-           "verl": {"fwd_bwd_ms": "out of memory: ..."}}
+    row = {
+        "N": 8192,
+        "H": 4096,
+        "V": 151936,
+        "floor": {"fwd_bwd_ms": 60.0, "sm_clock_mhz": 1500.0, "power_w": 690.0},
+        "triton": {"fwd_bwd_ms": 61.2, "sm_clock_mhz": 1470.0, "power_w": 691.0},
+        "liger_sm90": {"fwd_bwd_ms": 57.0, "sm_clock_mhz": 1600.0, "power_w": 694.0},
+        "verl": {"fwd_bwd_ms": "out of memory: ..."},
+    }
     results = {"methods": ["floor", "triton", "liger_sm90", "verl"], "shapes": [row], "temperature": 0.7}
     table = "\n".join(clocks_table(results))
     assert "| N, H, V | floor | triton | liger_sm90 |" in table  # verl recorded no clock: not a column

@@ -1,4 +1,5 @@
-"""The bench's distillation methods (commands/bench/distill.py) at a tiny shape on the CPU: ours (portable backend), verl's
+"""The bench's distillation methods (commands/bench/distill.py) at a tiny shape on the CPU: ours (portable backend),
+verl's
 megatron path and verl's use_chunked_topk path give the same loss and gradients (fp32 inputs, so verl's logits are
 fp32 here: 1e-5 relative), each method's accuracy check runs, and the report names where a method ran out of memory.
 No timing."""
@@ -54,9 +55,19 @@ def test_overlap_metrics_match_verls_comparison():
 
 
 def test_report_says_where_a_method_ran_out_of_memory():
-    row = lambda n, verl: {"N": n, "H": 4096, "V": 151936, "kl_topk": {"fwd_bwd_ms": 10.0},  # noqa: E731
-                           "verl_kl_topk": {"fwd_bwd_ms": verl}}
-    results = {"methods": ["kl_topk", "verl_kl_topk"], "topk": 128, "shapes": [
-        row(16384, 12.0), row(65536, "out of memory: tried"), row(131072, "out of memory: tried")]}
+    def row(n, verl):
+        return {
+            "N": n,
+            "H": 4096,
+            "V": 151936,
+            "kl_topk": {"fwd_bwd_ms": 10.0},
+            "verl_kl_topk": {"fwd_bwd_ms": verl},
+        }
+
+    results = {
+        "methods": ["kl_topk", "verl_kl_topk"],
+        "topk": 128,
+        "shapes": [row(16384, 12.0), row(65536, "out of memory: tried"), row(131072, "out of memory: tried")],
+    }
     table = markdown(results)
     assert "- verl_kl_topk: OOM at N=65536, 131072" in table and "top-128" in table

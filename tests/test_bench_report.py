@@ -10,15 +10,26 @@ from verl_fused_hook_harness.commands.bench import op_bench as bench
 
 def _run(tmp_path):
     results = {
-        "device": "NVIDIA H200", "torch": "2.11", "command": "verl-fused-hook bench", "temperature": 0.7,
-        "methods": ["floor", "triton", "fused_loss", "verl_loss"], "held_gib": None,
-        "shapes": [{
-            "N": 8192, "H": 4096, "V": 151936,
-            "floor": {"gemm_ms": 14.0, "dx_ms": 14.5, "dw_ms": 14.5, "fwd_bwd_ms": 57.0, "fwd_bwd_3gemm_ms": 43.0},
-            "triton": {"fwd_bwd_ms": 61.0, "extra_gib": 0.25, "fwd_ms": 16.0},
-            "fused_loss": {"fwd_bwd_ms": "out of memory: CUDA out of memory. Tried to allocate 2.32 GiB.", "fwd_ms": 18.0},
-            "verl_loss": {"fwd_bwd_ms": 98.0, "extra_gib": 0.29, "fwd_ms": None},
-        }],
+        "device": "NVIDIA H200",
+        "torch": "2.11",
+        "command": "verl-fused-hook bench",
+        "temperature": 0.7,
+        "methods": ["floor", "triton", "fused_loss", "verl_loss"],
+        "held_gib": None,
+        "shapes": [
+            {
+                "N": 8192,
+                "H": 4096,
+                "V": 151936,
+                "floor": {"gemm_ms": 14.0, "dx_ms": 14.5, "dw_ms": 14.5, "fwd_bwd_ms": 57.0, "fwd_bwd_3gemm_ms": 43.0},
+                "triton": {"fwd_bwd_ms": 61.0, "extra_gib": 0.25, "fwd_ms": 16.0},
+                "fused_loss": {
+                    "fwd_bwd_ms": "out of memory: CUDA out of memory. Tried to allocate 2.32 GiB.",
+                    "fwd_ms": 18.0,
+                },
+                "verl_loss": {"fwd_bwd_ms": 98.0, "extra_gib": 0.29, "fwd_ms": None},
+            }
+        ],
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(results))
@@ -62,12 +73,20 @@ def test_chunk_plans_records_what_the_fused_loss_planned_and_restores_the_logger
     labels = torch.randint(0, 37, (300,), generator=g)
     with ChunkPlans() as plans:
         for _ in range(2):  # the same plan twice: recorded once
-            result = log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}),
-                                                loss_name="sum", backend="torch", chunk_rows=128)
+            result = log_probs_entropy_and_loss(
+                hidden,
+                weight,
+                labels,
+                loss_fn=lambda lp, ent: (lp.sum(), {}),
+                loss_name="sum",
+                backend="torch",
+                chunk_rows=128,
+            )
             result.loss.backward()
         lines = plans.take()
-    assert lines == ["log_probs_entropy_and_loss: loss sum: 300 scored rows in 3 chunks of up to 128 rows (set by "
-                     "chunk_rows=128)"]
+    assert lines == [
+        "log_probs_entropy_and_loss: loss sum: 300 scored rows in 3 chunks of up to 128 rows (set by chunk_rows=128)"
+    ]
     assert plans.take() == [] and chunking_logger.level == level and plans not in chunking_logger.handlers
 
 
@@ -117,12 +136,15 @@ def test_a_peer_limited_per_call_runs_as_calls_of_at_most_its_rows_with_the_same
 
 def test_the_report_says_which_methods_were_skipped_and_why(tmp_path, capsys):
     run = json.loads(_run(tmp_path).read_text())
-    run["skipped"] = {"liger_sm90": "its sm90 kernel cannot be imported (No module named 'cutlass'): pip install "
-                                    "nvidia-cutlass-dsl"}
+    run["skipped"] = {
+        "liger_sm90": "its sm90 kernel cannot be imported (No module named 'cutlass'): pip install nvidia-cutlass-dsl"
+    }
     path = tmp_path / "skipped.json"
     path.write_text(json.dumps(run))
     assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
-    assert "Skipped liger_sm90: its sm90 kernel cannot be imported (No module named 'cutlass')" in capsys.readouterr().out
+    assert (
+        "Skipped liger_sm90: its sm90 kernel cannot be imported (No module named 'cutlass')" in capsys.readouterr().out
+    )
 
 
 def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
@@ -139,6 +161,7 @@ def test_bench_times_the_methods_in_rounds_and_drops_a_failed_one():
             order.append(name)
             if name == "bad" and calls[name] == 3:
                 raise RuntimeError("refused")
+
         return run
 
     def clock(name, thunk):
@@ -174,6 +197,7 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
             calls[name] += 1
             if name == "late" and calls[name] == 2:
                 raise RuntimeError("out of room")
+
         return run
 
     def guard(name, thunk):
@@ -182,8 +206,9 @@ def test_bench_records_a_step_that_fails_in_a_later_warm_up():
         except RuntimeError as error:
             return f"RuntimeError: {error}"
 
-    result = time_in_rounds({n: step(n) for n in calls}, warmup=3, repeats=4, guard=guard,
-                            clock=lambda name, thunk: (thunk(), 2.0)[1])
+    result = time_in_rounds(
+        {n: step(n) for n in calls}, warmup=3, repeats=4, guard=guard, clock=lambda name, thunk: (thunk(), 2.0)[1]
+    )
     assert result == {"ok": 2.0, "late": "RuntimeError: out of room"}
     assert calls == {"ok": 7, "late": 2}
 
@@ -199,6 +224,7 @@ def test_bench_times_back_to_back_calls_and_reports_the_time_per_call():
     def step(name):
         def run():
             runs[name] += 1
+
         return run
 
     def clock(name, thunk):  # the timing of one thunk: what it ran, at per_run_ms a run
@@ -206,8 +232,9 @@ def test_bench_times_back_to_back_calls_and_reports_the_time_per_call():
         thunk()
         return sum((runs[n] - before[n]) * per_run_ms[n] for n in runs)
 
-    result = time_in_rounds({n: step(n) for n in runs}, warmup=2, repeats=5, guard=lambda name, thunk: thunk(),
-                            clock=clock, calls=3)
+    result = time_in_rounds(
+        {n: step(n) for n in runs}, warmup=2, repeats=5, guard=lambda name, thunk: thunk(), clock=clock, calls=3
+    )
     assert result == {"fast": 10.0, "slow": SLOW_MS / 2}
     assert runs == {"fast": 3 * (2 + 5), "slow": 3 * (2 + 5)}  # per call under SLOW_MS: every warm-up and repeat
     with pytest.raises(ValueError, match="calls: must be >= 1, got 0"):

@@ -1,4 +1,5 @@
-"""Hook mode on verl's padded (BSHD) layout (`use_remove_padding=False`), real verl 0.9.1 and megatron-core 0.19.2 on the CPU.
+"""Hook mode on verl's padded (BSHD) layout (`use_remove_padding=False`), real verl 0.9.1 and megatron-core 0.19.2 on
+the CPU.
 
 The reference is verl's own unfused BSHD path: `MegatronEngineWithLMHead.forward_step`
 with fused kernels off runs `gptmodel_forward_model_engine(data_format="bshd")` and
@@ -16,12 +17,12 @@ import os
 
 import pytest
 import torch
+from output_rows import OutputWeightRows
 
 from verl_fused_hook.switch import ENV_VAR
-from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from output_rows import OutputWeightRows
-from verl_fused_hook_harness.support.verl_engine import megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
 VOCAB = 192  # no other layer of the tiny model has 192 output features, so output-weight matmuls are countable
 TEMPERATURES = (0.7, 1.0, 0.5)
@@ -35,7 +36,6 @@ RELATIVE = 1e-5  # fp32: max |hook - verl| <= 1e-5 * max |verl|, per tensor
 install()
 import verl.workers.engine.megatron.transformer_impl as transformer_impl  # noqa: E402  (fires install's gate)
 from verl.models.mcore import model_forward_fused  # noqa: E402
-
 
 # ---------------------------------------------------------------- helpers (module level: gloo workers import them)
 
@@ -70,8 +70,6 @@ def padded_rl_batch(padding: str, temperatures=TEMPERATURES, seed: int = 0):
     return left_right_2_no_padding(data)
 
 
-
-
 def forward_step(engine, model, batch, loss_function=None):
     output, _ = engine.forward_step(iter([batch]), model, loss_function, lambda output, **_: output)
     return output
@@ -93,7 +91,9 @@ def bshd_engine(mode: str, sequence_parallel: bool = False):
         engine = megatron_engine([model], use_fused_kernels=False, use_remove_padding=False)
     else:
         os.environ[ENV_VAR] = "1"
-        engine = megatron_engine([model], fused_kernel_options={"output_processor_backend": "torch"}, use_remove_padding=False)
+        engine = megatron_engine(
+            [model], fused_kernel_options={"output_processor_backend": "torch"}, use_remove_padding=False
+        )
     engine._maybe_enable_fused_kernels()
     return engine, model
 
@@ -236,8 +236,10 @@ def test_mixed_temperatures_matter_and_match_uniform_runs():
             uniform = forward_step(engine, model, batch)
             for key in ("log_probs", "entropy"):
                 torch.testing.assert_close(
-                    no_padding_2_padding(mixed[key], batch)[index], no_padding_2_padding(uniform[key], batch)[index],
-                    rtol=0, atol=1e-6,
+                    no_padding_2_padding(mixed[key], batch)[index],
+                    no_padding_2_padding(uniform[key], batch)[index],
+                    rtol=0,
+                    atol=1e-6,
                 )
         at_one = forward_step(engine, model, padded_rl_batch("both", temperatures=(1.0,) * 3))
     assert not torch.allclose(mixed["log_probs"][0], at_one["log_probs"][0])
@@ -272,8 +274,12 @@ def test_thd_engine_still_takes_the_thd_forward():
     with torch.no_grad():
         packed = forward_step(engine, model, batch)
         padded = forward_step(bshd, bshd_model, padded_rl_batch("both"))
-    torch.testing.assert_close(no_padding_2_padding(packed["log_probs"], batch), no_padding_2_padding(padded["log_probs"], batch),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        no_padding_2_padding(packed["log_probs"], batch),
+        no_padding_2_padding(padded["log_probs"], batch),
+        rtol=0,
+        atol=1e-5,
+    )
 
 
 def test_bshd_forward_refuses_thd_only_inputs():
@@ -291,7 +297,8 @@ def test_bshd_forward_refuses_thd_only_inputs():
         forward(model, input_ids, input_ids.clone(), {}, 1.0, True, 0, local_cp_size=2, step=padded)
 
 
-# ---------------------------------------------------------------- the build step (verl's real _maybe_enable_fused_kernels)
+# ---------------------------------------------------------------- the build step (verl's real
+# _maybe_enable_fused_kernels)
 
 
 def test_hook_mode_keeps_fused_kernels_on_without_remove_padding(caplog):
@@ -406,16 +413,35 @@ def test_ab_parity_bshd_layout_runs_as_users_run_it(tmp_path):
     path = tmp_path / "ab_bshd.json"
     scenarios = "tp1/nosp/tied,tp2/nosp/untied,tp2/sp/untied"
     done = subprocess.run(
-        [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cpu", "--layout", "bshd",
-         "--scenarios", scenarios, "--json", str(path)],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "verl_fused_hook_harness.cli",
+            "ab-parity",
+            "--device",
+            "cpu",
+            "--layout",
+            "bshd",
+            "--scenarios",
+            scenarios,
+            "--json",
+            str(path),
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(path.read_text())
     assert report["layout"] == "bshd" and report["match"] is True
     assert {entry["scenario"]["name"] for entry in report["scenarios"]} == set(scenarios.split(","))
     for entry in report["scenarios"]:
-        assert entry["modes_resolved"] == {"legacy": "unfused", "hook": "hook"}  # verl turned fused off; hook kept it on
+        assert entry["modes_resolved"] == {
+            "legacy": "unfused",
+            "hook": "hook",
+        }  # verl turned fused off; hook kept it on
         for tensor in ("log_probs", "entropy", "policy_loss", "grads"):
             assert entry["vs_unfused_rel"]["hook"][tensor] <= 1e-5, (entry["scenario"]["name"], tensor)
     assert "fused kernels kept on with use_remove_padding=False" in done.stderr + done.stdout
@@ -426,8 +452,13 @@ def test_ab_bshd_evaluation_flags_mismatches():
     from verl_fused_hook_harness.commands.ab import parity as ab_parity
     from verl_fused_hook_harness.commands.ab.bshd import evaluate_bshd
 
-    base = {"log_probs": torch.full((4,), -3.0), "entropy": torch.full((4,), 2.0), "policy_loss": torch.ones(1),
-            "grads": {"w": torch.full((3,), 2.0)}, "peak_bytes": 1}
+    base = {
+        "log_probs": torch.full((4,), -3.0),
+        "entropy": torch.full((4,), 2.0),
+        "policy_loss": torch.ones(1),
+        "grads": {"w": torch.full((3,), 2.0)},
+        "peak_bytes": 1,
+    }
     name = "tp1/nosp/untied"
     scenario = ab_parity.Scenario(1, False, False)
 
@@ -450,9 +481,31 @@ def test_e2e_bench_bshd_layout_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     config = root / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
     done = subprocess.run(
-        [sys.executable, "-m", "verl_fused_hook_harness.cli", "e2e-bench", "--device", "cpu", "--hf-config", str(config),
-         "--layout", "bshd", "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(tmp_path)],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "verl_fused_hook_harness.cli",
+            "e2e-bench",
+            "--device",
+            "cpu",
+            "--hf-config",
+            str(config),
+            "--layout",
+            "bshd",
+            "--sizes",
+            "256",
+            "--warmups",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "e2e.json").read_text())
@@ -460,7 +513,9 @@ def test_e2e_bench_bshd_layout_on_the_cpu(tmp_path):
     assert report["layout"] == "bshd" and size["padded_tokens"] > size["tokens"]
     rows = {row["mode"]: row for row in size["modes"]}
     assert {name: row["resolved"] for name, row in rows.items()} == {
-        "verl-unfused": "unfused", "hook+verl": "hook", "hook+ours+mask": "hook"
+        "verl-unfused": "unfused",
+        "hook+verl": "hook",
+        "hook+ours+mask": "hook",
     }
     for name in ("hook+verl", "hook+ours+mask"):
         parity = rows[name]["vs_verl_unfused"]

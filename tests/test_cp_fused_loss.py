@@ -14,8 +14,8 @@ fused under CP: the two-pass path, the same numbers.
 from __future__ import annotations
 
 import pytest
-
 from parallel_cases import CASES, case_results, side_differences
+
 from verl_fused_hook_harness.support.parallel_engine import HOOK, HOOK_FUSED_LOSS, HOOK_NO_MASK
 
 FUSED_CASES = ("cp2", "cp2_seq_mean", "cp2_dppo_tv", "tp2_cp2", "pp2_cp2")

@@ -15,7 +15,11 @@ from verl_fused_hook_harness.support.distributed import run_in_processes
 
 
 def switch_worker(rank, world_size):
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import (
+        build_cpu_gpt,
+        init_model_parallel,
+        tiny_transformer_config,
+    )
 
     init_model_parallel(1)
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=128)

@@ -23,7 +23,7 @@ SECTION = "### Example: GRPO with the Megatron engine"
 def docs_command() -> tuple[dict[str, str], list[str]]:
     """(environment prefix, arguments after `python3 -m verl.trainer.main_ppo`) of the docs' GRPO command."""
     text = USAGE.read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index(SECTION):], re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", text[text.index(SECTION) :], re.S).group(1)
     words = shlex.split(block.replace("\\\n", " "))
     module = words.index("verl.trainer.main_ppo")
     assert words[module - 2 : module] == ["python3", "-m"], words[: module + 1]
@@ -32,9 +32,8 @@ def docs_command() -> tuple[dict[str, str], list[str]]:
 
 
 def test_docs_grpo_command_passes_verls_validate_config(monkeypatch):
-    from hydra import compose, initialize_config_dir
-
     import verl.trainer.main_ppo as main_ppo
+    from hydra import compose, initialize_config_dir
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 

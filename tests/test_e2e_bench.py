@@ -23,17 +23,35 @@ def _cells(line: str) -> list[str]:
 def _bench_worker(rank, world_size, out, *extra):
     from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
-    return e2e_bench.main([
-        "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
-        "--modes", "legacy,hook+ours", "--sizes", "128", "--warmups", "1", "--repeats", "1", "--out", str(out), *extra,
-    ])
+    return e2e_bench.main(
+        [
+            "--device",
+            "cpu",
+            "--hf-config",
+            str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
+            "--modes",
+            "legacy,hook+ours",
+            "--sizes",
+            "128",
+            "--warmups",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
     assert run_in_processes(_bench_worker, 1, tmp_path, "--layers", "3", "--recompute")[0] == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["model"] == {  # the tiny config has 2 layers and no recompute
-        "num_layers": 3, "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+        "num_layers": 3,
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
     }
     (size,) = report["sizes"]
     rows = {row["mode"]: row for row in size["modes"]}
@@ -43,10 +61,16 @@ def test_layers_and_recompute_reach_the_model_and_the_run_completes(tmp_path):
 
 
 def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_written(tmp_path):
-    assert run_in_processes(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
+    assert (
+        run_in_processes(_bench_worker, 1, tmp_path, "--repeats", "2", "--profile", str(tmp_path / "profile"))[0] == 0
+    )
     report = json.loads((tmp_path / "e2e.json").read_text())
-    assert report["model"] == {"num_layers": 2, "recompute_granularity": None, "recompute_method": None,
-                               "recompute_num_layers": None}
+    assert report["model"] == {
+        "num_layers": 2,
+        "recompute_granularity": None,
+        "recompute_method": None,
+        "recompute_num_layers": None,
+    }
     for row in report["sizes"][0]["modes"]:  # every repeat kept: the noise is stated, not only the median
         assert len(row["train_times_s"]) == len(row["forward_times_s"]) == 2
         text = (tmp_path / "profile" / f"profile_128_{row['mode']}.txt").read_text()
@@ -81,11 +105,21 @@ def test_the_table_reports_each_mode_once_per_size_with_its_rounds_numbers():
     from verl_fused_hook_harness.commands.e2e.common import Clock, Primed, time_in_rounds
     from verl_fused_hook_harness.commands.e2e.thd import MODES, PARITY_KEY, markdown_table
 
-    parity = {"log_probs": 1.91e-06, "entropy": 2.86e-06, "policy_loss": 0.0, "grads_max_abs": 0.000427, "grads_rel": 0.012}
+    parity = {
+        "log_probs": 1.91e-06,
+        "entropy": 2.86e-06,
+        "policy_loss": 0.0,
+        "grads_max_abs": 0.000427,
+        "grads_rel": 0.012,
+    }
     report, sizes = {"layout": "thd", "sizes": []}, (128, 256)
     for tokens in sizes:
-        entry = {"tokens": tokens, "sequence_lengths": [tokens // 8] * 8, "modes": [],
-                 "legacy_rerun": dict.fromkeys(parity, 0.0)}
+        entry = {
+            "tokens": tokens,
+            "sequence_lengths": [tokens // 8] * 8,
+            "modes": [],
+            "legacy_rerun": dict.fromkeys(parity, 0.0),
+        }
         report["sizes"].append(entry)
         primed = []
         for index, mode in enumerate(MODES):
@@ -145,12 +179,28 @@ def test_timed_repeats_run_in_rounds_over_the_modes():
 
         return wrapped
 
-    primed = [Primed(f"step {name}", {"mode": name}, lambda name=name: modes_set.append(name),
-                     {"train": work(name, "train"), "forward": no_grad(work(name, "forward"))}) for name in ("a", "b")]
+    primed = [
+        Primed(
+            f"step {name}",
+            {"mode": name},
+            lambda name=name: modes_set.append(name),
+            {"train": work(name, "train"), "forward": no_grad(work(name, "forward"))},
+        )
+        for name in ("a", "b")
+    ]
     prepared = []
-    time_in_rounds(primed, Clock("cpu"), 3, {"train": lambda: prepared.append(1), "forward": None}, None,
-                   ("calls", lambda: counter[0]))
-    assert calls == [("a", "train", True), ("b", "train", True)] * 3 + [("a", "forward", False), ("b", "forward", False)] * 3
+    time_in_rounds(
+        primed,
+        Clock("cpu"),
+        3,
+        {"train": lambda: prepared.append(1), "forward": None},
+        None,
+        ("calls", lambda: counter[0]),
+    )
+    assert (
+        calls
+        == [("a", "train", True), ("b", "train", True)] * 3 + [("a", "forward", False), ("b", "forward", False)] * 3
+    )
     assert modes_set == ["a", "b"] * 6  # each timed step runs in its own mode
     assert len(prepared) == 6  # before each timed training step only
     assert [p.row["calls"] for p in primed] == [0, 6]

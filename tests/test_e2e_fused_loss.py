@@ -1,5 +1,6 @@
 """`e2e-bench --fused-loss` on the CPU (timings there mean nothing): both modes go through verl's forward_step
-with ppo_loss, the fused mode really runs ppo_loss inside the op (the plugin's count), and loss, every metric verl reports and
+with ppo_loss, the fused mode really runs ppo_loss inside the op (the plugin's count), and loss, every metric verl
+reports and
 every parameter gradient agree with the two-pass path within fp32 tolerance (1e-5 relative)."""
 
 from __future__ import annotations
@@ -19,11 +20,27 @@ def _bench_worker(rank, world_size, out, policy_loss="vanilla"):
     """The benchmark in a fresh process."""
     from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
 
-    return e2e_bench.main([
-        "--fused-loss", "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
-        "--modes", "hook+ours+mask,hook+ours+fused-loss", "--sizes", "128", "--warmups", "1", "--repeats", "1",
-        "--out", str(out), "--policy-loss", policy_loss,
-    ])
+    return e2e_bench.main(
+        [
+            "--fused-loss",
+            "--device",
+            "cpu",
+            "--hf-config",
+            str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
+            "--modes",
+            "hook+ours+mask,hook+ours+fused-loss",
+            "--sizes",
+            "128",
+            "--warmups",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--policy-loss",
+            policy_loss,
+        ]
+    )
 
 
 def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
@@ -36,11 +53,15 @@ def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
     assert list(rows) == ["hook+ours+mask", "hook+ours+fused-loss"]
     # the plugin's own count: ppo_loss ran inside the op on the parity step and the timed step, in the fused mode only
     assert rows["hook+ours+fused-loss"]["fused_loss_calls"] == 2 and rows["hook+ours+mask"]["fused_loss_calls"] == 0
-    assert all(row["resolved"] == "hook" and row["train_s"] > 0 and row["train_peak_bytes"] > 0 for row in rows.values())
+    assert all(
+        row["resolved"] == "hook" and row["train_s"] > 0 and row["train_peak_bytes"] > 0 for row in rows.values()
+    )
     parity = rows["hook+ours+fused-loss"][PARITY_KEY]
     assert parity["loss"] == pytest.approx(parity["loss_reference"], rel=RTOL) and parity["loss_reference"] != 0
     # what ppo_loss reports with the entropy bonus and the KL loss: all present, all equal
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy_loss", "kl_loss"} <= set(parity["metrics"])
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy_loss", "kl_loss"} <= set(
+        parity["metrics"]
+    )
     for key, values in parity["metrics"].items():
         assert values["value"] == pytest.approx(values["reference"], rel=RTOL, abs=1e-7), key
     assert parity["metrics"]["actor/pg_clipfrac"]["reference"] > 0  # the clip is exercised

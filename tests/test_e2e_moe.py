@@ -46,8 +46,15 @@ def test_moe_model_runs_every_mode_and_the_moe_config_has_qwen3_30b_a3b_shapes(t
         parity = rows[mode]["vs_legacy"]
         assert parity["log_probs"] == parity["entropy"] == parity["policy_loss"] == parity["grads_max_abs"] == 0.0
         assert parity["worst_param"] is None  # every gradient identical, the experts' and router's included
-    assert shapes == {"hidden_size": 2048, "num_layers": 2, "num_moe_experts": 128, "moe_router_topk": 8,
-                      "moe_ffn_hidden_size": 768, "moe_grouped_gemm": False, "vocab_size": 151936}
+    assert shapes == {
+        "hidden_size": 2048,
+        "num_layers": 2,
+        "num_moe_experts": 128,
+        "moe_router_topk": 8,
+        "moe_ffn_hidden_size": 768,
+        "moe_grouped_gemm": False,
+        "vocab_size": 151936,
+    }
 
 
 def test_moe_option_takes_no_other_config(capsys):

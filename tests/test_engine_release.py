@@ -8,7 +8,8 @@ actor update through `train_batch`), then a release, in rounds:
 - "verl": what train-parity's `_release` does (engine.module/optimizer/lr_scheduler/checkpoint manager = None,
   gc.collect()), measured while the engines are still referenced (as in `_run_steps`) and after they are dropped
   and collected; fp32 (the CPU default) and bf16 (the GPU default);
-- "recipe": `support.train_engine.release_engines` (train-parity's release), which also clears what verl's `register_megatron_training_hooks` put on
+- "recipe": `support.train_engine.release_engines` (train-parity's release), which also clears what verl's
+`register_megatron_training_hooks` put on
   the model's TransformerConfig (`grad_scale_func` = the optimizer's bound `scale_loss`, ...);
 - hook setup only, "recipe+leak": the recipe with a plugin-like global injected (`call_sites.set_plan` also
   appends each model to a module-level list): proof that the comparison below catches a plugin reference.
@@ -49,6 +50,7 @@ SETUPS = {
 MORE_SETUPS = {"installed": (None, {}), "legacy": ("0", {})}  # plugin installed with the switch unset; legacy
 ROUNDS = (("float32", "verl"), ("float32", "recipe"), ("bfloat16", "verl"), ("bfloat16", "recipe"))
 LEAK_ROUND = ("float32", "recipe+leak")
+
 
 def verl_release(*engines) -> None:
     """What train-parity's release did before release_engines: drop the engine's attributes, collect."""
@@ -219,7 +221,6 @@ def worker(setup: str) -> dict:
 
         install()  # what verl's entry point (or train-parity's _prepare_process) does
     import torch
-
     import verl.models.mcore.model_forward_fused as verl_fused
 
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
 from verl_fused_hook.verl_integration import call_sites, install
 from verl_fused_hook.verl_integration.forward_step import VERL_TEMPERATURE_FLOOR, sample_temperatures
+from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
 
 install()
 import verl.workers.engine.megatron.transformer_impl as transformer_impl  # noqa: E402  (fires install's gate)
@@ -77,7 +77,9 @@ def test_engine_forward_floors_non_positive_sample_temperatures(hook_engine):
     input_ids = _input_ids()
     with torch.no_grad():
         floored = fused_engine_forward(engine, model, input_ids, torch.tensor([0.0, -2.0, 0.7]))
-        explicit = fused_engine_forward(engine, model, input_ids, torch.tensor([VERL_TEMPERATURE_FLOOR, VERL_TEMPERATURE_FLOOR, 0.7]))
+        explicit = fused_engine_forward(
+            engine, model, input_ids, torch.tensor([VERL_TEMPERATURE_FLOOR, VERL_TEMPERATURE_FLOOR, 0.7])
+        )
         at_one = fused_engine_forward(engine, model, input_ids, torch.tensor([1.0, 1.0, 0.7]))
     for key in ("log_probs", "entropy"):
         assert torch.equal(floored[key].values(), explicit[key].values()), key
@@ -87,7 +89,10 @@ def test_engine_forward_floors_non_positive_sample_temperatures(hook_engine):
 
 @pytest.mark.parametrize(
     "temperature, message",
-    [(torch.tensor([0.7, math.nan, 1.0]), "every per-sample value must be finite"), (torch.tensor([0.7, 1.0]), r"\[batch\] = \[3\]")],
+    [
+        (torch.tensor([0.7, math.nan, 1.0]), "every per-sample value must be finite"),
+        (torch.tensor([0.7, 1.0]), r"\[batch\] = \[3\]"),
+    ],
 )
 def test_engine_forward_refuses_bad_per_sample_temperatures(hook_engine, temperature, message):
     engine, model = hook_engine

@@ -35,8 +35,13 @@ def _fields(vocab_size: int, order: list[int]) -> dict[str, torch.Tensor]:
     from verl_fused_hook_harness.support.grpo_batches import PAD_TOKEN_ID
 
     generator = torch.Generator().manual_seed(3)
-    tokens = [(torch.randint(1, vocab_size, (p,), generator=generator), torch.randint(1, vocab_size, (r,), generator=generator))
-              for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)]
+    tokens = [
+        (
+            torch.randint(1, vocab_size, (p,), generator=generator),
+            torch.randint(1, vocab_size, (r,), generator=generator),
+        )
+        for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)
+    ]
     advantages = torch.randn(len(tokens), generator=generator)
     count, max_prompt, max_response = len(order), max(PROMPT_LENGTHS), max(RESPONSE_LENGTHS)
     prompts = torch.full((count, max_prompt), PAD_TOKEN_ID)
@@ -60,8 +65,9 @@ def _fields(vocab_size: int, order: list[int]) -> dict[str, torch.Tensor]:
 
 def _engine_keys(micro_batch: int) -> dict:
     """The non-tensor entries verl's TrainingWorker adds to every batch."""
-    return dict(use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch,
-                use_fused_kernels=True)
+    return dict(
+        use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch, use_fused_kernels=True
+    )
 
 
 def _old_log_probs(engine, fields, micro_batch: int) -> torch.Tensor:
@@ -80,8 +86,14 @@ def _ppo_loss(micro_batch: int, sequences: int):
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    config = McoreActorConfig(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=micro_batch,
-                              use_dynamic_bsz=False, entropy_coeff=0.01, loss_agg_mode="token-mean", rollout_n=1)
+    config = McoreActorConfig(
+        ppo_mini_batch_size=sequences,
+        ppo_micro_batch_size_per_gpu=micro_batch,
+        use_dynamic_bsz=False,
+        entropy_coeff=0.01,
+        loss_agg_mode="token-mean",
+        rollout_n=1,
+    )
     return functools.partial(ppo_loss, config=config)
 
 
@@ -98,8 +110,17 @@ def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
     init_model_parallel(1, seed=5)
     os.environ[ENV_VAR] = "1"
     sequences = len(PROMPT_LENGTHS)
-    setup = EngineSetup(hf_path=str(TINY_QWEN2), tp=1, dtype=dtype, seed=5, micro_batch_size=2, total_steps=2,
-                        lr=1e-4, offload=False, fused_kernel_options={"output_processor_fused_loss": True})
+    setup = EngineSetup(
+        hf_path=str(TINY_QWEN2),
+        tp=1,
+        dtype=dtype,
+        seed=5,
+        micro_batch_size=2,
+        total_steps=2,
+        lr=1e-4,
+        offload=False,
+        fused_kernel_options={"output_processor_fused_loss": True},
+    )
     with cuda_names_on_cpu():
         actor = build_engine(setup)
         vocab_size = actor.model_config.hf_config.vocab_size

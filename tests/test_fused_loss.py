@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import LossGradientError, NonSeparableLossError, log_probs_entropy_and_loss
-from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook.verl_integration.loss_support import (
     SUPPORTED_AGG_MODES,
     SUPPORTED_KL_LOSS_TYPES,
@@ -28,6 +27,7 @@ from verl_fused_hook.verl_integration.loss_support import (
     unsupported_reason,
 )
 from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 PROMPT_LENS = (4, 6, 3, 5)
 RESPONSE_LENS = (5, 2, 7, 6)
@@ -150,17 +150,33 @@ def run_both(config, data, *, score_mask=None, tp_group=None, weight_shard=None,
     def fused(row_gradients, host_loss_fn=None):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         result = log_probs_entropy_and_loss(
-            h, w, labels, loss_fn=loss_fn, loss_name=ppo_loss_name(config), chunk_rows=CHUNK_ROWS,
-            row_gradients=row_gradients, host_loss_fn=host_loss_fn, **common
+            h,
+            w,
+            labels,
+            loss_fn=loss_fn,
+            loss_name=ppo_loss_name(config),
+            chunk_rows=CHUNK_ROWS,
+            row_gradients=row_gradients,
+            host_loss_fn=host_loss_fn,
+            **common,
         )
         result.loss.backward()
-        return result.loss.detach(), metric_values(result.metrics), result.log_probs.detach(), result.entropy.detach(), h.grad, w.grad
+        return (
+            result.loss.detach(),
+            metric_values(result.metrics),
+            result.log_probs.detach(),
+            result.entropy.detach(),
+            h.grad,
+            w.grad,
+        )
 
     return dict(
         want=(want_loss.detach(), metric_values(want_metrics), lp.detach(), ent.detach(), h_ref.grad, w_ref.grad),
         got=fused(None),  # loss_fn differentiated per chunk
         got_row_gradients=fused(row_gradients_of(config, data)),  # the elementwise per-row gradients
-        got_host=fused(row_gradients_of(config, data), host_loss_of(config, data)),  # hook mode: final evaluation on the host
+        got_host=fused(
+            row_gradients_of(config, data), host_loss_of(config, data)
+        ),  # hook mode: final evaluation on the host
     )
 
 
@@ -195,7 +211,10 @@ CONFIGS = {
         True,
     ),
     # clipping: asymmetric bounds and a tight dual clip
-    "clip-asymmetric-dual": (dict(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=1.5, entropy_coeff=0.0), False),
+    "clip-asymmetric-dual": (
+        dict(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=1.5, entropy_coeff=0.0),
+        False,
+    ),
     # every KL loss type, with the entropy bonus
     **{
         f"kl-{kind}": (dict(use_kl_loss=True, kl_loss_type=kind, kl_loss_coef=0.1, entropy_coeff=0.003), True)
@@ -249,8 +268,14 @@ def test_row_gradients_that_disagree_with_the_loss_are_refused():
     hidden, weight, labels, temperature = op_inputs()
     with pytest.raises(NonSeparableLossError, match="row_gradients disagree"):
         log_probs_entropy_and_loss(
-            hidden.requires_grad_(True), weight, labels, loss_fn=loss_of_rows(config, data), loss_name="ppo",
-            temperature=temperature, chunk_rows=CHUNK_ROWS, row_gradients=off_by_a_little,
+            hidden.requires_grad_(True),
+            weight,
+            labels,
+            loss_fn=loss_of_rows(config, data),
+            loss_name="ppo",
+            temperature=temperature,
+            chunk_rows=CHUNK_ROWS,
+            row_gradients=off_by_a_little,
         )
 
 
@@ -261,8 +286,14 @@ def test_host_loss_that_is_not_the_loss_is_refused():
     hidden, weight, labels, temperature = op_inputs()
     with pytest.raises(NonSeparableLossError, match="host_loss_fn"):
         log_probs_entropy_and_loss(
-            hidden.requires_grad_(True), weight, labels, loss_fn=loss_of_rows(config, data), loss_name="ppo",
-            temperature=temperature, chunk_rows=CHUNK_ROWS, row_gradients=row_gradients_of(config, data),
+            hidden.requires_grad_(True),
+            weight,
+            labels,
+            loss_fn=loss_of_rows(config, data),
+            loss_name="ppo",
+            temperature=temperature,
+            chunk_rows=CHUNK_ROWS,
+            row_gradients=row_gradients_of(config, data),
             host_loss_fn=host,
         )
 
@@ -288,9 +319,16 @@ def test_host_loss_runs_on_one_intra_op_thread_and_restores_the_count():
     try:
         for host_loss_fn in (recording, failing):
             call = partial(
-                log_probs_entropy_and_loss, hidden.clone().requires_grad_(True), weight, labels,
-                loss_fn=loss_of_rows(config, data), loss_name="ppo", temperature=temperature, chunk_rows=CHUNK_ROWS,
-                row_gradients=row_gradients_of(config, data), host_loss_fn=host_loss_fn,
+                log_probs_entropy_and_loss,
+                hidden.clone().requires_grad_(True),
+                weight,
+                labels,
+                loss_fn=loss_of_rows(config, data),
+                loss_name="ppo",
+                temperature=temperature,
+                chunk_rows=CHUNK_ROWS,
+                row_gradients=row_gradients_of(config, data),
+                host_loss_fn=host_loss_fn,
             )
             if host_loss_fn is failing:
                 with pytest.raises(RuntimeError, match="host loss failed"):
@@ -321,7 +359,13 @@ def test_chunk_bytes_sets_the_chunk_and_not_the_result():
         calls.clear()
         h = hidden.clone().requires_grad_(True)
         result = log_probs_entropy_and_loss(
-            h, weight, labels, loss_fn=counting, loss_name="ppo", temperature=temperature, vocab_size=VOCAB,
+            h,
+            weight,
+            labels,
+            loss_fn=counting,
+            loss_name="ppo",
+            temperature=temperature,
+            vocab_size=VOCAB,
             chunk_bytes=chunk_bytes,
         )
         result.loss.backward()
@@ -350,8 +394,13 @@ def test_gradient_reaching_the_returned_log_probs_is_refused():
     hidden, weight, labels, temperature = op_inputs()
     hidden.requires_grad_(True)
     result = log_probs_entropy_and_loss(
-        hidden, weight, labels, loss_fn=loss_of_rows(config, rl_data(False)), loss_name=ppo_loss_name(config),
-        temperature=temperature, chunk_rows=CHUNK_ROWS,
+        hidden,
+        weight,
+        labels,
+        loss_fn=loss_of_rows(config, rl_data(False)),
+        loss_name=ppo_loss_name(config),
+        temperature=temperature,
+        chunk_rows=CHUNK_ROWS,
     )
     with pytest.raises(LossGradientError, match="vanilla"):
         (result.loss + 0.5 * result.entropy.sum()).backward()
@@ -378,11 +427,17 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="loss_name"):
         log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="")
     with pytest.raises(ValueError, match="chunk_bytes: expected None or an int >= 1"):
-        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", chunk_bytes=0.5)
+        log_probs_entropy_and_loss(
+            hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", chunk_bytes=0.5
+        )
     with pytest.raises(ValueError, match="host_loss_fn: expected None or a callable"):
-        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", host_loss_fn=1)
+        log_probs_entropy_and_loss(
+            hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", host_loss_fn=1
+        )
     with pytest.raises(ValueError, match="temperature"):  # the shared checks of log_probs_and_entropy
-        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", temperature=0.0)
+        log_probs_entropy_and_loss(
+            hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", temperature=0.0
+        )
 
 
 def tp_worker(rank, world_size):
@@ -415,7 +470,9 @@ def engine_batch(config_global: bool):
     g = torch.Generator().manual_seed(9)
     tensors = {key: data[key] for key in data.keys() if key not in ("dp_size", "batch_num_tokens", "global_batch_size")}
     tensors["input_ids"] = nested(torch.randint(0, ENGINE_VOCAB, (int(n),), generator=g) for n in offsets().diff())
-    tensors["loss_mask"] = nested(torch.cat([torch.zeros(p), torch.ones(r)]).long() for p, r in zip(PROMPT_LENS, RESPONSE_LENS))
+    tensors["loss_mask"] = nested(
+        torch.cat([torch.zeros(p), torch.ones(r)]).long() for p, r in zip(PROMPT_LENS, RESPONSE_LENS)
+    )
     tensors["temperature"] = torch.tensor([0.7, 1.0, 0.5, 0.9])
     non_tensor = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
     return tu.get_tensordict(tensors, non_tensor_dict={**non_tensor, "calculate_entropy": True, "num_micro_batch": 1})
@@ -428,7 +485,11 @@ def engine_step(fused: bool, loss_config, spy: list, **extra_options):
     from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=ENGINE_VOCAB, seed=7)
-    options = {"use_output_processor_hook": True, "output_processor_backend": "torch", "output_processor_fused_loss": fused}
+    options = {
+        "use_output_processor_hook": True,
+        "output_processor_backend": "torch",
+        "output_processor_fused_loss": fused,
+    }
     options.update(extra_options)
     engine = megatron_engine([model], fused_kernel_options=options)
     engine._maybe_enable_fused_kernels()
@@ -447,8 +508,8 @@ def verl_hook_mode(monkeypatch):
     """verl with the plugin installed and megatron's parallel state on one CPU rank; verl (and, when this
     fixture created it, the absence of a process group) restored after."""
     from verl_fused_hook.switch import ENV_VAR
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import call_sites, install
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     had_process_group = dist.is_initialized()
@@ -480,7 +541,13 @@ def verl_hook_mode(monkeypatch):
     "overrides",
     [
         dict(loss_agg_mode="token-mean", entropy_coeff=0.01),
-        dict(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1),
+        dict(
+            loss_agg_mode="seq-mean-token-mean",
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_type="k3",
+            kl_loss_coef=0.1,
+        ),
     ],
     ids=["token-mean", "seq-mean-token-mean-kl"],
 )
@@ -520,7 +587,9 @@ def test_unsupported_loss_mode_runs_the_two_pass_path_and_says_so(verl_hook_mode
     with caplog.at_level(logging.INFO, logger="verl_fused_hook.verl_integration.loss_support"):
         report, _, fused_calls = engine_step(True, config, verl_hook_mode)
     assert fused_calls == 0
-    assert any("loss_mode=clip_cov" in record.getMessage() and "two-pass" in record.getMessage() for record in caplog.records)
+    assert any(
+        "loss_mode=clip_cov" in record.getMessage() and "two-pass" in record.getMessage() for record in caplog.records
+    )
     assert report["loss"] != 0
 
 
@@ -531,16 +600,34 @@ def test_fused_loss_entry_is_validated():
         resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": "yes"}, environ={})
     with pytest.raises(ValueError, match="output_processor_fused_loss"):
         resolve_plan(
-            {"use_output_processor_hook": True, "output_processor_backend": "verl", "output_processor_fused_loss": True},
+            {
+                "use_output_processor_hook": True,
+                "output_processor_backend": "verl",
+                "output_processor_fused_loss": True,
+            },
             environ={},
         )
     assert resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True}, environ={}).fused_loss
     for bad in ("2", 0, -1.0, float("nan"), True):
-        with pytest.raises(ValueError, match=r"output_processor_fused_loss_chunk_gib=.* is not allowed; use a number of GiB > 0"):
-            resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True,
-                          "output_processor_fused_loss_chunk_gib": bad}, environ={})
-    chunked = resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss": True,
-                            "output_processor_fused_loss_chunk_gib": 1.5}, environ={})
+        with pytest.raises(
+            ValueError, match=r"output_processor_fused_loss_chunk_gib=.* is not allowed; use a number of GiB > 0"
+        ):
+            resolve_plan(
+                {
+                    "use_output_processor_hook": True,
+                    "output_processor_fused_loss": True,
+                    "output_processor_fused_loss_chunk_gib": bad,
+                },
+                environ={},
+            )
+    chunked = resolve_plan(
+        {
+            "use_output_processor_hook": True,
+            "output_processor_fused_loss": True,
+            "output_processor_fused_loss_chunk_gib": 1.5,
+        },
+        environ={},
+    )
     assert chunked.fused_loss_chunk_bytes == 3 * 512 * 1024**2
     assert "output_processor_fused_loss_chunk_gib=1.5" in chunked.log_line("MegatronEngineWithLMHead")
     unused = resolve_plan({"use_output_processor_hook": True, "output_processor_fused_loss_chunk_gib": 2}, environ={})
@@ -549,14 +636,17 @@ def test_fused_loss_entry_is_validated():
     assert not off.fused_loss and "ignored outside hook mode" in off.note
 
 
-# ---------------------------------------------------------------- the bench's loss methods (run on the GPU by the bench)
+# ---------------------------------------------------------------- the bench's loss methods (run on the GPU by the
+# bench)
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "gspo"])
 def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu(mode):
-    """fused_loss and verl_loss (and their _gspo twins) compute the same loss and gradients; verl's Triton kernel needs CUDA, so
+    """fused_loss and verl_loss (and their _gspo twins) compute the same loss and gradients; verl's Triton kernel
+    needs CUDA, so
     verl_loss's kernel is stood in for by the portable op here (a fake of verl's kernel, named so)."""
-    from verl_fused_hook_harness.commands.bench import op_bench as bench, policy_loss as bench_loss
+    from verl_fused_hook_harness.commands.bench import op_bench as bench
+    from verl_fused_hook_harness.commands.bench import policy_loss as bench_loss
 
     def fake_verl_kernel(h, w, labels, temperature, score_mask=None):
         return log_probs_and_entropy(h, w, labels, temperature=temperature, backend="torch")
@@ -571,13 +661,17 @@ def test_bench_loss_methods_agree_with_each_other_and_fp64_on_cpu(mode):
     for got, want in zip(fused_grads, verl_grads):
         assert float((got - want).abs().max()) <= RTOL * float(want.abs().max())
     accuracy = bench_loss.loss_accuracy(fused, hidden, weight, labels, 0.7)
-    assert accuracy["loss_rel_err"] < 1e-5 and accuracy["d_hidden_rel_err"] < 1e-5 and accuracy["d_weight_rel_err"] < 1e-5
+    assert (
+        accuracy["loss_rel_err"] < 1e-5 and accuracy["d_hidden_rel_err"] < 1e-5 and accuracy["d_weight_rel_err"] < 1e-5
+    )
     table = bench.markdown(
         {
             "methods": ["floor", "fused_loss", "verl_loss"],
             "shapes": [
                 {
-                    "N": n, "H": h, "V": v,
+                    "N": n,
+                    "H": h,
+                    "V": v,
                     "floor": {"fwd_bwd_ms": 4.0, "fwd_bwd_3gemm_ms": 3.0, "gemm_ms": 1.0},
                     "fused_loss": {"fwd_bwd_ms": 3.2},
                     "verl_loss": {"fwd_bwd_ms": 6.4},
@@ -599,7 +693,9 @@ def test_processor_context_refuses_a_loss_without_the_op():
     with pytest.raises(ValueError, match="loss_fn"):
         FusedOutputProcessorContext(loss_fn=loss_fn, as_tuple=True)
     for name, value in (("row_gradients", loss_fn), ("host_loss_fn", loss_fn), ("loss_chunk_bytes", 1024)):
-        with pytest.raises(ValueError, match=f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn"):
+        with pytest.raises(
+            ValueError, match=f"FusedOutputProcessorContext.{name}: belongs to a fused loss; set loss_fn"
+        ):
             FusedOutputProcessorContext(**{name: value})
     with pytest.raises(ValueError, match="FusedOutputProcessorContext.loss_chunk_bytes: expected None or an int >= 1"):
         FusedOutputProcessorContext(loss_fn=loss_fn, loss_chunk_bytes=2.5)

@@ -39,7 +39,11 @@ TINY_CHUNK_GIB = 6 * 4 * 1000 / 1024**3  # a chunk shorter than the longer seque
 
 POLICY = {
     # name: (loss_mode, ActorConfig overrides, PolicyLossConfig overrides)
-    "vanilla": ("vanilla", dict(clip_ratio_low=0.1, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_type="low_var_kl"), {}),
+    "vanilla": (
+        "vanilla",
+        dict(clip_ratio_low=0.1, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_type="low_var_kl"),
+        {},
+    ),
     "dppo_tv": ("dppo_tv", dict(clip_ratio=0.05), {}),
     "dppo_kl": ("dppo_kl", dict(clip_ratio=0.02, loss_agg_mode="seq-mean-token-sum"), {}),
     "sapo": ("sapo", dict(loss_agg_mode="seq-mean-token-mean"), {}),
@@ -91,7 +95,10 @@ def batch(engine, sft: bool):
         prompt_lengths = fields["attention_mask"][:, : fields["prompts"].shape[1]].sum(dim=1)
         response_lengths = fields["response_mask"].sum(dim=1)
         data["loss_mask"] = torch.nested.as_nested_tensor(
-            [torch.cat([torch.zeros(int(p)), torch.ones(int(r))]).long() for p, r in zip(prompt_lengths, response_lengths)],
+            [
+                torch.cat([torch.zeros(int(p)), torch.ones(int(r))]).long()
+                for p, r in zip(prompt_lengths, response_lengths)
+            ],
             layout=torch.jagged,
         )
     return data
@@ -173,7 +180,9 @@ def assert_matches(results: dict, names, rank: int, expect_fused: bool = True) -
             assert got["metrics"].keys() == want["metrics"].keys(), where
             for key, value in want["metrics"].items():
                 assert got["metrics"][key] == pytest.approx(value, rel=RTOL, abs=1e-7), f"{where}: {key}"
-            assert len(want["losses"]) == 2 and (name == "sft" or len(want["metrics"]) >= 2), where  # sft_loss: no metrics
+            assert len(want["losses"]) == 2 and (name == "sft" or len(want["metrics"]) >= 2), (
+                where
+            )  # sft_loss: no metrics
             assert got["grads"].keys() == want["grads"].keys()
             for param, grad in want["grads"].items():
                 scale = float(grad.abs().max())
@@ -217,8 +226,15 @@ def test_a_sequence_longer_than_a_chunk_and_non_separable_losses_take_the_two_pa
     assert_matches(results, ("gspo",), 0)  # the loss computed inside the op's own two-pass path: still exact
     assert_matches(results, TWO_PASS_ONLY, 0, expect_fused=False)
     log = results["log"]
-    assert any("loss ppo_loss(loss_mode=gspo, loss_agg_mode=seq-mean-token-mean): row group" in line
-               and "more than a chunk holds" in line and "this call runs the two-pass path" in line for line in log), log
+    assert any(
+        "loss ppo_loss(loss_mode=gspo, loss_agg_mode=seq-mean-token-mean): row group" in line
+        and "more than a chunk holds" in line
+        and "this call runs the two-pass path" in line
+        for line in log
+    ), log
     for mode in TWO_PASS_ONLY:
-        assert any(f"output_processor_fused_loss: policy_loss.loss_mode={mode} (" in line
-                   and line.endswith("is not separable; two-pass path") for line in log), (mode, log)
+        assert any(
+            f"output_processor_fused_loss: policy_loss.loss_mode={mode} (" in line
+            and line.endswith("is not separable; two-pass path")
+            for line in log
+        ), (mode, log)

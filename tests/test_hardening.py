@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_fused_hook_harness.support import compare
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor, log_probs_and_entropy
-from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook.verl_integration import log_level_from_env
 from verl_fused_hook.verl_integration.lazy_import import when_imported
 from verl_fused_hook.verl_integration.replacements import _originals, original, replace, restore
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 REPO = Path(__file__).resolve().parents[1]
 FP32_REL = 2e-6  # fp32 op vs fp64 reference, H=32 V=96
@@ -54,10 +54,12 @@ IMPORT_VERL = textwrap.dedent(
 def _import_verl(**env: str) -> tuple[dict, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VERL_FUSED_")}
     environ.update(env, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-c", IMPORT_VERL], env=environ, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_VERL], env=environ, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     state = next(line for line in result.stdout.splitlines() if line.startswith("STATE "))
-    return json.loads(state[len("STATE "):]), result.stderr
+    return json.loads(state[len("STATE ") :]), result.stderr
 
 
 @pytest.mark.parametrize("raw", ["verbose", "10"])
@@ -67,7 +69,11 @@ def test_bad_logging_level_falls_back_to_info_with_one_warning(raw):
     assert "verl.workers.engine.megatron.transformer_impl" in state["gated"]  # the plugin installed its gate
     warnings = [line for line in stderr.splitlines() if "VERL_FUSED_HOOK_LOGGING_LEVEL" in line]
     assert len(warnings) == 1, stderr
-    assert repr(raw) in warnings[0] and "DEBUG, INFO, WARNING, ERROR, CRITICAL" in warnings[0] and "using INFO" in warnings[0]
+    assert (
+        repr(raw) in warnings[0]
+        and "DEBUG, INFO, WARNING, ERROR, CRITICAL" in warnings[0]
+        and "using INFO" in warnings[0]
+    )
 
 
 @pytest.mark.parametrize("raw, level", [("debug", "DEBUG"), (" Warning ", "WARNING"), (None, "INFO")])
@@ -93,7 +99,7 @@ def test_replace_changes_nothing_when_the_factory_raises():
     with pytest.raises(RuntimeError, match="factory failed"):
         replace(owner, "function", failing_factory)
     assert owner.function is len and (owner, "function") not in _originals
-    replace(owner, "function", lambda verl_function: (lambda value: verl_function(value) + 1))  # the retry replaces
+    replace(owner, "function", lambda verl_function: lambda value: verl_function(value) + 1)  # the retry replaces
     try:
         assert owner.function("abc") == 4 and original(owner, "function") is len
     finally:
@@ -135,9 +141,16 @@ def test_op_computes_in_fp32_under_cpu_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         log_probs, entropy = log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend="torch")
         (log_probs * g_lp + entropy * g_h).sum().backward()
-    ref_lp, ref_h, ref_dh, ref_dw = reference_log_probs_entropy(hidden, weight, labels, temperature=0.7, grad_outputs=(g_lp, g_h))
+    ref_lp, ref_h, ref_dh, ref_dw = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=0.7, grad_outputs=(g_lp, g_h)
+    )
     assert log_probs.dtype == torch.float32
-    for name, got, want in (("log_probs", log_probs, ref_lp), ("entropy", entropy, ref_h), ("d_hidden", hidden.grad, ref_dh), ("d_weight", weight.grad, ref_dw)):
+    for name, got, want in (
+        ("log_probs", log_probs, ref_lp),
+        ("entropy", entropy, ref_h),
+        ("d_hidden", hidden.grad, ref_dh),
+        ("d_weight", weight.grad, ref_dw),
+    ):
         assert compare.error(want, got.detach(), relative=True) < FP32_REL, name
 
 
@@ -195,7 +208,7 @@ def _mismatched_rows_worker(rank, world_size):
     hidden, weight, labels = _problem(n=4 + 2 * rank, requires_grad=False)
     group = torch.distributed.new_group(list(range(world_size)))
     try:
-        log_probs_and_entropy(hidden, weight[: 48], labels % 48, tp_group=group, backend="torch")
+        log_probs_and_entropy(hidden, weight[:48], labels % 48, tp_group=group, backend="torch")
     except ValueError as error:
         return str(error)
     return None
@@ -239,7 +252,9 @@ def test_processor_score_mask_message_names_the_shapes_as_given():
 @pytest.mark.parametrize("shape", [(3,), (2, 4), (3, 2)])
 def test_processor_wrong_shape_temperature_is_a_value_error(shape):
     context = FusedOutputProcessorContext(temperature=torch.ones(shape))
-    with pytest.raises(ValueError, match=r"^FusedOutputProcessorContext\.temperature: a tensor must be 0-d, \[b\] = \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"^FusedOutputProcessorContext\.temperature: a tensor must be 0-d, \[b\] = \(2,\)"
+    ):
         fused_output_processor(**_processor_inputs(), context=context)
 
 
@@ -275,7 +290,8 @@ def test_logging_level_is_read_once_per_install(caplog):
         del os.environ["VERL_FUSED_HOOK_LOGGING_LEVEL"]
         package_logger.setLevel(level_before)
     assert [r.getMessage() for r in caplog.records].count(
-        "verl_fused_hook: VERL_FUSED_HOOK_LOGGING_LEVEL='loud' is not a level; use one of DEBUG, INFO, WARNING, ERROR, CRITICAL; using INFO"
+        "verl_fused_hook: VERL_FUSED_HOOK_LOGGING_LEVEL='loud' is not a level; use one of DEBUG, INFO, WARNING, "
+        "ERROR, CRITICAL; using INFO"
     ) == 1
 
 

@@ -12,8 +12,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 PADDED_VOCAB, TRUE_VOCAB, TEMPERATURE = 128, 123, 0.7
 VALUE_ATOL = 2e-6  # hook log-prob/entropy vs fp64 of the default path's fp32 logits
@@ -48,11 +48,13 @@ def make_batch(layout):
     ids = torch.randint(0, TRUE_VOCAB, (1, 20), generator=generator)
     labels = torch.randint(0, TRUE_VOCAB, (1, 20), generator=generator)
     position_ids = torch.cat([torch.arange(n) for n in (5, 7, 8)])[None]
-    scored = (position_ids >= 2)
+    scored = position_ids >= 2
     packed = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=8, max_seqlen_kv=8
     )
-    return dict(input_ids=ids, position_ids=position_ids, attention_mask=None, labels=labels, packed_seq_params=packed), scored
+    return dict(
+        input_ids=ids, position_ids=position_ids, attention_mask=None, labels=labels, packed_seq_params=packed
+    ), scored
 
 
 def reference_from_logits(logits, labels, scored):
@@ -76,7 +78,10 @@ def compare_scenario(name):
     model = build_cpu_gpt(config, vocab_size=PADDED_VOCAB, tied=tied)
     batch, scored = make_batch(layout)
     generator = torch.Generator().manual_seed(9)
-    g_log_probs, g_entropy = torch.randn(scored.shape, generator=generator), torch.randn(scored.shape, generator=generator)
+    g_log_probs, g_entropy = (
+        torch.randn(scored.shape, generator=generator),
+        torch.randn(scored.shape, generator=generator),
+    )
     labels = batch.pop("labels")
 
     logits = model(**batch)  # [b, s, V/tp]
@@ -146,8 +151,11 @@ def mtp_worker(rank, world_size):
     loss.sum().backward()
     default = parameter_grads(model)
 
-    output = model(**batch, output_processor=fused_output_processor,
-                   output_processor_context=FusedOutputProcessorContext(temperature=1.0))
+    output = model(
+        **batch,
+        output_processor=fused_output_processor,
+        output_processor_context=FusedOutputProcessorContext(temperature=1.0),
+    )
     (-output.log_probs).sum().backward()  # the same CE loss, from the hook's log-probs
     hooked = parameter_grads(model)
     return {name: (default[name], hooked.get(name)) for name in default}

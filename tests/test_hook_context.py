@@ -39,7 +39,9 @@ def test_bad_context_fields_are_named(kwargs, field):
 
 
 def test_context_is_frozen_and_accepts_per_token_temperature():
-    context = FusedOutputProcessorContext(temperature=torch.full((2, 5), 0.7), score_mask=torch.ones(2, 5, dtype=torch.bool))
+    context = FusedOutputProcessorContext(
+        temperature=torch.full((2, 5), 0.7), score_mask=torch.ones(2, 5, dtype=torch.bool)
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         context.temperature = 1.0
 
@@ -53,7 +55,12 @@ def test_labels_are_required():
 def test_context_type_is_checked():
     layer = torch.nn.Linear(4, 10, bias=False)
     with pytest.raises(ValueError, match="output_processor_context: expected a FusedOutputProcessorContext"):
-        fused_output_processor(hidden_states=torch.randn(3, 1, 4), output_layer=layer, labels=torch.zeros(1, 3, dtype=torch.long), context={"temperature": 1.0})
+        fused_output_processor(
+            hidden_states=torch.randn(3, 1, 4),
+            output_layer=layer,
+            labels=torch.zeros(1, 3, dtype=torch.long),
+            context={"temperature": 1.0},
+        )
 
 
 class LoraWrappedOutput(torch.nn.Module):
@@ -92,7 +99,9 @@ def test_processor_on_a_plain_layer_matches_reference():
     labels = torch.randint(0, 50, (3, 6))  # [b, s]
     temperature = torch.tensor([0.5, 1.0, 2.0])  # per sample
     out = fused_output_processor(
-        hidden_states=hidden, output_layer=layer, labels=labels,
+        hidden_states=hidden,
+        output_layer=layer,
+        labels=labels,
         context=FusedOutputProcessorContext(temperature=temperature),
     )
     logits = torch.einsum("sbh,vh->bsv", hidden.double(), layer.weight.double()) / temperature.double()[:, None, None]

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COPY_IGNORED = shutil.ignore_patterns(".git", ".venv", ".test-venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache")
+COPY_IGNORED = shutil.ignore_patterns(
+    ".git", ".venv", ".test-venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +35,30 @@ def installed(tmp_path_factory):
     python = env_dir / "bin" / "python"
     env_site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     # the test interpreter's packages (torch, setuptools, ...) without its own copy of verl_fused_hook
     Path(env_site, "test_interpreter_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-         "--no-build-isolation", "--quiet", str(source)],
-        check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--quiet",
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     return env_dir / "bin", python
 
@@ -58,7 +76,11 @@ def test_the_package_is_imported_from_the_venv(installed):
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     location = subprocess.run(
         [str(python), "-c", "import verl_fused_hook_harness.commands.ab.parity as m; print(m.__file__)"],
-        capture_output=True, text=True, env=environ, check=True, cwd=bin_dir.parent,  # not this checkout
+        capture_output=True,
+        text=True,
+        env=environ,
+        check=True,
+        cwd=bin_dir.parent,  # not this checkout
     ).stdout.strip()
     assert Path(location).is_relative_to(bin_dir.parent), location
 
@@ -74,7 +96,9 @@ def test_installed_command_lists_its_tools(installed):
 def test_installed_command_refuses_an_unknown_command(installed):
     result = _run(installed[0], "ab-parity-typo")
     assert result.returncode == 2
-    assert result.stderr.startswith("verl-fused-hook: unknown command 'ab-parity-typo'; allowed: ab-parity, bench, e2e-bench")
+    assert result.stderr.startswith(
+        "verl-fused-hook: unknown command 'ab-parity-typo'; allowed: ab-parity, bench, e2e-bench"
+    )
 
 
 def test_installed_ab_parity_answers_help(installed):

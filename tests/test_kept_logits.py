@@ -49,7 +49,10 @@ def test_a_refused_allocation_recomputes_and_warns_once(monkeypatch, caplog):
         for _ in range(2):
             assert triton_backend.kept_rows_buffer(10**9, 70, COLUMNS, 16, TILE, torch.device("cpu")) is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (level, "log_probs_and_entropy: keep_logits_bytes: 70 rows of kept logits could not be allocated (CUDA out of "
-                "memory. Tried to allocate 4.00 GiB); this call recomputes every row's logits in its backward")
+        (
+            level,
+            "log_probs_and_entropy: keep_logits_bytes: 70 rows of kept logits could not be allocated (CUDA out of "
+            "memory. Tried to allocate 4.00 GiB); this call recomputes every row's logits in its backward",
+        )
         for level in (logging.WARNING, logging.DEBUG)
     ]

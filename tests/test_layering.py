@@ -83,7 +83,8 @@ def test_the_runtime_never_imports_the_harness_or_tests(module):
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(f"{RUNTIME}.ops")))
 def test_ops_import_nothing_else_of_the_package(module):
     bad = sorted(
-        t for t in GRAPH[module]
+        t
+        for t in GRAPH[module]
         if t.split(".")[0] in (RUNTIME, HARNESS) and not t.startswith(f"{RUNTIME}.ops") and t not in LEAF_MODULES
     )
     assert not bad, f"{module} imports {bad}"
@@ -139,5 +140,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 @pytest.mark.parametrize("package", [RUNTIME, HARNESS])
 def test_no_module_over_the_line_limit(package):
-    long = {name: n for name, path in _modules(package).items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {
+        name: n for name, path in _modules(package).items() if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"

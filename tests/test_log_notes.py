@@ -31,10 +31,16 @@ def test_notes_are_said_on_rank_zero_and_kept_at_debug_elsewhere():
     from verl_fused_hook_harness.support.distributed import run_in_processes
 
     rank0, rank1 = run_in_processes(_log_on_rank, 2)
-    assert rank0 == [("INFO", "loss X is not separable; two-pass path"), ("WARNING", "this rank's own trouble"),
-                     ("INFO", "plan of McoreEngine")]
-    assert rank1 == [("DEBUG", "loss X is not separable; two-pass path"), ("WARNING", "this rank's own trouble"),
-                     ("DEBUG", "plan of McoreEngine")]
+    assert rank0 == [
+        ("INFO", "loss X is not separable; two-pass path"),
+        ("WARNING", "this rank's own trouble"),
+        ("INFO", "plan of McoreEngine"),
+    ]
+    assert rank1 == [
+        ("DEBUG", "loss X is not separable; two-pass path"),
+        ("WARNING", "this rank's own trouble"),
+        ("DEBUG", "plan of McoreEngine"),
+    ]
 
 
 def test_one_process_without_torch_distributed_says_its_notes():

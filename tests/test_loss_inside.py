@@ -29,7 +29,13 @@ def test_weighted_sum_matches_the_two_pass_op():
     hidden, weight, labels = inputs()
     g_lp, g_ent = torch.randn(30), torch.randn(30)
     fused = log_probs_entropy_and_loss(
-        hidden, weight, labels, temperature=0.7, chunk_rows=7, backend="torch", loss_name="weighted sum",
+        hidden,
+        weight,
+        labels,
+        temperature=0.7,
+        chunk_rows=7,
+        backend="torch",
+        loss_name="weighted sum",
         loss_fn=lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}),
     )
     d_fused = torch.autograd.grad(fused.loss, (hidden, weight))
@@ -94,7 +100,12 @@ def test_a_loss_with_an_infinite_gradient_is_reported_as_that():
     scale[11] = float("inf")
     with pytest.raises(NonFiniteLossGradientError) as raised:
         log_probs_entropy_and_loss(
-            hidden, weight, labels, chunk_rows=7, loss_name="scaled", calculate_entropy=False,
+            hidden,
+            weight,
+            labels,
+            chunk_rows=7,
+            loss_name="scaled",
+            calculate_entropy=False,
             loss_fn=lambda lp, ent: ((lp * scale).sum(), {}),
         )
     message = str(raised.value)
@@ -109,33 +120,59 @@ def test_row_gradients_that_are_nan_are_named():
     hidden, weight, labels = inputs()
     g_lp = torch.ones(30)
     g_lp[[4, 20]] = float("nan")
-    with pytest.raises(NonFiniteLossGradientError, match=r"in the log-prob of 2 scored rows \(first: row 4, from its row_gradients\)"):
+    with pytest.raises(
+        NonFiniteLossGradientError, match=r"in the log-prob of 2 scored rows \(first: row 4, from its row_gradients\)"
+    ):
         log_probs_entropy_and_loss(
-            hidden, weight, labels, chunk_rows=7, loss_name="sum", calculate_entropy=False,
-            loss_fn=lambda lp, ent: (lp.sum(), {}), row_gradients=lambda rows, lp, ent: (g_lp[rows], None),
+            hidden,
+            weight,
+            labels,
+            chunk_rows=7,
+            loss_name="sum",
+            calculate_entropy=False,
+            loss_fn=lambda lp, ent: (lp.sum(), {}),
+            row_gradients=lambda rows, lp, ent: (g_lp[rows], None),
         )
 
 
 def test_a_nan_gradient_in_the_entropy_is_named():
     hidden, weight, labels = inputs()
-    with pytest.raises(NonFiniteLossGradientError, match=r"loss root: its gradient is not finite \(NaN/inf\) in the entropy"):
+    with pytest.raises(
+        NonFiniteLossGradientError, match=r"loss root: its gradient is not finite \(NaN/inf\) in the entropy"
+    ):
         log_probs_entropy_and_loss(  # d sqrt(H - 10)/dH is NaN: every entropy here is below 10
-            hidden, weight, labels, chunk_rows=7, loss_name="root", loss_fn=lambda lp, ent: ((ent - 10).sqrt().sum(), {}),
+            hidden,
+            weight,
+            labels,
+            chunk_rows=7,
+            loss_name="root",
+            loss_fn=lambda lp, ent: ((ent - 10).sqrt().sum(), {}),
         )
 
 
 def test_a_loss_that_is_not_token_separable_is_still_refused():
     hidden, weight, labels = inputs()
-    with pytest.raises(NonSeparableLossError, match=r"loss squared sum: its gradient in the log-prob of a row depends on other rows"):
+    with pytest.raises(
+        NonSeparableLossError, match=r"loss squared sum: its gradient in the log-prob of a row depends on other rows"
+    ):
         log_probs_entropy_and_loss(  # d (sum lp)^2 / d lp_i = 2 sum lp: every row's gradient depends on all rows
-            hidden, weight, labels, chunk_rows=7, loss_name="squared sum", loss_fn=lambda lp, ent: (lp.sum() ** 2, {}),
+            hidden,
+            weight,
+            labels,
+            chunk_rows=7,
+            loss_name="squared sum",
+            loss_fn=lambda lp, ent: (lp.sum() ** 2, {}),
         )
 
 
 def test_one_chunk_makes_any_loss_exact():
     hidden, weight, labels = inputs()
     fused = log_probs_entropy_and_loss(
-        hidden, weight, labels, loss_name="squared sum", loss_fn=lambda lp, ent: (lp.sum() ** 2, {}),
+        hidden,
+        weight,
+        labels,
+        loss_name="squared sum",
+        loss_fn=lambda lp, ent: (lp.sum() ** 2, {}),
     )
     lp, _ = log_probs_and_entropy(hidden, weight, labels, backend="torch")
     want = torch.autograd.grad(lp.sum() ** 2, (hidden, weight))
@@ -149,7 +186,11 @@ def test_no_scored_row_gives_zero_gradients():
     with torch.no_grad():
         weight.mul_(1e30)  # garbage, if read, would show
     fused = log_probs_entropy_and_loss(
-        hidden, weight, labels, score_mask=torch.zeros(30, dtype=torch.bool), loss_name="sum",
+        hidden,
+        weight,
+        labels,
+        score_mask=torch.zeros(30, dtype=torch.bool),
+        loss_name="sum",
         loss_fn=lambda lp, ent: (lp.sum(), {}),
     )
     fused.loss.backward()
@@ -159,7 +200,9 @@ def test_no_scored_row_gives_zero_gradients():
 def test_an_unavailable_backend_is_named():
     hidden, weight, labels = inputs()
     with pytest.raises(ValueError, match=r"backend='triton' is unavailable here: CUDA is not available"):
-        log_probs_entropy_and_loss(hidden, weight, labels, loss_name="x", loss_fn=lambda lp, ent: (lp.sum(), {}), backend="triton")
+        log_probs_entropy_and_loss(
+            hidden, weight, labels, loss_name="x", loss_fn=lambda lp, ent: (lp.sum(), {}), backend="triton"
+        )
 
 
 def test_bf16_inputs_through_the_portable_passes():
@@ -168,7 +211,13 @@ def test_bf16_inputs_through_the_portable_passes():
     hidden, weight, labels = inputs()
     hidden, weight = hidden.detach().bfloat16().requires_grad_(True), weight.detach().bfloat16().requires_grad_(True)
     fused = log_probs_entropy_and_loss(
-        hidden, weight, labels, chunk_rows=7, backend="torch", loss_name="sum", loss_fn=lambda lp, ent: (lp.sum(), {}),
+        hidden,
+        weight,
+        labels,
+        chunk_rows=7,
+        backend="torch",
+        loss_name="sum",
+        loss_fn=lambda lp, ent: (lp.sum(), {}),
     )
     got = torch.autograd.grad(fused.loss, (hidden, weight))
     lp, _ = log_probs_and_entropy(hidden, weight, labels, backend="torch", tile_rows=7)

@@ -80,7 +80,9 @@ def gspo(b: Batch, entropy_coeff=0.01):
 
     def loss_fn(log_probs, entropy):
         padded = log_probs.reshape(-1)[b.index] * b.mask
-        loss, metrics = compute_policy_loss_gspo(b.old_log_prob, padded, b.advantages, b.mask, "seq-mean-token-mean", config)
+        loss, metrics = compute_policy_loss_gspo(
+            b.old_log_prob, padded, b.advantages, b.mask, "seq-mean-token-mean", config
+        )
         if entropy is None:
             return loss, metrics
         bonus = (entropy.reshape(-1)[b.index] * b.mask).sum() / b.mask.sum()
@@ -99,8 +101,15 @@ def two_pass_reference(b: Batch, loss_fn):
 def fused(b: Batch, loss_fn, loss_name="gspo", **kwargs):
     hidden, weight = b.hidden.clone().requires_grad_(True), b.weight.clone().requires_grad_(True)
     result = log_probs_entropy_and_loss(
-        hidden, weight, b.labels, loss_fn=loss_fn, loss_name=loss_name, temperature=0.8, score_mask=b.score_mask,
-        backend="torch", **kwargs,
+        hidden,
+        weight,
+        b.labels,
+        loss_fn=loss_fn,
+        loss_name=loss_name,
+        temperature=0.8,
+        score_mask=b.score_mask,
+        backend="torch",
+        **kwargs,
     )
     return result, torch.autograd.grad(result.loss, (hidden, weight))
 
@@ -139,7 +148,9 @@ def test_gspo_with_row_groups_matches_the_two_pass_op():
 
 def test_gspo_without_row_groups_is_refused():
     b = batch()
-    with pytest.raises(NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"):
+    with pytest.raises(
+        NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"
+    ):
         fused(b, gspo(b), chunk_rows=480)
 
 
@@ -150,7 +161,9 @@ def test_row_groups_that_split_a_sequence_are_still_refused():
     every_row = torch.arange(b.row_groups.numel()).view(b.row_groups.shape)
     # two chunks of 505 rows: the cut falls in the 210-row sequence, at rows where it changes the gradient (a cut
     # where GSPO's clipping leaves every gradient unchanged, as 480 rows' even chunks make here, is exact)
-    with pytest.raises(NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"):
+    with pytest.raises(
+        NonSeparableLossError, match=r"loss gspo: its gradient in the log-prob of a row depends on other rows"
+    ):
         fused(b, gspo(b), chunk_rows=505, row_groups=every_row)
 
 
@@ -198,7 +211,8 @@ def test_a_group_longer_than_a_chunk_takes_the_two_pass_path(caplog):
 
 
 def test_the_two_pass_path_keeps_the_fused_contract():
-    """A gradient reaching the returned log-probs raises; a non-finite loss gradient is named; no gradient: same values."""
+    """A gradient reaching the returned log-probs raises; a non-finite loss gradient is named; no gradient: same
+    values."""
     b = batch()
     result, _ = fused(b, gspo(b), loss_name="gspo contract", chunk_rows=300, row_groups=b.row_groups)
     with pytest.raises(LossGradientError, match=r"loss gspo contract: a gradient reached the log-probs returned"):
@@ -209,12 +223,21 @@ def test_the_two_pass_path_keeps_the_fused_contract():
         scale.view(-1)[b.index[1, 4]] = float("inf")
         return (lp * scale).sum(), {}
 
-    with pytest.raises(NonFiniteLossGradientError, match=rf"in the log-prob of 1 scored rows \(first: row {int(b.index[1, 4])}, "):
+    with pytest.raises(
+        NonFiniteLossGradientError, match=rf"in the log-prob of 1 scored rows \(first: row {int(b.index[1, 4])}, "
+    ):
         fused(b, infinite, loss_name="infinite", chunk_rows=300, row_groups=b.row_groups)
     with torch.no_grad():
         plain = log_probs_entropy_and_loss(
-            b.hidden, b.weight, b.labels, loss_fn=gspo(b), loss_name="gspo", temperature=0.8, score_mask=b.score_mask,
-            chunk_rows=300, row_groups=b.row_groups,
+            b.hidden,
+            b.weight,
+            b.labels,
+            loss_fn=gspo(b),
+            loss_name="gspo",
+            temperature=0.8,
+            score_mask=b.score_mask,
+            chunk_rows=300,
+            row_groups=b.row_groups,
         )
     torch.testing.assert_close(plain.loss, result.loss.detach(), rtol=RTOL, atol=0)
 
@@ -223,25 +246,47 @@ def test_row_groups_must_be_contiguous_and_shaped_like_labels():
     b = batch()
     groups = b.row_groups.clone()
     groups[b.index[3, 10]] = 0  # a row of sequence 3 claimed by sequence 0
-    with pytest.raises(ValueError, match=rf"row_groups: the scored rows of group 0 are not contiguous .*: scored row "
-                                         rf"{int(b.index[1, 0])} of another group \(or of none\) lies between its rows "
-                                         rf"{int(b.index[0, RESPONSES[0] - 1])} and {int(b.index[3, 10])}\."):
+    with pytest.raises(
+        ValueError,
+        match=rf"row_groups: the scored rows of group 0 are not contiguous .*: scored row "
+        rf"{int(b.index[1, 0])} of another group \(or of none\) lies between its rows "
+        rf"{int(b.index[0, RESPONSES[0] - 1])} and {int(b.index[3, 10])}\.",
+    ):
         fused(b, gspo(b), chunk_rows=480, row_groups=groups)
-    for bad, match in ((b.row_groups.float(), "must be an integer tensor"), (b.row_groups[:-1], "must be shaped like labels"),
-                       ([0, 1], "expected None or an int64 tensor")):
+    for bad, match in (
+        (b.row_groups.float(), "must be an integer tensor"),
+        (b.row_groups[:-1], "must be shaped like labels"),
+        ([0, 1], "expected None or an int64 tensor"),
+    ):
         with pytest.raises(ValueError, match=f"row_groups: {match}"):
             fused(b, gspo(b), row_groups=bad)
 
 
 # --- chunks sized from free memory ------------------------------------------------------------------------------
 
+
 def _cost_and_fixed(b: Batch, dtype=torch.float32):
     """The portable passes' ChunkCost and the call's fixed bytes (gradients, per-row vectors, margin) for `b`."""
-    p = build_problem(b.hidden.to(dtype), b.weight.to(dtype), b.labels, temperature=0.8, tp_group=None,
-                      score_mask=b.score_mask, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None)
+    p = build_problem(
+        b.hidden.to(dtype),
+        b.weight.to(dtype),
+        b.labels,
+        temperature=0.8,
+        tp_group=None,
+        score_mask=b.score_mask,
+        ignore_index=-100,
+        vocab_size=None,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     cost = loss_inside_cost(p, True)
-    fixed = (cost.fixed_bytes + chunking.ROW_VECTOR_BYTES * p.num_rows + chunking.FREE_MEMORY_MARGIN_BYTES
-             + p.hidden.numel() * p.hidden.element_size() + p.weight.numel() * p.weight.element_size())
+    fixed = (
+        cost.fixed_bytes
+        + chunking.ROW_VECTOR_BYTES * p.num_rows
+        + chunking.FREE_MEMORY_MARGIN_BYTES
+        + p.hidden.numel() * p.hidden.element_size()
+        + p.weight.numel() * p.weight.element_size()
+    )
     accumulator = 0 if dtype == torch.float32 else 4 * V * H
     return cost, fixed, accumulator
 
@@ -249,8 +294,10 @@ def _cost_and_fixed(b: Batch, dtype=torch.float32):
 def _weighted_sum(n):
     g = torch.Generator().manual_seed(9)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    return (lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}),
-            lambda rows, lp, ent: (g_lp[rows], g_ent[rows]))
+    return (
+        lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}),
+        lambda rows, lp, ent: (g_lp[rows], g_ent[rows]),
+    )
 
 
 def _chunk_sizes(b: Batch, monkeypatch, available, dtype=torch.float32, **kwargs):
@@ -263,8 +310,18 @@ def _chunk_sizes(b: Batch, monkeypatch, available, dtype=torch.float32, **kwargs
         return row_gradients(rows, lp, ent)
 
     hidden, weight = b.hidden.to(dtype).requires_grad_(True), b.weight.to(dtype).requires_grad_(True)
-    result = log_probs_entropy_and_loss(hidden, weight, b.labels, loss_fn=loss_fn, loss_name="weighted sum", temperature=0.8,
-                                        score_mask=b.score_mask, backend="torch", row_gradients=counting, **kwargs)
+    result = log_probs_entropy_and_loss(
+        hidden,
+        weight,
+        b.labels,
+        loss_fn=loss_fn,
+        loss_name="weighted sum",
+        temperature=0.8,
+        score_mask=b.score_mask,
+        backend="torch",
+        row_gradients=counting,
+        **kwargs,
+    )
     return sizes, result, torch.autograd.grad(result.loss, (hidden, weight))
 
 
@@ -275,8 +332,9 @@ def test_chunk_rows_shrink_when_free_memory_is_short(monkeypatch):
     budget = 4 * V * 400  # 400 rows of fp32 logits
     plenty, _, _ = _chunk_sizes(b, monkeypatch, 1 << 50, chunk_bytes=budget)
     assert plenty == [337, 337, 336]  # the budget's 400 rows, as equal chunks
-    short, result, grads = _chunk_sizes(b, monkeypatch, fixed + 210 * cost.row_bytes + cost.row_bytes // 2,
-                                        chunk_bytes=budget)
+    short, result, grads = _chunk_sizes(
+        b, monkeypatch, fixed + 210 * cost.row_bytes + cost.row_bytes // 2, chunk_bytes=budget
+    )
     assert short == [202] * 5  # 210 rows fit: five equal chunks of at most 210
     assert sum(short) == scored
     none_query, _, _ = _chunk_sizes(b, monkeypatch, None, chunk_bytes=budget)
@@ -293,11 +351,21 @@ def test_the_free_memory_the_plan_calls_enough_plans_as_plenty_does(monkeypatch,
     memory does (chunk requests off the row multiple included), and less may not plan larger chunks."""
     b = batch()
     cost, _, _ = _cost_and_fixed(b)
-    cost = chunking.ChunkCost(cost.stored_row_bytes, cost.transient_row_bytes, cost.fixed_bytes, 128, row_multiple,
-                              cost.budget_bytes)
-    p = build_problem(b.hidden.requires_grad_(True), b.weight.requires_grad_(True), b.labels, temperature=0.8,
-                      tp_group=None, score_mask=b.score_mask, ignore_index=-100, vocab_size=None,
-                      calculate_entropy=True, tile_rows=None)
+    cost = chunking.ChunkCost(
+        cost.stored_row_bytes, cost.transient_row_bytes, cost.fixed_bytes, 128, row_multiple, cost.budget_bytes
+    )
+    p = build_problem(
+        b.hidden.requires_grad_(True),
+        b.weight.requires_grad_(True),
+        b.labels,
+        temperature=0.8,
+        tp_group=None,
+        score_mask=b.score_mask,
+        ignore_index=-100,
+        vocab_size=None,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     asked = []
 
     def plan(available):
@@ -306,8 +374,15 @@ def test_the_free_memory_the_plan_calls_enough_plans_as_plenty_does(monkeypatch,
             return available
 
         monkeypatch.setattr(chunking, "available_bytes", reading)
-        return chunking.plan_chunks(p, cost, want_grads=True, chunk_rows=request_.get("chunk_rows"),
-                                    chunk_bytes=request_.get("chunk_bytes"), groups=None, loss_name="x")
+        return chunking.plan_chunks(
+            p,
+            cost,
+            want_grads=True,
+            chunk_rows=request_.get("chunk_rows"),
+            chunk_bytes=request_.get("chunk_bytes"),
+            groups=None,
+            loss_name="x",
+        )
 
     plenty = plan(1 << 50)
     enough = asked[-1]
@@ -345,7 +420,8 @@ def test_no_smallest_chunk_in_free_memory_takes_the_two_pass_path(monkeypatch, c
     assert [r.getMessage() for r in caplog.records] == [
         f"log_probs_entropy_and_loss: loss short of memory: too little free GPU memory for a chunk of 128 rows: "
         f"{mib(need)} needed ({mib(128 * cost.row_bytes)} for the chunk, 0.0 MiB for the fp32 d_weight accumulator, "
-        f"{mib(fixed)} for the gradients, per-row vectors and the 256.0 MiB margin), {mib(fixed + 127 * cost.row_bytes)} "
+        f"{mib(fixed)} for the gradients, per-row vectors and the 256.0 MiB margin), "
+        f"{mib(fixed + 127 * cost.row_bytes)} "
         "free on cpu; this call runs the two-pass path (logits recomputed in backward)"
     ]
 
@@ -363,8 +439,12 @@ def test_buffers_the_allocator_cannot_give_send_the_call_to_the_two_pass_path(mo
     loss_fn, row_gradients = _weighted_sum(b.labels.numel())
     asked = []
     with caplog.at_level(logging.WARNING, logger="verl_fused_hook.ops.chunking"):
-        result, grads = fused(b, loss_fn, loss_name="fragmented",
-                              row_gradients=lambda rows, lp, ent: asked.append(rows) or row_gradients(rows, lp, ent))
+        result, grads = fused(
+            b,
+            loss_fn,
+            loss_name="fragmented",
+            row_gradients=lambda rows, lp, ent: asked.append(rows) or row_gradients(rows, lp, ent),
+        )
     assert asked == []  # no chunk ran: the two-pass path never asks for row gradients
     assert_matches(result, grads, two_pass_reference(b, loss_fn))
     assert [r.getMessage() for r in caplog.records] == [
@@ -400,8 +480,17 @@ def _rank_call(rank, b: Batch, loss_fn, available, **kwargs):
     shard = padded[rank * SHARD : (rank + 1) * SHARD].clone().requires_grad_(True)
     try:
         result = log_probs_entropy_and_loss(
-            hidden, shard, b.labels, loss_fn=recording(loss_fn, calls), loss_name="gspo tp", temperature=0.8,
-            score_mask=b.score_mask, backend="torch", tp_group=dist.group.WORLD, vocab_size=V, **kwargs,
+            hidden,
+            shard,
+            b.labels,
+            loss_fn=recording(loss_fn, calls),
+            loss_name="gspo tp",
+            temperature=0.8,
+            score_mask=b.score_mask,
+            backend="torch",
+            tp_group=dist.group.WORLD,
+            vocab_size=V,
+            **kwargs,
         )
         grads = torch.autograd.grad(result.loss, (hidden, shard))
     except ValueError as error:
@@ -412,11 +501,26 @@ def _rank_call(rank, b: Batch, loss_fn, available, **kwargs):
 def _rank_room(rank, b: Batch, rows: int) -> int:
     """A free-memory reading that holds `rows` rows of this rank's chunk and no more."""
     valid = min(SHARD, V - rank * SHARD)
-    p = build_problem(b.hidden, b.weight[:SHARD], b.labels % valid, temperature=0.8, tp_group=None, score_mask=b.score_mask,
-                      ignore_index=-100, vocab_size=valid, calculate_entropy=True, tile_rows=None)
+    p = build_problem(
+        b.hidden,
+        b.weight[:SHARD],
+        b.labels % valid,
+        temperature=0.8,
+        tp_group=None,
+        score_mask=b.score_mask,
+        ignore_index=-100,
+        vocab_size=valid,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     cost = loss_inside_cost(p, True)
-    fixed = (cost.fixed_bytes + chunking.ROW_VECTOR_BYTES * p.num_rows + chunking.FREE_MEMORY_MARGIN_BYTES
-             + p.hidden.numel() * 4 + p.weight.numel() * 4)
+    fixed = (
+        cost.fixed_bytes
+        + chunking.ROW_VECTOR_BYTES * p.num_rows
+        + chunking.FREE_MEMORY_MARGIN_BYTES
+        + p.hidden.numel() * 4
+        + p.weight.numel() * 4
+    )
     return fixed + rows * cost.row_bytes + cost.row_bytes // 2
 
 
@@ -453,26 +557,41 @@ def tp_worker(rank, world_size):
     out = {
         "groups": _rank_call(rank, b, gspo(b), plenty, chunk_rows=480, row_groups=b.row_groups),
         # rank 1 holds 500 rows, rank 0 any number: both walk rank 1's chunks
-        "short on rank 1": _rank_call(rank, b, gspo(b), plenty if rank == 0 else _rank_room(rank, b, 500),
-                                      chunk_rows=1000, row_groups=b.row_groups),
+        "short on rank 1": _rank_call(
+            rank,
+            b,
+            gspo(b),
+            plenty if rank == 0 else _rank_room(rank, b, 500),
+            chunk_rows=1000,
+            row_groups=b.row_groups,
+        ),
         # rank 1 holds less than the smallest chunk: both ranks take the two-pass path
-        "no chunk on rank 1": _rank_call(rank, b, gspo(b), plenty if rank == 0 else _rank_room(rank, b, 127),
-                                         chunk_rows=1000, row_groups=b.row_groups),
+        "no chunk on rank 1": _rank_call(
+            rank,
+            b,
+            gspo(b),
+            plenty if rank == 0 else _rank_room(rank, b, 127),
+            chunk_rows=1000,
+            row_groups=b.row_groups,
+        ),
     }
     # without row groups (a token-separable loss): the same equal chunks of rank 1's 500 rows on both ranks
     loss_fn, _ = _weighted_sum(b.labels.numel())
-    out["short on rank 1, no groups"] = _rank_call(rank, b, loss_fn, plenty if rank == 0 else _rank_room(rank, b, 500),
-                                                   chunk_rows=1000)
+    out["short on rank 1, no groups"] = _rank_call(
+        rank, b, loss_fn, plenty if rank == 0 else _rank_room(rank, b, 500), chunk_rows=1000
+    )
     other = b.row_groups.clone()
     other[b.index[2, 0] :] += 1  # rank 1 splits sequence 2 in two
     other[b.index[2, 0] : b.index[2, 25]] -= 1
-    out["different groups"] = _rank_call(rank, b, gspo(b), plenty, chunk_rows=480,
-                                         row_groups=b.row_groups if rank == 0 else other)
+    out["different groups"] = _rank_call(
+        rank, b, gspo(b), plenty, chunk_rows=480, row_groups=b.row_groups if rank == 0 else other
+    )
     out["allocation refused on rank 1"] = _refused_on(rank, 1, b, loss_fn)
     broken = b.row_groups.clone()
     broken[b.index[3, 10]] = 0
-    out["broken on rank 1"] = _rank_call(rank, b, gspo(b), plenty, chunk_rows=480,
-                                         row_groups=b.row_groups if rank == 0 else broken)
+    out["broken on rank 1"] = _rank_call(
+        rank, b, gspo(b), plenty, chunk_rows=480, row_groups=b.row_groups if rank == 0 else broken
+    )
     return out
 
 
@@ -483,8 +602,9 @@ def tp_ranks():
     return run_in_processes(tp_worker, 2)
 
 
-@pytest.mark.parametrize("case, ends", [("groups", [400, 680, 1010]), ("short on rank 1", [400, 680, 1010]),
-                                        ("no chunk on rank 1", [])])
+@pytest.mark.parametrize(
+    "case, ends", [("groups", [400, 680, 1010]), ("short on rank 1", [400, 680, 1010]), ("no chunk on rank 1", [])]
+)
 def test_tp2_row_groups_match_the_two_pass_op(tp_ranks, case, ends):
     b = batch()
     loss, metrics, _, _, (want_dh, want_dw) = two_pass_reference(b, gspo(b))

@@ -49,8 +49,17 @@ def _as_ddp_parameter(weight, main_grad_dtype=torch.float32, *, seed=11, zero_ou
 
 def _run(hidden, weight, labels, score_mask, g_lp, g_ent, fusion, tile_rows=None):
     h = hidden.clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(h, weight, labels, temperature=T, score_mask=score_mask, vocab_size=TRUE_VOCAB,
-                                    backend="torch", tile_rows=tile_rows, gradient_accumulation_fusion=fusion)
+    lp, ent = log_probs_and_entropy(
+        h,
+        weight,
+        labels,
+        temperature=T,
+        score_mask=score_mask,
+        vocab_size=TRUE_VOCAB,
+        backend="torch",
+        tile_rows=tile_rows,
+        gradient_accumulation_fusion=fusion,
+    )
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     return lp, ent, h.grad
 
@@ -62,8 +71,9 @@ def test_main_grad_gets_the_fp64_weight_gradient(tile_rows):
     before = param.main_grad.clone()
     lp, ent, d_hidden = _run(hidden, param, labels, score_mask, g_lp, g_ent, True, tile_rows)
     active = score_mask & (labels != -100)
-    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=T, vocab_size=TRUE_VOCAB, active=active,
-                                      grad_outputs=(g_lp, g_ent))
+    ref = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=T, vocab_size=TRUE_VOCAB, active=active, grad_outputs=(g_lp, g_ent)
+    )
     d_weight = ref[3]  # [V, H], zero in the padding columns
     added = param.main_grad.double() - before.double()
     assert (added - d_weight).abs().max().item() <= FP32_RTOL * d_weight.abs().max().item()
@@ -97,8 +107,9 @@ def test_16_bit_main_grad_is_rounded_once():
     """A bf16 main_grad (grad_reduce_in_fp32=False): main_grad + d_weight rounded once, over one block or several."""
     hidden, weight, labels, score_mask, g_lp, g_ent = _inputs(torch.bfloat16)
     active = score_mask & (labels != -100)
-    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=T, vocab_size=TRUE_VOCAB, active=active,
-                                      grad_outputs=(g_lp, g_ent))[3]
+    ref = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=T, vocab_size=TRUE_VOCAB, active=active, grad_outputs=(g_lp, g_ent)
+    )[3]
     for tile_rows in (None, 9):
         param = _as_ddp_parameter(weight, torch.bfloat16)
         before = param.main_grad.clone()
@@ -141,9 +152,19 @@ def test_loss_inside_op_adds_the_scaled_gradient():
     for fusion in (False, True):
         param = _as_ddp_parameter(weight)
         h = hidden.clone().requires_grad_()
-        out = log_probs_entropy_and_loss(h, param, labels, loss_fn=loss_fn, loss_name="test", temperature=T,
-                                         score_mask=score_mask, vocab_size=TRUE_VOCAB, backend="torch", chunk_rows=16,
-                                         gradient_accumulation_fusion=fusion)
+        out = log_probs_entropy_and_loss(
+            h,
+            param,
+            labels,
+            loss_fn=loss_fn,
+            loss_name="test",
+            temperature=T,
+            score_mask=score_mask,
+            vocab_size=TRUE_VOCAB,
+            backend="torch",
+            chunk_rows=16,
+            gradient_accumulation_fusion=fusion,
+        )
         (out.loss * 2.5).backward()
         results[fusion] = (param.main_grad + (0 if fusion else param.grad), h.grad, param.grad_added_to_main_grad)
     (unfused, d_hidden, flag_unfused), (fused, d_hidden_fused, flag_fused) = results[False], results[True]
@@ -158,9 +179,18 @@ def _tp_worker(rank, world_size, hidden, weight, labels, score_mask, g_lp, g_ent
         param = _as_ddp_parameter(weight[rank * shard : (rank + 1) * shard], seed=20 + rank)
         before = param.main_grad.clone()
         h = hidden.clone().requires_grad_()
-        lp, ent = log_probs_and_entropy(h, param, labels, temperature=T, tp_group=dist.group.WORLD, score_mask=score_mask,
-                                        vocab_size=2 * shard - 3, backend="torch", tile_rows=13,
-                                        gradient_accumulation_fusion=fusion)
+        lp, ent = log_probs_and_entropy(
+            h,
+            param,
+            labels,
+            temperature=T,
+            tp_group=dist.group.WORLD,
+            score_mask=score_mask,
+            vocab_size=2 * shard - 3,
+            backend="torch",
+            tile_rows=13,
+            gradient_accumulation_fusion=fusion,
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         results.append((param.main_grad - before) if fusion else param.grad)
     return results[0], results[1], hidden.new_tensor(results[1].abs().max())
@@ -183,13 +213,19 @@ def _ddp_worker(rank, world_size, tied, overlap):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import (
+        build_cpu_gpt,
+        init_model_parallel,
+        tiny_transformer_config,
+    )
 
     init_model_parallel(1)
     config = tiny_transformer_config()
     model = build_cpu_gpt(config, vocab_size=128, tied=tied)
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 120, (2, 16), generator=g), torch.randint(0, 120, (2, 16), generator=g)) for _ in range(2)]
+    batches = [
+        (torch.randint(0, 120, (2, 16), generator=g), torch.randint(0, 120, (2, 16), generator=g)) for _ in range(2)
+    ]
     position_ids = torch.arange(16).expand(2, 16)
     main_grads, flags = [], []
     with cuda_names_on_cpu():
@@ -201,8 +237,14 @@ def _ddp_worker(rank, world_size, tied, overlap):
             ddp.module.output_layer.gradient_accumulation_fusion = fusion
             for input_ids, labels in batches:
                 context = FusedOutputProcessorContext(temperature=T, vocab_size=123)
-                out = ddp(input_ids=input_ids, position_ids=position_ids, attention_mask=None, labels=labels,
-                          output_processor=fused_output_processor, output_processor_context=context)
+                out = ddp(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=None,
+                    labels=labels,
+                    output_processor=fused_output_processor,
+                    output_processor_context=context,
+                )
                 (out.log_probs.sum() - 0.3 * out.entropy.sum()).backward()
                 flags.append(output_weight.grad_added_to_main_grad)
             ddp.finish_grad_sync()
@@ -226,7 +268,11 @@ def _undistributed_worker(rank, world_size):
     then, and so does the hook, with a log line."""
     import logging
 
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import (
+        build_cpu_gpt,
+        init_model_parallel,
+        tiny_transformer_config,
+    )
 
     init_model_parallel(1)
     model = build_cpu_gpt(tiny_transformer_config(), vocab_size=128)
@@ -237,8 +283,14 @@ def _undistributed_worker(rank, world_size):
     logging.getLogger("verl_fused_hook.output_layer").addHandler(handler)
     logging.getLogger("verl_fused_hook.output_layer").setLevel(logging.INFO)
     ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
-    out = model(input_ids=ids, position_ids=torch.arange(16).expand(2, 16), attention_mask=None, labels=ids,
-                output_processor=fused_output_processor, output_processor_context=FusedOutputProcessorContext())
+    out = model(
+        input_ids=ids,
+        position_ids=torch.arange(16).expand(2, 16),
+        attention_mask=None,
+        labels=ids,
+        output_processor=fused_output_processor,
+        output_processor_context=FusedOutputProcessorContext(),
+    )
     out.log_probs.sum().backward()
     return model.output_layer.weight.grad is not None, [r.getMessage() for r in records]
 
@@ -257,7 +309,9 @@ def test_hook_with_backend_verl_returns_the_gradient_on_every_call():
     layer = torch.nn.Module()
     layer.gradient_accumulation_fusion = True
     weight = _as_ddp_parameter(torch.zeros(4, 2))
-    assert adds_weight_grad_to_main_grad(layer, weight, "auto") and adds_weight_grad_to_main_grad(layer, weight, "torch")
+    assert adds_weight_grad_to_main_grad(layer, weight, "auto") and adds_weight_grad_to_main_grad(
+        layer, weight, "torch"
+    )
     assert not adds_weight_grad_to_main_grad(layer, weight, "verl")
     weight.__fsdp_param__ = True  # Megatron-FSDP: its own hook makes main_grad
     assert not adds_weight_grad_to_main_grad(layer, weight, "auto")

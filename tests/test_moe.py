@@ -12,8 +12,8 @@ layer needs the stand-ins of verl_fused_hook_harness/stand_ins/moe_cpu.py.
 from __future__ import annotations
 
 import pytest
-
 from parallel_cases import CASES, case_results, reference_differences, side_differences
+
 from verl_fused_hook_harness.support.parallel_engine import HOOK, HOOK_FUSED_LOSS, HOOK_NO_MASK, UNFUSED
 
 MOE_CASES = ("ep2", "ep2_tp2", "pp2_ep2", "pp2_moe_mtp", "vpp2_moe_mtp")

@@ -60,7 +60,9 @@ def tracker_snapshot():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
-    snapshot = {key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values") if key in tracker}
+    snapshot = {
+        key: tracker[key].clone() for key in ("loss_values", "correct_values", "total_values") if key in tracker
+    }
     tracker.clear()  # scenarios differ in MTP layer count, and the tracker sizes itself once
     return snapshot
 
@@ -82,12 +84,14 @@ def compare_scenario(name, verl_patch):
 
     from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
     from verl_fused_hook.switch import HOOK, FusedForwardPlan
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
     from verl_fused_hook.verl_integration.model_plan import set_plan
     from verl_fused_hook.verl_integration.mtp import set_mtp_training
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
 
     tp, sp, tied, layout, mtp_layers, extras = SCENARIOS[name]
-    config = tiny_transformer_config(sequence_parallel=sp, mtp_num_layers=mtp_layers, use_mup=extras.get("use_mup", False))
+    config = tiny_transformer_config(
+        sequence_parallel=sp, mtp_num_layers=mtp_layers, use_mup=extras.get("use_mup", False)
+    )
     config.mtp_loss_scaling_factor = 0.3
     config.mtp_detach_heads = extras.get("mtp_detach_heads", False)
     config.calculate_per_token_loss = extras.get("per_token", False)
@@ -148,8 +152,8 @@ def compare_scenario(name, verl_patch):
 def scenarios_worker(rank, world_size, names):
     from verl.models.mcore import mtp_patch
 
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import call_sites
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     init_model_parallel(world_size)
     call_sites.install_call_sites()
@@ -235,8 +239,8 @@ def engine_steps_worker(rank, world_size, switch):
     import os
 
     from verl_fused_hook.switch import ENV_VAR
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import install
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     if switch:
         os.environ[ENV_VAR] = "1"
@@ -255,7 +259,9 @@ def engine_steps_worker(rank, world_size, switch):
         from verl_fused_hook_harness.support.verl_engine import megatron_engine
 
         os.environ[ENV_VAR] = "0"
-        legacy = megatron_engine([build_cpu_gpt(tiny_transformer_config(mtp_num_layers=1), vocab_size=VOCAB)], mtp_enable=True)
+        legacy = megatron_engine(
+            [build_cpu_gpt(tiny_transformer_config(mtp_num_layers=1), vocab_size=VOCAB)], mtp_enable=True
+        )
         legacy._maybe_enable_fused_kernels()
         steps["legacy_fused"] = legacy.engine_config.use_fused_kernels
     return steps
@@ -274,22 +280,27 @@ def engine_step(switch, enable_train, records):
     config.mtp_loss_scaling_factor = 0.3
     model = build_cpu_gpt(config, vocab_size=VOCAB)
     engine = megatron_engine(
-        [model], fused_kernel_options={"output_processor_backend": "torch"} if switch else None,
-        mtp_enable=True, mtp_enable_train=enable_train,
+        [model],
+        fused_kernel_options={"output_processor_backend": "torch"} if switch else None,
+        mtp_enable=True,
+        mtp_enable_train=enable_train,
     )
     engine._maybe_enable_fused_kernels()
     patch_engine_mtp(engine.module, engine.model_config)  # what verl's initialize does next
     batch = rl_batch(VOCAB)
     output, _ = engine.forward_step(iter([batch]), model, None, lambda output, **_: output)
     log_probs = output["log_probs"]
-    response_rows = torch.cat(
-        [torch.arange(p + r) >= p - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
-    ) & torch.cat([torch.arange(p + r) < p + r - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)])
+    response_rows = torch.cat([torch.arange(p + r) >= p - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]) & torch.cat(
+        [torch.arange(p + r) < p + r - 1 for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    )
     values = log_probs.values() * response_rows
     grad_out = torch.randn(values.shape, generator=torch.Generator().manual_seed(3))
     (values * grad_out).sum().backward()
-    tracker = {key: MTPLossLoggingHelper.tracker[key].clone() for key in ("loss_values", "correct_values", "total_values")
-               if key in MTPLossLoggingHelper.tracker}
+    tracker = {
+        key: MTPLossLoggingHelper.tracker[key].clone()
+        for key in ("loss_values", "correct_values", "total_values")
+        if key in MTPLossLoggingHelper.tracker
+    }
     return dict(
         fused=engine.engine_config.use_fused_kernels,
         log_probs=values.detach(),
@@ -340,7 +351,8 @@ def test_engine_step_matches_verls_unfused_mtp_path(engine_steps):
     assert bool(verl_as_shipped["tracker"]["total_values"].gt(0).all()) if train else not verl_as_shipped["tracker"]
 
 
-# ---------------------------------------------------------------- the A/B script's MTP scenario, the e2e bench's MTP option
+# ---------------------------------------------------------------- the A/B script's MTP scenario, the e2e bench's MTP
+# option
 
 
 def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
@@ -349,12 +361,16 @@ def test_ab_parity_mtp_scenario_on_cpu(tmp_path):
     from verl_fused_hook_harness.commands.ab import parity as ab_parity
 
     out = tmp_path / "ab_mtp.json"
-    code = ab_parity.main(["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)])
+    code = ab_parity.main(
+        ["--device", "cpu", "--scenarios", "tp1/nosp/untied", "--mtp-layers", "2", "--json", str(out)]
+    )
     report = json.loads(out.read_text())
     assert code == 0 and report["match"] and report["mtp_layers"] == 2
     (entry,) = report["scenarios"]
     assert entry["fused"] == {"verl": False, "hook": True}
-    assert all(entry["vs_verl_rel"][k] <= ab_parity.UNFUSED_RTOL for k in ("log_probs", "entropy", "policy_loss", "grads"))
+    assert all(
+        entry["vs_verl_rel"][k] <= ab_parity.UNFUSED_RTOL for k in ("log_probs", "entropy", "policy_loss", "grads")
+    )
     assert entry["mtp"]["mtp_loss"] <= ab_parity.UNFUSED_RTOL and entry["mtp"]["acceptance_gap"] == 0
 
 
@@ -376,10 +392,26 @@ def _e2e_mtp_worker(rank, world_size, out):
         return gpt_model.process_mtp_loss, mtp_patch._process_mtp_loss
 
     before = call_sites()
-    code = e2e_bench.main([
-        "--mtp", "1", "--device", "cpu", "--hf-config", "verl_fused_hook_harness/configs/tiny_qwen2", "--vocab-size", "1000",
-        "--sizes", "256", "--warmups", "1", "--repeats", "1", "--out", str(out),
-    ])
+    code = e2e_bench.main(
+        [
+            "--mtp",
+            "1",
+            "--device",
+            "cpu",
+            "--hf-config",
+            "verl_fused_hook_harness/configs/tiny_qwen2",
+            "--vocab-size",
+            "1000",
+            "--sizes",
+            "256",
+            "--warmups",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     # the probe put back what it wrapped (the plugin's replacement, installed by the bench, stays)
     return code, [a is b or getattr(a, "__wrapped__", None) is b for a, b in zip(call_sites(), before)]
 
@@ -405,14 +437,19 @@ def test_e2e_bench_mtp_option_on_cpu(tmp_path):
 
     # the output layer's own memory, measured inside the real step (figures n/a on the CPU)
     hidden, vocab = 128, 1024  # tiny_qwen2's hidden size; the vocabulary 1000 padded to a multiple of 128
-    sites = {"hook": "verl_fused_hook.verl_integration.mtp.make_process_mtp_loss.<locals>.process_mtp_loss",
-             "verl": "megatron.core.transformer.multi_token_prediction.process_mtp_loss"}
+    sites = {
+        "hook": "verl_fused_hook.verl_integration.mtp.make_process_mtp_loss.<locals>.process_mtp_loss",
+        "verl": "megatron.core.transformer.multi_token_prediction.process_mtp_loss",
+    }
     for row in entry["sides"]:
         head = row["output_layer"]
         assert head["calls"] == [sites[row["side"]]], head["calls"]
         assert head["hidden_rows"] == 2 * 256  # main + one MTP layer's hidden states, concatenated
         assert head["hidden_grad_bytes"] == 2 * 256 * hidden * 4 and head["weight_grad_bytes"] == vocab * hidden * 4
-        assert set(head["scored_rows"]) == {"main", "mtp1"} and 0 < head["scored_rows"]["mtp1"] <= head["scored_rows"]["main"] < 256
+        assert (
+            set(head["scored_rows"]) == {"main", "mtp1"}
+            and 0 < head["scored_rows"]["mtp1"] <= head["scored_rows"]["main"] < 256
+        )
         assert head["accumulator_bytes"] == 4 * hidden * head["scored_rows"]["main"]
         assert head["target_bytes"] == int(1.5 * 2**30) + head["accumulator_bytes"]
         assert head["split_backward_bytes"] == head["hidden_grad_bytes"]

@@ -45,7 +45,9 @@ def rl_batch(per_token: bool):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator) for n in PROMPT_LENS]
     responses = [torch.randint(0, VOCAB, (n,), generator=generator) for n in RESPONSE_LENS]
-    batch = mtp_batch(nested(torch.cat(pair) for pair in zip(prompts, responses)), nested(prompts), nested(responses), 0.7)
+    batch = mtp_batch(
+        nested(torch.cat(pair) for pair in zip(prompts, responses)), nested(prompts), nested(responses), 0.7
+    )
     batch["loss_mask"].values()[6] = 0  # a tool-output token inside the first response
     if per_token:  # what verl's engine assigns before forward_step (routed / batch tokens = 0.8)
         tu.assign_non_tensor(batch, batch_num_tokens=20, routed_num_tokens=16)
@@ -53,10 +55,10 @@ def rl_batch(per_token: bool):
 
 
 def run_case(name: str) -> dict:
-    from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
-    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
     from verl_fused_hook.verl_integration.forward_step import response_score_rows
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, tiny_transformer_config
+    from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
+    from verl_fused_hook_harness.support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
 
     _, sp, tied, layers, per_token = CASES[name]
     results = {}
@@ -87,8 +89,8 @@ WORLD, CP = 4, 2
 def cp_worker(rank, world_size, names):
     """Every case at CP=2 and at CP=1 (its reference), in one set of processes: the parallel state is
     rebuilt per (TP, CP); ranks beyond TP x CP are data-parallel replicas. Process start-ups cost most."""
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook.verl_integration import install
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
 
     install()
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (fires the plugin's build gate)
@@ -150,9 +152,13 @@ def test_context_parallel_ranks_together_score_what_one_rank_scores(runs, name):
         # rows = MTP layers; each CP rank logs its own tokens' counts and mean loss (megatron averages later)
         total = sum(result[side]["metrics"]["total_values"][:layers] for result in cp_ranks)
         correct = sum(result[side]["metrics"]["correct_values"][:layers] for result in cp_ranks)
-        loss_sum = sum(result[side]["metrics"]["loss_values"][:layers] * result[side]["metrics"]["total_values"][:layers]
-                       for result in cp_ranks)
+        loss_sum = sum(
+            result[side]["metrics"]["loss_values"][:layers] * result[side]["metrics"]["total_values"][:layers]
+            for result in cp_ranks
+        )
         metrics = want["metrics"]
         assert torch.equal(total, metrics["total_values"][:layers]) and bool(total.gt(0).all()), side
         assert torch.equal(correct, metrics["correct_values"][:layers]), side
-        assert relative_error(loss_sum, metrics["loss_values"][:layers] * metrics["total_values"][:layers]) <= RTOL, side
+        assert relative_error(loss_sum, metrics["loss_values"][:layers] * metrics["total_values"][:layers]) <= RTOL, (
+            side
+        )

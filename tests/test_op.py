@@ -3,11 +3,11 @@
 import pytest
 import torch
 from saved_tensors import SavedTensorBytes
-from verl_fused_hook_harness.support.memory import PeakMemory
-from verl_fused_hook_harness.support import compare
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
+from verl_fused_hook_harness.support import compare
+from verl_fused_hook_harness.support.memory import PeakMemory
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 FP32_ATOL = 1e-5  # log-prob / entropy, fp32 inputs
 FP32_GRAD_RTOL = 1e-5  # gradients, relative to the reference's largest entry
@@ -137,7 +137,9 @@ def test_extreme_logits_stay_finite_and_exact(case):
 
 def test_entropy_optional_and_no_grad_path_identical():
     hidden, weight, labels, _ = make_inputs()
-    lp_only, none = log_probs_and_entropy(hidden, weight, labels, calculate_entropy=False, backend="torch", tile_rows=16)
+    lp_only, none = log_probs_and_entropy(
+        hidden, weight, labels, calculate_entropy=False, backend="torch", tile_rows=16
+    )
     assert none is None
     with torch.no_grad():
         lp_nograd, ent_nograd = log_probs_and_entropy(hidden, weight, labels, backend="torch", tile_rows=16)
@@ -177,8 +179,10 @@ def test_memory_does_not_grow_with_tokens():
         measured[n] = (peak.peak, peak.largest, saved.bytes)
         weight.grad = None
     (peak_small, largest_small, saved_small), (peak_large, largest_large, saved_large) = measured[2048], measured[16384]
-    print(f"peak bytes N=2048: {peak_small}, N=16384: {peak_large}; saved {saved_small} / {saved_large}; "
-          f"full logits at N=16384 would be {16384 * vocab * 4}")
+    print(
+        f"peak bytes N=2048: {peak_small}, N=16384: {peak_large}; saved {saved_small} / {saved_large}; "
+        f"full logits at N=16384 would be {16384 * vocab * 4}"
+    )
     assert largest_small <= tile_bytes and largest_large <= tile_bytes  # no [N, V] tensor ever
     # Saved for backward: per-row statistics only (3 fp32 + an int64 row index = 20 bytes a row).
     assert saved_large <= 20 * 16384 and saved_small <= 20 * 2048

@@ -36,7 +36,11 @@ def test_choices_and_capabilities():
         assert backend_capabilities(name) == dataclasses.replace(EVERYTHING, keep_logits=True), name
     assert backend_capabilities("torch") == EVERYTHING
     assert backend_capabilities("verl") == BackendCapabilities(
-        per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False,
+        per_row_temperature=False,
+        row_selection=False,
+        padded_vocabulary=False,
+        label_is_max=False,
+        loss_inside=False,
         selected_tokens=False,
     )
     with pytest.raises(ValueError, match=r"backend: unknown 'cuda'; allowed: auto, triton, torch, verl"):
@@ -70,7 +74,9 @@ def test_keep_logits_on_a_backend_that_recomputes_says_so_once_and_changes_nothi
 def test_build_time_checks_need_no_tensors():
     assert backend_unavailable_at_build("auto", hidden_size=100, device_type="cpu") is None
     assert backend_unavailable_at_build("torch", hidden_size=100, device_type="cpu") is None
-    assert backend_unavailable_at_build("triton", hidden_size=4096, device_type="cpu") == "needs CUDA; the model is on cpu"
+    assert (
+        backend_unavailable_at_build("triton", hidden_size=4096, device_type="cpu") == "needs CUDA; the model is on cpu"
+    )
     assert backend_unavailable_at_build("verl", hidden_size=100, device_type="cuda") == (
         "hidden: verl's kernel needs H % 128 == 0, got H=100"
     )
@@ -84,10 +90,22 @@ def test_build_time_checks_need_no_tensors():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(temperature="per_row"), r"temperature: verl's kernel takes one float for every row, got a per-row tensor"),
-        (dict(score_mask="half"), r"score_mask/ignore_index: verl's kernel scores every row, but 6 of 12 rows are left out"),
-        (dict(ignore_row=True), r"score_mask/ignore_index: verl's kernel scores every row, but 1 of 12 rows are left out"),
-        (dict(vocab_size=60), r"vocab_size: verl's kernel takes no padded vocabulary, got vocab_size=60 below V_local \* tp size = 64"),
+        (
+            dict(temperature="per_row"),
+            r"temperature: verl's kernel takes one float for every row, got a per-row tensor",
+        ),
+        (
+            dict(score_mask="half"),
+            r"score_mask/ignore_index: verl's kernel scores every row, but 6 of 12 rows are left out",
+        ),
+        (
+            dict(ignore_row=True),
+            r"score_mask/ignore_index: verl's kernel scores every row, but 1 of 12 rows are left out",
+        ),
+        (
+            dict(vocab_size=60),
+            r"vocab_size: verl's kernel takes no padded vocabulary, got vocab_size=60 below V_local \* tp size = 64",
+        ),
         (dict(return_label_is_max=True), r"return_label_is_max: verl's kernel has no label-is-max output"),
         (dict(h=96), r"hidden: verl's kernel needs H % 128 == 0, got H=96"),
         ({}, r"hidden: verl's kernel needs CUDA tensors, got cpu"),  # everything else it takes: refused on the CPU
@@ -114,8 +132,12 @@ def test_verl_backend_refuses_what_its_kernel_cannot_take(change, message):
 
 def test_loss_inside_refuses_a_whole_problem_backend():
     hidden, weight, labels = inputs()
-    with pytest.raises(ValueError, match=r"backend='verl' cannot run log_probs_entropy_and_loss: .* allowed: auto, triton, torch"):
-        log_probs_entropy_and_loss(hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", backend="verl")
+    with pytest.raises(
+        ValueError, match=r"backend='verl' cannot run log_probs_entropy_and_loss: .* allowed: auto, triton, torch"
+    ):
+        log_probs_entropy_and_loss(
+            hidden, weight, labels, loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x", backend="verl"
+        )
 
 
 @pytest.fixture
@@ -129,10 +151,19 @@ def fake_verl_kernel(monkeypatch):
     calls = []
 
     def fake_linear_cross_entropy(hidden, weight, labels, temperature, reduction, tp_group):
-        calls.append(dict(hidden=hidden, weight=weight, labels=labels, temperature=temperature, reduction=reduction,
-                          tp_group=tp_group))
-        return log_probs_and_entropy(hidden, weight, labels, temperature=temperature, tp_group=tp_group,
-                                     tp_hidden="partial", backend="torch")
+        calls.append(
+            dict(
+                hidden=hidden,
+                weight=weight,
+                labels=labels,
+                temperature=temperature,
+                reduction=reduction,
+                tp_group=tp_group,
+            )
+        )
+        return log_probs_and_entropy(
+            hidden, weight, labels, temperature=temperature, tp_group=tp_group, tp_hidden="partial", backend="torch"
+        )
 
     monkeypatch.setattr(verl_kernel, "linear_cross_entropy", fake_linear_cross_entropy)
     monkeypatch.setattr(verl_backend, "unavailable_reason", lambda problem: None)
@@ -143,8 +174,9 @@ def fake_verl_kernel(monkeypatch):
 def test_verl_backend_calls_the_kernel_as_verl_does(fake_verl_kernel, calculate_entropy):
     hidden, weight, labels = inputs()
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    log_probs, entropy = log_probs_and_entropy(h, w, labels, temperature=0.7, backend="verl",
-                                               calculate_entropy=calculate_entropy)
+    log_probs, entropy = log_probs_and_entropy(
+        h, w, labels, temperature=0.7, backend="verl", calculate_entropy=calculate_entropy
+    )
     (call,) = fake_verl_kernel
     # hidden [s, b, h] flattened to [N, H] as the kernel does itself (the same memory), labels contiguous
     assert call["hidden"].shape == (12, 128) and call["hidden"].data_ptr() == h.data_ptr()
@@ -171,6 +203,7 @@ def test_describe_backends_names_the_pick_and_every_other_reason():
 
     reasons = describe_backends(torch.zeros(3, 96), torch.zeros(5, 96))
     assert reasons == {
-        "triton": reasons["triton"], "torch": None, "verl": "hidden: verl's kernel needs H % 128 == 0, got H=96", "auto": "torch",
+        "triton": reasons["triton"], "torch": None, "verl": "hidden: verl's kernel needs H % 128 == 0, got H=96",
+        "auto": "torch",
     }  # fmt: skip
     assert reasons["triton"] in ("CUDA is not available", "hidden is on cpu")

@@ -35,8 +35,15 @@ def test_label_is_max_matches_fp64_argmax():
     hidden, weight, labels, vocab, temperature, score_mask, want = make_case()
     hidden.requires_grad_(True)
     log_probs, entropy, label_is_max = log_probs_and_entropy(
-        hidden, weight, labels, temperature=temperature, score_mask=score_mask, vocab_size=vocab,
-        backend="torch", tile_rows=8, return_label_is_max=True,
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        score_mask=score_mask,
+        vocab_size=vocab,
+        backend="torch",
+        tile_rows=8,
+        return_label_is_max=True,
     )
     assert label_is_max.dtype == torch.bool and label_is_max.shape == labels.shape
     assert not label_is_max.requires_grad
@@ -44,8 +51,14 @@ def test_label_is_max_matches_fp64_argmax():
     assert 0 < int(want.sum()) < int(score_mask.sum())  # both outcomes are exercised
     # The other outputs and their gradient are those of the two-output call.
     plain_lp, plain_ent = log_probs_and_entropy(
-        hidden, weight, labels, temperature=temperature, score_mask=score_mask, vocab_size=vocab,
-        backend="torch", tile_rows=8,
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        score_mask=score_mask,
+        vocab_size=vocab,
+        backend="torch",
+        tile_rows=8,
     )
     assert torch.equal(log_probs, plain_lp) and torch.equal(entropy, plain_ent)
     log_probs.sum().backward()
@@ -56,8 +69,15 @@ def test_label_is_max_without_grad_and_entropy():
     hidden, weight, labels, vocab, temperature, score_mask, want = make_case(seed=5)
     with torch.no_grad():
         _, entropy, label_is_max = log_probs_and_entropy(
-            hidden, weight, labels, temperature=temperature, score_mask=score_mask, vocab_size=vocab,
-            calculate_entropy=False, backend="torch", return_label_is_max=True,
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            score_mask=score_mask,
+            vocab_size=vocab,
+            calculate_entropy=False,
+            backend="torch",
+            return_label_is_max=True,
         )
     assert entropy is None
     assert torch.equal(label_is_max, want)
@@ -86,8 +106,16 @@ def sharded_worker(rank, world_size):
     hidden, weight, labels, vocab, temperature, score_mask, _ = make_case()
     shard = weight.chunk(world_size)[rank]
     *_, label_is_max = log_probs_and_entropy(
-        hidden, shard, labels, temperature=temperature, tp_group=dist.group.WORLD, score_mask=score_mask,
-        vocab_size=vocab, backend="torch", tile_rows=16, return_label_is_max=True,
+        hidden,
+        shard,
+        labels,
+        temperature=temperature,
+        tp_group=dist.group.WORLD,
+        score_mask=score_mask,
+        vocab_size=vocab,
+        backend="torch",
+        tile_rows=16,
+        return_label_is_max=True,
     )
     return label_is_max
 

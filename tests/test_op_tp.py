@@ -1,13 +1,14 @@
-"""The op with a vocabulary sharded over two and four gloo processes, against the fp64 reference of the whole vocabulary."""
+"""The op with a vocabulary sharded over two and four gloo processes, against the fp64 reference of the whole
+vocabulary."""
 
 import pytest
 import torch
 import torch.distributed as dist
-from verl_fused_hook_harness.support import compare
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook import log_probs_and_entropy
+from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 ATOL = 5e-5  # log-prob / entropy (entropy sums up to 32k columns in fp32)
 GRAD_RTOL = 1e-5
@@ -80,7 +81,9 @@ def test_ranks_match_fp64_reference(case, rank_results):
     )
     log_probs, entropies, d_hiddens, d_weights = zip(*results)
     for rank in range(1, world_size):
-        assert torch.equal(log_probs[rank], log_probs[0]) and torch.equal(entropies[rank], entropies[0]), "ranks must agree"
+        assert torch.equal(log_probs[rank], log_probs[0]) and torch.equal(entropies[rank], entropies[0]), (
+            "ranks must agree"
+        )
     assert compare.max_abs(log_probs[0], want_lp) <= ATOL and compare.max_abs(entropies[0], want_ent) <= ATOL
     # Each rank returns its partial d_hidden; their sum is the full gradient.
     assert compare.error(want_dh, sum(d_hiddens), relative=True) <= GRAD_RTOL

@@ -10,11 +10,11 @@ tensor_parallel_output_grad=True) followed by the op with "partial": the same bi
 import pytest
 import torch
 import torch.distributed as dist
-from verl_fused_hook_harness.support import compare
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 from verl_fused_hook.ops import TP_HIDDEN_CHOICES, log_probs_and_entropy, log_probs_entropy_and_loss
+from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 ATOL = 1e-5  # log-prob / entropy, fp32
 GRAD_RTOL = 1e-5  # gradients, relative to the reference's largest entry
@@ -36,8 +36,13 @@ def case_inputs():
 def reference():
     hidden, weight, labels, temperature, score_mask, grads = case_inputs()
     lp, ent, dh, dw = reference_log_probs_entropy(
-        hidden.reshape(-1, H), weight, labels.reshape(-1), temperature=temperature.reshape(-1), vocab_size=VOCAB,
-        active=score_mask.reshape(-1), grad_outputs=tuple(g.reshape(-1) for g in grads),
+        hidden.reshape(-1, H),
+        weight,
+        labels.reshape(-1),
+        temperature=temperature.reshape(-1),
+        vocab_size=VOCAB,
+        active=score_mask.reshape(-1),
+        grad_outputs=tuple(g.reshape(-1) for g in grads),
     )
     return lp.view(S, B), ent.view(S, B), dh.view(S, B, H), dw
 
@@ -51,12 +56,18 @@ def _op(rank, world_size, tp_hidden, *, sliced=None, map_hidden=None, fused_loss
     sliced = tp_hidden == "sequence_sharded" if sliced is None else sliced
     leaf = (full[rank * rows : (rank + 1) * rows] if sliced else full).clone().requires_grad_(True)
     hidden = leaf if map_hidden is None else map_hidden(leaf)
-    common = dict(temperature=temperature, tp_group=dist.group.WORLD, tp_hidden=tp_hidden, score_mask=score_mask,
-                  vocab_size=VOCAB)
+    common = dict(
+        temperature=temperature, tp_group=dist.group.WORLD, tp_hidden=tp_hidden, score_mask=score_mask, vocab_size=VOCAB
+    )
     if fused_loss:
         result = log_probs_entropy_and_loss(
-            hidden, shard, labels, **common, chunk_rows=7,
-            loss_fn=lambda lp, ent: ((lp * grads[0]).sum() + (ent * grads[1]).sum(), {}), loss_name="weighted sum",
+            hidden,
+            shard,
+            labels,
+            **common,
+            chunk_rows=7,
+            loss_fn=lambda lp, ent: ((lp * grads[0]).sum() + (ent * grads[1]).sum(), {}),
+            loss_name="weighted sum",
         )
         result.loss.backward()
         log_probs, entropy = result.log_probs, result.entropy
@@ -77,19 +88,31 @@ def _through_megatron(rank, world_size, sequence_parallel: bool):
 
     enable_cpu_megatron()  # megatron allocates the gather's output on torch.cuda.current_device(): "cpu" here
     if sequence_parallel:
+
         def gather(leaf):
             return gather_from_sequence_parallel_region(leaf, tensor_parallel_output_grad=True, group=dist.group.WORLD)
 
         return _op(rank, world_size, "partial", sliced=True, map_hidden=gather)
-    return _op(rank, world_size, "partial", map_hidden=lambda leaf: copy_to_tensor_model_parallel_region(leaf, group=dist.group.WORLD))
+    return _op(
+        rank,
+        world_size,
+        "partial",
+        map_hidden=lambda leaf: copy_to_tensor_model_parallel_region(leaf, group=dist.group.WORLD),
+    )
 
 
 def _refused_labels(rank, world_size):
     full, weight, labels, *_ = case_inputs()
     rows = S // world_size
     try:
-        log_probs_and_entropy(full[:rows], weight.chunk(world_size)[rank], labels[:rows], tp_group=dist.group.WORLD,
-                              tp_hidden="sequence_sharded", vocab_size=VOCAB)
+        log_probs_and_entropy(
+            full[:rows],
+            weight.chunk(world_size)[rank],
+            labels[:rows],
+            tp_group=dist.group.WORLD,
+            tp_hidden="sequence_sharded",
+            vocab_size=VOCAB,
+        )
     except ValueError as error:
         return str(error)
     return None
@@ -147,7 +170,9 @@ def test_partial_gives_each_rank_its_shards_part(ranks):
     assert compare.error(want_dh, sum(r[2] for r in results), relative=True) <= GRAD_RTOL
 
 
-@pytest.mark.parametrize("mode, megatron", [("replicated", "megatron copy_to"), ("sequence_sharded", "megatron sequence gather")])
+@pytest.mark.parametrize(
+    "mode, megatron", [("replicated", "megatron copy_to"), ("sequence_sharded", "megatron sequence gather")]
+)
 def test_same_bits_as_megatrons_mappings(ranks, mode, megatron):
     for per_rank in ranks:
         for ours, theirs in zip(per_rank[mode], per_rank[megatron]):
@@ -179,5 +204,7 @@ def test_unknown_layout_names_the_field(op):
     hidden, weight, labels, *_ = case_inputs()
     extra = {} if op == "log_probs_and_entropy" else dict(loss_fn=lambda lp, ent: (lp.sum(), {}), loss_name="x")
     function = log_probs_and_entropy if op == "log_probs_and_entropy" else log_probs_entropy_and_loss
-    with pytest.raises(ValueError, match=r"tp_hidden: unknown 'sharded'; allowed: replicated, sequence_sharded, partial"):
+    with pytest.raises(
+        ValueError, match=r"tp_hidden: unknown 'sharded'; allowed: replicated, sequence_sharded, partial"
+    ):
         function(hidden, weight, labels, tp_hidden="sharded", **extra)

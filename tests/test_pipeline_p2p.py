@@ -119,8 +119,12 @@ def test_hook_mode_refuses_vpp_at_pp2_without_overlap(observed):
     for rank in (0, 1):
         message = observed[rank]["refusal"]
         assert message is not None and message.startswith("verl_fused_hook: virtual pipeline parallelism")
-        for words in ("virtual_pipeline_model_parallel_size=2", "pipeline_model_parallel_size=2",
-                      "overlap_p2p_comm=False, batch_p2p_comm=False (variable_seq_lengths=True)", "override_transformer_config"):
+        for words in (
+            "virtual_pipeline_model_parallel_size=2",
+            "pipeline_model_parallel_size=2",
+            "overlap_p2p_comm=False, batch_p2p_comm=False (variable_seq_lengths=True)",
+            "override_transformer_config",
+        ):
             assert words in message
 
 
@@ -131,11 +135,29 @@ def test_hook_mode_refuses_vpp_at_pp2_without_overlap(observed):
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=False), True),
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, batch_p2p_comm=True), True),
         (dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=False), False),
-        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None, overlap_p2p_comm=False), False),
-        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, variable_seq_lengths=False,
-              overlap_p2p_comm=False), False),
-        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, variable_seq_lengths=False,
-              overlap_p2p_comm=False, batch_p2p_comm=True), True),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None, overlap_p2p_comm=False),
+            False,
+        ),
+        (
+            dict(
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                variable_seq_lengths=False,
+                overlap_p2p_comm=False,
+            ),
+            False,
+        ),
+        (
+            dict(
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                variable_seq_lengths=False,
+                overlap_p2p_comm=False,
+                batch_p2p_comm=True,
+            ),
+            True,
+        ),
     ],
 )
 def test_which_layouts_are_refused(settings, refused):
@@ -145,7 +167,9 @@ def test_which_layouts_are_refused(settings, refused):
 
     from verl_fused_hook.verl_integration.parallel_checks import unsupported_parallelism
 
-    config = SimpleNamespace(**{"variable_seq_lengths": True, "overlap_p2p_comm": True, "batch_p2p_comm": False, **settings})
+    config = SimpleNamespace(
+        **{"variable_seq_lengths": True, "overlap_p2p_comm": True, "batch_p2p_comm": False, **settings}
+    )
     assert (unsupported_parallelism(config) is not None) == refused
 
 
@@ -163,7 +187,13 @@ def test_hook_mode_names_verls_limit_with_ep_communication_overlap():
 
     assert "return_schedule_plan=True" in inspect.getsource(combined_1f1b)
     assert "return_schedule_plan" not in inspect.signature(MegatronEngineWithLMHead.forward_step).parameters
-    message = unsupported_parallelism(SimpleNamespace(pipeline_model_parallel_size=1, overlap_moe_expert_parallel_comm=True))
-    for words in ("overlap_moe_expert_parallel_comm=True", "return_schedule_plan=True", "verl's MegatronEngine.forward_step",
-                  "overlap_moe_expert_parallel_comm=False in override_transformer_config"):
+    message = unsupported_parallelism(
+        SimpleNamespace(pipeline_model_parallel_size=1, overlap_moe_expert_parallel_comm=True)
+    )
+    for words in (
+        "overlap_moe_expert_parallel_comm=True",
+        "return_schedule_plan=True",
+        "verl's MegatronEngine.forward_step",
+        "overlap_moe_expert_parallel_comm=False in override_transformer_config",
+    ):
         assert words in message

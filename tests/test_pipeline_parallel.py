@@ -17,12 +17,22 @@ states: the fault tests inject exactly that and the comparisons must fail.
 from __future__ import annotations
 
 import pytest
-
 from parallel_cases import CASES, case_results, reference_differences, side_differences
+
 from verl_fused_hook_harness.support.parallel_engine import HOOK, HOOK_FUSED_LOSS, HOOK_NO_MASK, REFERENCE, UNFUSED
 
-PIPELINE_CASES = ("pp2", "vpp2", "pp2_bshd", "vpp2_bshd", "pp2_tied", "pp4", "pp2_tp2", "vpp2_tp2", "pp2_cp2",
-                  "pp2_cp2_bshd")
+PIPELINE_CASES = (
+    "pp2",
+    "vpp2",
+    "pp2_bshd",
+    "vpp2_bshd",
+    "pp2_tied",
+    "pp4",
+    "pp2_tp2",
+    "vpp2_tp2",
+    "pp2_cp2",
+    "pp2_cp2_bshd",
+)
 MICRO_BATCHES = 4
 
 
@@ -70,7 +80,10 @@ def test_fused_loss_ran_inside_the_op_on_the_last_stage(name):
     for rank, sides in enumerate(ranks):
         last = bool(sides[HOOK_FUSED_LOSS]["losses"])
         expected = MICRO_BATCHES if last and not case.padded else 0
-        assert sides[HOOK_FUSED_LOSS]["fused_loss_calls"] == expected, (rank, sides[HOOK_FUSED_LOSS]["fused_loss_calls"])
+        assert sides[HOOK_FUSED_LOSS]["fused_loss_calls"] == expected, (
+            rank,
+            sides[HOOK_FUSED_LOSS]["fused_loss_calls"],
+        )
         assert sides[HOOK]["fused_loss_calls"] == 0
 
 

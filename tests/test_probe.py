@@ -9,8 +9,8 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.module import Float16Module
 
 from verl_fused_hook import OutputProcessorUnsupportedError, require_output_processor_support
-from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 
 class DataParallelLike(torch.nn.Module):

@@ -61,7 +61,9 @@ def _free_port() -> int:
 
 
 def _clean_env() -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items() if name not in FORWARDED_ENV and not name.startswith("RAY_")}
+    env = {
+        name: value for name, value in os.environ.items() if name not in FORWARDED_ENV and not name.startswith("RAY_")
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return env
 
@@ -73,9 +75,21 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="vfh-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray_cli = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
-        [str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-         "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(ray_cli),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=_clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -109,7 +123,7 @@ def _run_driver(address: str, **extra_env: str) -> dict:
     result = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=400)
     lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 def test_forwarded_env_takes_only_our_variables_as_strings():

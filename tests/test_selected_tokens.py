@@ -22,9 +22,20 @@ GRAD_TOL = 1e-5
 def run(case, top_k=0, backend="torch", tile_rows=8, **kwargs) -> tuple[TokenLogProbs, torch.Tensor, torch.Tensor]:
     hidden = case.hidden.clone().requires_grad_()
     weight = case.weight.clone().requires_grad_()
-    out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
-                          score_mask=case.score_mask, vocab_size=case.vocab_size, top_k=top_k,
-                          calculate_sum_pi_squared=True, backend=backend, tile_rows=tile_rows, **kwargs)
+    out = token_log_probs(
+        hidden,
+        weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        top_k=top_k,
+        calculate_sum_pi_squared=True,
+        backend=backend,
+        tile_rows=tile_rows,
+        **kwargs,
+    )
     upstream_loss(out, case).backward()
     return out, hidden.grad, weight.grad
 
@@ -49,7 +60,7 @@ def test_against_fp64(options):
     assert out.token_log_probs.dtype == torch.float32 and out.top_ids.dtype == torch.int64
     assert rel(d_hidden, want["d_hidden"]) <= GRAD_TOL
     assert rel(d_weight, want["d_weight"]) <= GRAD_TOL
-    assert torch.count_nonzero(d_weight[case.vocab_size:]) == 0  # padding columns get nothing
+    assert torch.count_nonzero(d_weight[case.vocab_size :]) == 0  # padding columns get nothing
 
 
 def test_rows_not_computed_hold_zero_and_get_no_gradient():
@@ -94,9 +105,19 @@ def test_only_token_gradients_flow():
     want = reference(case)
     hidden = case.hidden.clone().requires_grad_()
     weight = case.weight.clone().requires_grad_()
-    out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
-                          score_mask=case.score_mask, vocab_size=case.vocab_size, calculate_log_probs=False,
-                          calculate_entropy=False, backend="torch", tile_rows=8)
+    out = token_log_probs(
+        hidden,
+        weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        calculate_log_probs=False,
+        calculate_entropy=False,
+        backend="torch",
+        tile_rows=8,
+    )
     assert out.log_probs is None and out.entropy is None and out.top_ids is None and out.sum_pi_squared is None
     (out.token_log_probs * case.g_tokens).sum().backward()
     assert rel(hidden.grad, want["d_hidden"]) <= GRAD_TOL and rel(weight.grad, want["d_weight"]) <= GRAD_TOL
@@ -117,23 +138,56 @@ def test_matches_log_probs_and_entropy():
     from verl_fused_hook import log_probs_and_entropy
 
     case = make_case()
-    out = token_log_probs(case.hidden, case.weight, case.labels, case.token_ids, temperature=case.temperature,
-                          score_mask=case.score_mask, vocab_size=case.vocab_size, backend="torch", tile_rows=8)
-    log_probs, entropy = log_probs_and_entropy(case.hidden, case.weight, case.labels, temperature=case.temperature,
-                                               score_mask=case.score_mask, vocab_size=case.vocab_size, backend="torch",
-                                               tile_rows=8)
+    out = token_log_probs(
+        case.hidden,
+        case.weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        backend="torch",
+        tile_rows=8,
+    )
+    log_probs, entropy = log_probs_and_entropy(
+        case.hidden,
+        case.weight,
+        case.labels,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        backend="torch",
+        tile_rows=8,
+    )
     assert max_abs(out.log_probs, log_probs) <= 1e-6 and max_abs(out.entropy, entropy) <= 1e-6
 
 
 def test_batch_invariance():
     """A row's outputs are bitwise the same alone and inside a bigger batch (with other rows masked around it)."""
     case = make_case(n=29, masked=False)
-    everything = token_log_probs(case.hidden, case.weight, case.labels, case.token_ids, temperature=case.temperature,
-                                 vocab_size=case.vocab_size, top_k=4, calculate_sum_pi_squared=True, backend="torch")
+    everything = token_log_probs(
+        case.hidden,
+        case.weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        vocab_size=case.vocab_size,
+        top_k=4,
+        calculate_sum_pi_squared=True,
+        backend="torch",
+    )
     for row in (0, 13, 28):
-        alone = token_log_probs(case.hidden[row : row + 1], case.weight, case.labels[row : row + 1],
-                                case.token_ids[row : row + 1], temperature=case.temperature[row : row + 1],
-                                vocab_size=case.vocab_size, top_k=4, calculate_sum_pi_squared=True, backend="torch")
+        alone = token_log_probs(
+            case.hidden[row : row + 1],
+            case.weight,
+            case.labels[row : row + 1],
+            case.token_ids[row : row + 1],
+            temperature=case.temperature[row : row + 1],
+            vocab_size=case.vocab_size,
+            top_k=4,
+            calculate_sum_pi_squared=True,
+            backend="torch",
+        )
         for name, value in alone._asdict().items():
             assert torch.equal(value[0], getattr(everything, name)[row]), (name, row)
 
@@ -158,8 +212,14 @@ def test_second_order_gradients_are_refused():
 
 def _call(**changes):
     case = make_case(n=6, k=3)
-    arguments = dict(hidden=case.hidden, weight=case.weight, labels=case.labels, token_ids=case.token_ids,
-                     vocab_size=case.vocab_size, backend="torch")
+    arguments = dict(
+        hidden=case.hidden,
+        weight=case.weight,
+        labels=case.labels,
+        token_ids=case.token_ids,
+        vocab_size=case.vocab_size,
+        backend="torch",
+    )
     arguments.update(changes)
     return token_log_probs(**arguments)
 
@@ -171,8 +231,14 @@ def _call(**changes):
         ({"token_ids": torch.zeros(6, 3, dtype=torch.bool)}, "token_ids: must be an integer tensor, got torch.bool"),
         ({"token_ids": [[1, 2]] * 6}, "token_ids: expected an integer torch.Tensor or None, got list"),
         ({"token_ids": torch.zeros(6, dtype=torch.long)}, "token_ids: must be shaped like labels (6,) plus a last dim"),
-        ({"token_ids": torch.zeros(5, 3, dtype=torch.long)}, "token_ids: must be shaped like labels (6,) plus a last dim"),
-        ({"token_ids": torch.full((6, 3), 197)}, "token_ids: ids must lie in [0, 197) (vocab_size) on every computed row, found 197"),
+        (
+            {"token_ids": torch.zeros(5, 3, dtype=torch.long)},
+            "token_ids: must be shaped like labels (6,) plus a last dim",
+        ),
+        (
+            {"token_ids": torch.full((6, 3), 197)},
+            "token_ids: ids must lie in [0, 197) (vocab_size) on every computed row, found 197",
+        ),
         ({"token_ids": torch.full((6, 3), -1)}, "token_ids: ids must lie in [0, 197)"),
         ({"top_k": -1}, "top_k: must be an int >= 0, got -1"),
         ({"top_k": 198}, "top_k: must be an int in [0, 197] (vocab_size), got 198"),
@@ -197,6 +263,7 @@ def test_ids_of_rows_not_computed_are_not_read():
     ids = case.token_ids.clone()
     ids[2] = 10_000  # a padding row's garbage
     mask = torch.arange(6) != 2
-    out = token_log_probs(case.hidden, case.weight, case.labels, ids, score_mask=mask, vocab_size=case.vocab_size,
-                          backend="torch")
+    out = token_log_probs(
+        case.hidden, case.weight, case.labels, ids, score_mask=mask, vocab_size=case.vocab_size, backend="torch"
+    )
     assert torch.count_nonzero(out.token_log_probs[2]) == 0

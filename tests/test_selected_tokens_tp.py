@@ -33,23 +33,55 @@ def worker(rank, world_size):
         if layout == "sequence_sharded":
             hidden = hidden.chunk(world_size)[rank].clone()
         hidden.requires_grad_()
-        out = token_log_probs(hidden, shard, case.labels, case.token_ids, temperature=case.temperature,
-                              tp_group=dist.group.WORLD, tp_hidden=layout, score_mask=case.score_mask,
-                              vocab_size=case.vocab_size, top_k=TOP_K, calculate_sum_pi_squared=True, backend="torch",
-                              tile_rows=8)
+        out = token_log_probs(
+            hidden,
+            shard,
+            case.labels,
+            case.token_ids,
+            temperature=case.temperature,
+            tp_group=dist.group.WORLD,
+            tp_hidden=layout,
+            score_mask=case.score_mask,
+            vocab_size=case.vocab_size,
+            top_k=TOP_K,
+            calculate_sum_pi_squared=True,
+            backend="torch",
+            tile_rows=8,
+        )
         upstream_loss(out, case).backward()
         results[layout] = (out._asdict(), hidden.grad, shard.grad)
     case = _case()  # rows 10..12 alone: bitwise the batch's rows (batch invariance under TP)
     shard = case.weight.chunk(world_size)[rank]
     rows = slice(10, 13)
-    alone = token_log_probs(case.hidden[rows], shard, case.labels[rows], case.token_ids[rows],
-                            temperature=case.temperature[rows], tp_group=dist.group.WORLD, vocab_size=case.vocab_size,
-                            top_k=TOP_K, calculate_sum_pi_squared=True, backend="torch", tile_rows=8)
-    everything = token_log_probs(case.hidden, shard, case.labels, case.token_ids, temperature=case.temperature,
-                                 tp_group=dist.group.WORLD, vocab_size=case.vocab_size, top_k=TOP_K,
-                                 calculate_sum_pi_squared=True, backend="torch", tile_rows=8)
-    results["invariant"] = all(torch.equal(value, getattr(everything, name)[rows])
-                               for name, value in alone._asdict().items())
+    alone = token_log_probs(
+        case.hidden[rows],
+        shard,
+        case.labels[rows],
+        case.token_ids[rows],
+        temperature=case.temperature[rows],
+        tp_group=dist.group.WORLD,
+        vocab_size=case.vocab_size,
+        top_k=TOP_K,
+        calculate_sum_pi_squared=True,
+        backend="torch",
+        tile_rows=8,
+    )
+    everything = token_log_probs(
+        case.hidden,
+        shard,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        tp_group=dist.group.WORLD,
+        vocab_size=case.vocab_size,
+        top_k=TOP_K,
+        calculate_sum_pi_squared=True,
+        backend="torch",
+        tile_rows=8,
+    )
+    results["invariant"] = all(
+        torch.equal(value, getattr(everything, name)[rows]) for name, value in alone._asdict().items()
+    )
     return results
 
 

@@ -75,7 +75,9 @@ def test_unset_everywhere_is_unset():
 def test_env_wins_over_config_and_says_so():
     plan = resolve_plan({"use_output_processor_hook": True}, environ={ENV_VAR: "0"})
     assert plan.mode == LEGACY and plan.source == f"{ENV_VAR}=0"
-    assert plan.note == f"{ENV_VAR} overrides actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True"
+    assert (
+        plan.note == f"{ENV_VAR} overrides actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=True"
+    )
     plan = resolve_plan({"use_output_processor_hook": False}, environ={ENV_VAR: "1"})
     assert plan.mode == HOOK and "overrides" in plan.note
 
@@ -103,7 +105,10 @@ def test_hook_mode_defaults_to_auto_backend():
 def test_backend_outside_hook_mode_is_ignored_with_a_note():
     plan = resolve_plan({"output_processor_backend": "verl"}, environ={ENV_VAR: "0"})
     assert (plan.mode, plan.backend) == (LEGACY, None)
-    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_backend=verl ignored outside hook mode"
+    assert (
+        plan.note
+        == "actor_rollout_ref.model.fused_kernel_options.output_processor_backend=verl ignored outside hook mode"
+    )
     assert "legacy fused forward" in plan.log_line("E") and plan.note in plan.log_line("E")
 
 
@@ -128,7 +133,10 @@ def test_score_mask_entry_defaults_on_and_turns_off_in_hook_mode():
 
 def test_score_mask_entry_outside_hook_mode_is_ignored_with_a_note():
     plan = resolve_plan({"output_processor_score_mask": False}, environ={ENV_VAR: "0"})
-    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_score_mask ignored outside hook mode"
+    assert (
+        plan.note
+        == "actor_rollout_ref.model.fused_kernel_options.output_processor_score_mask ignored outside hook mode"
+    )
 
 
 @pytest.mark.parametrize("value", ["false", 0, 1])
@@ -150,7 +158,10 @@ def test_keep_logits_entry_in_hook_mode_reaches_the_plan_in_bytes():
 def test_keep_logits_entry_outside_hook_mode_is_ignored_with_a_note():
     plan = resolve_plan({"output_processor_keep_logits_gib": 4}, environ={ENV_VAR: "0"})
     assert plan.keep_logits_bytes == 0
-    assert plan.note == "actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib ignored outside hook mode"
+    assert (
+        plan.note
+        == "actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib ignored outside hook mode"
+    )
 
 
 @pytest.mark.parametrize("value", [0, -1, "4", True, float("inf")])
@@ -158,19 +169,25 @@ def test_keep_logits_entry_rejects_what_is_not_a_positive_number_of_gib(value):
     with pytest.raises(ValueError) as error:
         resolve_plan({"output_processor_keep_logits_gib": value}, environ={ENV_VAR: "1"})
     assert str(error.value) == (
-        f"actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib={value!r} is not allowed; use a "
+        f"actor_rollout_ref.model.fused_kernel_options.output_processor_keep_logits_gib={value!r} is not allowed; use "
+        f"a "
         "number of GiB > 0 (the logits the op keeps for its backward, e.g. 4) or null (none: recompute them)"
     )
 
 
 @pytest.mark.parametrize("backend", ["torch", "verl"])
 def test_keep_logits_entry_with_a_backend_that_recomputes_stops_at_start_up(backend):
-    with pytest.raises(ValueError, match=(
-        rf"output_processor_keep_logits_gib needs a backend that keeps logits: "
-        rf"actor_rollout_ref.model.fused_kernel_options.output_processor_backend={backend} recomputes them; "
-        r"use output_processor_backend=auto or triton"
-    )):
-        resolve_plan({"output_processor_keep_logits_gib": 2, "output_processor_backend": backend}, environ={ENV_VAR: "1"})
+    with pytest.raises(
+        ValueError,
+        match=(
+            rf"output_processor_keep_logits_gib needs a backend that keeps logits: "
+            rf"actor_rollout_ref.model.fused_kernel_options.output_processor_backend={backend} recomputes them; "
+            r"use output_processor_backend=auto or triton"
+        ),
+    ):
+        resolve_plan(
+            {"output_processor_keep_logits_gib": 2, "output_processor_backend": backend}, environ={ENV_VAR: "1"}
+        )
 
 
 @pytest.mark.parametrize(
@@ -189,8 +206,10 @@ def test_unknown_or_misspelt_key_stops_with_the_nearest_and_the_allowed_keys(key
     message = str(error.value)
     assert message.startswith(f"actor_rollout_ref.model.fused_kernel_options.{key} is not a verl_fused_hook entry")
     assert f"did you mean actor_rollout_ref.model.fused_kernel_options.{nearest}?" in message
-    assert ("allowed: use_output_processor_hook, output_processor_backend, output_processor_fused_loss, "
-            "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib") in message
+    assert (
+        "allowed: use_output_processor_hook, output_processor_backend, output_processor_fused_loss, "
+        "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib"
+    ) in message
 
 
 def test_verls_own_keys_are_left_alone():
@@ -201,4 +220,9 @@ def test_verls_own_keys_are_left_alone():
 def test_edit_distance():
     from verl_fused_hook.switch import edit_distance
 
-    assert [edit_distance(a, b) for a, b in (("", "ab"), ("kitten", "sitting"), ("loss", "los"), ("ab", "ab"))] == [2, 3, 1, 0]
+    assert [edit_distance(a, b) for a, b in (("", "ab"), ("kitten", "sitting"), ("loss", "los"), ("ab", "ab"))] == [
+        2,
+        3,
+        1,
+        0,
+    ]

@@ -3,8 +3,8 @@
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+from verl_fused_hook_harness.support.distributed import run_in_processes
 
 LENGTHS = (5, 9, 4)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from verl_fused_hook_harness.commands.train import parity as train_parity
+from verl_fused_hook_harness.commands.train import report as train_parity_report
 from verl_fused_hook_harness.support.grpo_batches import RolloutShape, packed, rollout
-from verl_fused_hook_harness.commands.train import parity as train_parity, report as train_parity_report
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity"]
@@ -28,7 +29,9 @@ FIELDS = ("loss", "grad_norm", "param_checksum")
 
 def run_command(out: Path, *args):
     command = [*COMMAND, "--device", "cpu", "--steps", str(STEPS), "--out", str(out), *args]
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)  # minutes on an idle 2-core machine; more when it is shared
+    done = subprocess.run(
+        command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800
+    )  # minutes on an idle 2-core machine; more when it is shared
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return json.loads((out / "train_parity.json").read_text()), done.stdout
 

@@ -2,11 +2,13 @@
 
 Why: the GPU tests (tests/gpu/test_triton_backend.py, test_triton_chunk_kernels.py) need an H200; this runs
 the same kernels' arithmetic and the same host code in CI. The two-pass op: the statistics kernel over
-compacted (or all) rows (its label logit picked only from tiles holding labels), the recomputing gradient pass over vocabulary chunks and row tiles, d_weight
+compacted (or all) rows (its label logit picked only from tiles holding labels), the recomputing gradient pass over
+vocabulary chunks and row tiles, d_weight
 written directly or summed in fp32 per chunk, d_hidden only or d_weight only, no gradients. The fused loss:
 the forward kernel keeping fp16 tile-shifted logits, the in-place gradient pass, the chunking and the
 d_weight accumulation, with and without the entropy; the two-pass op keeping every row's logits or some
-(keep_logits_bytes), on one rank and over two gloo ranks with a padded vocabulary. Named fakes, for what the CPU cannot do:
+(keep_logits_bytes), on one rank and over two gloo ranks with a padded vocabulary. Named fakes, for what the CPU
+cannot do:
 - fp16 inputs instead of bf16 (the interpreter's bf16 dot products are not supported);
 - a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `triton_backend.GRAD_CONFIG`,
   `triton_backend.num_sms`);
@@ -38,7 +40,9 @@ def _interpret_on_cpu():
 
     from verl_fused_hook.ops import triton_backend
 
-    small = triton_backend.TileConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1)
+    small = triton_backend.TileConfig(
+        block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1
+    )
     triton_backend.FORWARD_CONFIG = triton_backend.GRAD_CONFIG = small
     triton_backend.num_sms = lambda device: 4
     real_addmm = torch.addmm
@@ -93,25 +97,43 @@ def _interpreted_two_pass_cases() -> list[dict]:
         g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g) if entropy_on else torch.zeros(n)
         hid = hidden.clone().requires_grad_(wants != "weight")
         w = weight.clone().requires_grad_()
-        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask,
-                                        calculate_entropy=entropy_on, backend="triton")
+        lp, ent = log_probs_and_entropy(
+            hid,
+            w,
+            labels,
+            temperature=temperature,
+            score_mask=score_mask,
+            calculate_entropy=entropy_on,
+            backend="triton",
+        )
         ((lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_on else 0)).backward()
         active = torch.ones(n, dtype=torch.bool) if score_mask is None else score_mask
         ref = _fp64_reference(hidden, weight, labels, active, temperature, g_lp, g_ent)
         with torch.no_grad():
-            lp_plain, ent_plain = log_probs_and_entropy(hidden, weight, labels, temperature=temperature,
-                                                        score_mask=score_mask, calculate_entropy=entropy_on, backend="triton")
+            lp_plain, ent_plain = log_probs_and_entropy(
+                hidden,
+                weight,
+                labels,
+                temperature=temperature,
+                score_mask=score_mask,
+                calculate_entropy=entropy_on,
+                backend="triton",
+            )
         results.append(
             {
                 "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
-                "tiles": len(triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))),
+                "tiles": len(
+                    triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))
+                ),
                 "log_prob": (lp.double() - ref[0]).abs().max().item(),
                 "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
                 "entropy_is_none": ent is None,
                 "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
                 "d_weight": _rel(w.grad, ref[3]),
-                "inactive_zero": bool((lp[~active] == 0).all()) and (hid.grad is None or bool((hid.grad[~active] == 0).all())),
-                "no_grad_same": torch.equal(lp_plain, lp.detach()) and (not entropy_on or torch.equal(ent_plain, ent.detach())),
+                "inactive_zero": bool((lp[~active] == 0).all())
+                and (hid.grad is None or bool((hid.grad[~active] == 0).all())),
+                "no_grad_same": torch.equal(lp_plain, lp.detach())
+                and (not entropy_on or torch.equal(ent_plain, ent.detach())),
             }
         )
     return results
@@ -156,13 +178,30 @@ def _interpreted_keep_logits_cases() -> list[dict]:
         g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
         hid = hidden.clone().requires_grad_(wants == "both")
         w = weight.clone().requires_grad_()
-        problem = build_problem(hid, w, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
-                                ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
-                                keep_logits_bytes=keeps[keep])
+        problem = build_problem(
+            hid,
+            w,
+            labels,
+            temperature=temperature,
+            tp_group=None,
+            score_mask=score_mask,
+            ignore_index=-100,
+            vocab_size=None,
+            calculate_entropy=True,
+            tile_rows=None,
+            keep_logits_bytes=keeps[keep],
+        )
         kept = triton_backend.two_pass_passes(problem, True).kept
         launches.clear()
-        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask,
-                                        backend="triton", keep_logits_bytes=keeps[keep])
+        lp, ent = log_probs_and_entropy(
+            hid,
+            w,
+            labels,
+            temperature=temperature,
+            score_mask=score_mask,
+            backend="triton",
+            keep_logits_bytes=keeps[keep],
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         ref = _fp64_reference(hidden, weight, labels, score_mask, temperature, g_lp, g_ent)
         results.append(
@@ -175,7 +214,8 @@ def _interpreted_keep_logits_cases() -> list[dict]:
                 "entropy": (ent.double() - ref[1]).abs().max().item(),
                 "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
                 "d_weight": _rel(w.grad, ref[3]),
-                "inactive_zero": bool((lp[~score_mask] == 0).all()) and (hid.grad is None or bool((hid.grad[~score_mask] == 0).all())),
+                "inactive_zero": bool((lp[~score_mask] == 0).all())
+                and (hid.grad is None or bool((hid.grad[~score_mask] == 0).all())),
             }
         )
     return results
@@ -211,8 +251,14 @@ def _interpreted_cases() -> list[dict]:
 
         hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = fused_loss.log_probs_entropy_and_loss(
-            hid, w, labels, loss_fn=loss_fn, loss_name="weighted sum", temperature=temperature,
-            score_mask=score_mask, chunk_rows=chunk_rows,
+            hid,
+            w,
+            labels,
+            loss_fn=loss_fn,
+            loss_name="weighted sum",
+            temperature=temperature,
+            score_mask=score_mask,
+            chunk_rows=chunk_rows,
         )
         out.loss.backward()
         hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
@@ -239,8 +285,14 @@ def _interpreted_cases() -> list[dict]:
         if not offset and chunk_rows == 16:  # without gradients nothing is kept: one kernel pass, same values
             with torch.no_grad():
                 plain = fused_loss.log_probs_entropy_and_loss(
-                    hidden, weight, labels, loss_fn=loss_fn, loss_name="weighted sum", temperature=temperature,
-                    score_mask=score_mask, chunk_rows=chunk_rows,
+                    hidden,
+                    weight,
+                    labels,
+                    loss_fn=loss_fn,
+                    loss_name="weighted sum",
+                    temperature=temperature,
+                    score_mask=score_mask,
+                    chunk_rows=chunk_rows,
                 )
             results[-1]["no_grad_log_prob"] = (plain.log_probs.double() - lp.detach()).abs().max().item()
             results[-1]["no_grad_entropy"] = (plain.entropy.double() - ent.detach()).abs().max().item()
@@ -262,8 +314,15 @@ def _interpreted_loss_without_entropy() -> dict:
     temperature, g_lp = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
     hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = log_probs_entropy_and_loss(
-        hid, w, labels, loss_fn=lambda lp, ent: ((lp * g_lp).sum(), {}), loss_name="weighted log-probs",
-        temperature=temperature, calculate_entropy=False, chunk_rows=24, backend="triton",
+        hid,
+        w,
+        labels,
+        loss_fn=lambda lp, ent: ((lp * g_lp).sum(), {}),
+        loss_name="weighted log-probs",
+        temperature=temperature,
+        calculate_entropy=False,
+        chunk_rows=24,
+        backend="triton",
     )
     out.loss.backward()
     ref = _fp64_reference(hidden, weight, labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, torch.zeros(n))
@@ -320,17 +379,31 @@ def _interpreted_groups_and_memory() -> dict:
     old = (lp64.squeeze(1) + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).float()
     advantages = torch.randn(len(lengths), generator=g)[groups]
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    losses = {"gspo-like": _gspo_like(lengths, old, advantages),
-              "weighted sum": lambda lp, ent: ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(lp.dtype)).sum(), {})}
+    losses = {
+        "gspo-like": _gspo_like(lengths, old, advantages),
+        "weighted sum": lambda lp, ent: ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(lp.dtype)).sum(), {}),
+    }
     references = {}
     for name, loss_fn in losses.items():
         hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
         log_softmax = torch.log_softmax(hd @ wd.t() / 0.8, dim=1)
-        ref_loss, _ = loss_fn(log_softmax.gather(1, labels.unsqueeze(1)).squeeze(1), -(log_softmax.exp() * log_softmax).sum(1))
+        ref_loss, _ = loss_fn(
+            log_softmax.gather(1, labels.unsqueeze(1)).squeeze(1), -(log_softmax.exp() * log_softmax).sum(1)
+        )
         ref_loss.backward()
         references[name] = (ref_loss.item(), hd.grad, wd.grad)
-    p = build_problem(hidden, weight, labels, temperature=0.8, tp_group=None, score_mask=None, ignore_index=-100,
-                      vocab_size=None, calculate_entropy=True, tile_rows=None)
+    p = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=0.8,
+        tp_group=None,
+        score_mask=None,
+        ignore_index=-100,
+        vocab_size=None,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     cost = triton_backend.loss_inside_cost(p, True)
     fixed = chunking.ROW_VECTOR_BYTES * n + chunking.FREE_MEMORY_MARGIN_BYTES + 2 * (n * h + v * h)
     accumulator = 4 * v * h
@@ -350,8 +423,16 @@ def _interpreted_groups_and_memory() -> dict:
 
         hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         records.clear()
-        out = log_probs_entropy_and_loss(hid, w, labels, loss_fn=recording, loss_name=loss_name, temperature=0.8,
-                                         chunk_rows=48 if row_groups is not None else None, row_groups=row_groups)
+        out = log_probs_entropy_and_loss(
+            hid,
+            w,
+            labels,
+            loss_fn=recording,
+            loss_name=loss_name,
+            temperature=0.8,
+            chunk_rows=48 if row_groups is not None else None,
+            row_groups=row_groups,
+        )
         out.loss.backward()
         results[case] = {
             "chunk_ends": calls[:-1] if out.loss.grad_fn.name().endswith("FusedLogProbEntropyLossBackward") else None,
@@ -391,23 +472,37 @@ def _interpreted_row_group_cases() -> list[dict]:
         g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
         hid = hidden.clone().requires_grad_(wants != "weight")
         w = weight.clone().requires_grad_(wants != "hidden")
-        problem = build_problem(hid, w, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
-                                ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None)
+        problem = build_problem(
+            hid,
+            w,
+            labels,
+            temperature=temperature,
+            tp_group=None,
+            score_mask=score_mask,
+            ignore_index=-100,
+            vocab_size=None,
+            calculate_entropy=True,
+            tile_rows=None,
+        )
         tensors, rebuild = triton_backend.two_pass_passes(problem, True).for_backward()
         groups = [(b.span.start, b.span.stop) for b in rebuild(*tensors).blocks()]
-        lp, ent = log_probs_and_entropy(hid, w, labels, temperature=temperature, score_mask=score_mask, backend="triton")
+        lp, ent = log_probs_and_entropy(
+            hid, w, labels, temperature=temperature, score_mask=score_mask, backend="triton"
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         ref = _fp64_reference(hidden, weight, labels, score_mask, temperature, g_lp, g_ent)
-        results.append({
-            "case": wants,
-            "scored": int(score_mask.sum()),
-            "groups": groups,
-            "log_prob": (lp.double() - ref[0]).abs().max().item(),
-            "entropy": (ent.double() - ref[1]).abs().max().item(),
-            "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
-            "d_hidden_inactive_zero": hid.grad is None or bool((hid.grad[~score_mask] == 0).all()),
-            "d_weight": None if w.grad is None else _rel(w.grad, ref[3]),
-        })
+        results.append(
+            {
+                "case": wants,
+                "scored": int(score_mask.sum()),
+                "groups": groups,
+                "log_prob": (lp.double() - ref[0]).abs().max().item(),
+                "entropy": (ent.double() - ref[1]).abs().max().item(),
+                "d_hidden": None if hid.grad is None else _rel(hid.grad, ref[2]),
+                "d_hidden_inactive_zero": hid.grad is None or bool((hid.grad[~score_mask] == 0).all()),
+                "d_weight": None if w.grad is None else _rel(w.grad, ref[3]),
+            }
+        )
     return results
 
 
@@ -442,12 +537,19 @@ def _interpreted_label_tile_cases() -> list[dict]:
             labels[20] = -100
         temperature = torch.rand(n, generator=g) + 0.5
         with torch.no_grad():
-            lp, ent = log_probs_and_entropy(hidden, weight, labels, temperature=temperature, score_mask=active,
-                                            backend="triton")
-        ref = _fp64_reference(hidden, weight, labels, active & (labels != -100), temperature, torch.zeros(n),
-                              torch.zeros(n))
-        results.append({"case": name, "log_prob": (lp.double() - ref[0]).abs().max().item(),
-                        "entropy": (ent.double() - ref[1]).abs().max().item()})
+            lp, ent = log_probs_and_entropy(
+                hidden, weight, labels, temperature=temperature, score_mask=active, backend="triton"
+            )
+        ref = _fp64_reference(
+            hidden, weight, labels, active & (labels != -100), temperature, torch.zeros(n), torch.zeros(n)
+        )
+        results.append(
+            {
+                "case": name,
+                "log_prob": (lp.double() - ref[0]).abs().max().item(),
+                "entropy": (ent.double() - ref[1]).abs().max().item(),
+            }
+        )
     return results
 
 
@@ -467,8 +569,9 @@ def _interpreted_batch_invariance() -> dict:
     temperature = torch.rand(n, generator=g) + 0.5
 
     def values(rows: torch.Tensor, **options):
-        lp, ent = log_probs_and_entropy(hidden[rows], weight, labels[rows], temperature=temperature[rows],
-                                        backend="triton", **options)
+        lp, ent = log_probs_and_entropy(
+            hidden[rows], weight, labels[rows], temperature=temperature[rows], backend="triton", **options
+        )
         return lp[-probe:], ent[-probe:]
 
     alone = values(torch.arange(probe))
@@ -481,8 +584,14 @@ def _interpreted_batch_invariance() -> dict:
             lp, ent = values(rows, **options)
             same &= torch.equal(lp, alone[0]) and torch.equal(ent, alone[1])
         kept_hidden = hidden[rows].clone().requires_grad_(True)  # kept logits for the first rows only
-        lp, ent = log_probs_and_entropy(kept_hidden, weight, labels[rows], temperature=temperature[rows],
-                                        backend="triton", keep_logits_bytes=16 * (v * 2 + 64))
+        lp, ent = log_probs_and_entropy(
+            kept_hidden,
+            weight,
+            labels[rows],
+            temperature=temperature[rows],
+            backend="triton",
+            keep_logits_bytes=16 * (v * 2 + 64),
+        )
         same &= torch.equal(lp[-probe:].detach(), alone[0]) and torch.equal(ent[-probe:].detach(), alone[1])
     col_tiles = -(-v // triton_backend.FORWARD_CONFIG.block_n)
     splits = -(-col_tiles // triton_backend.tiles_per_split(col_tiles, triton_backend.num_sms(None)))
@@ -492,8 +601,15 @@ def _interpreted_batch_invariance() -> dict:
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
-    code = f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; print(json.dumps(t.{function}()))"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
+        f"print(json.dumps(t.{function}()))"
+    )
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -546,7 +662,10 @@ def test_two_pass_keep_logits_in_the_interpreter():
         assert case["inactive_zero"], label
         assert case["log_prob"] <= VALUE_TOL and case["entropy"] <= VALUE_TOL, (label, case)
         assert case["d_weight"] <= GRAD_TOL, (label, case)
-        assert case["d_hidden"] is None if label.endswith("grads of weight") else case["d_hidden"] <= GRAD_TOL, (label, case)
+        assert case["d_hidden"] is None if label.endswith("grads of weight") else case["d_hidden"] <= GRAD_TOL, (
+            label,
+            case,
+        )
         if ", every row," in label:  # nothing recomputed: d_logits from the kept logits, then two GEMMs
             assert case["kept"] == case["scored"] and case["recompute_launches"] == 0, (label, case)
         else:  # 40 rows' worth of budget keeps two whole 16-row blocks; the rest is recomputed
@@ -556,7 +675,6 @@ def test_two_pass_keep_logits_in_the_interpreter():
 def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size, keep_bytes):
     """One rank of two (gloo, Triton's interpreter set by the launcher's environment before Triton's import): its
     vocabulary shard, kept logits within keep_bytes, row tiles x vocabulary chunks; what it kept and returned."""
-    import torch
     import torch.distributed as dist
 
     from verl_fused_hook.ops import log_probs_and_entropy
@@ -567,13 +685,32 @@ def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature
     shard = weight.shape[0] // world_size
     h = hidden.clone().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()
-    problem = build_problem(h, w, labels, temperature=temperature, tp_group=dist.group.WORLD, score_mask=None,
-                            ignore_index=-100, vocab_size=vocab_size, calculate_entropy=True, tile_rows=None,
-                            tp_hidden="partial", keep_logits_bytes=keep_bytes)
+    problem = build_problem(
+        h,
+        w,
+        labels,
+        temperature=temperature,
+        tp_group=dist.group.WORLD,
+        score_mask=None,
+        ignore_index=-100,
+        vocab_size=vocab_size,
+        calculate_entropy=True,
+        tile_rows=None,
+        tp_hidden="partial",
+        keep_logits_bytes=keep_bytes,
+    )
     kept = triton_backend.two_pass_passes(problem, True).kept
-    lp, ent = log_probs_and_entropy(h, w, labels, temperature=temperature, tp_group=dist.group.WORLD,
-                                    tp_hidden="partial", vocab_size=vocab_size, backend="triton",
-                                    keep_logits_bytes=keep_bytes)
+    lp, ent = log_probs_and_entropy(
+        h,
+        w,
+        labels,
+        temperature=temperature,
+        tp_group=dist.group.WORLD,
+        tp_hidden="partial",
+        vocab_size=vocab_size,
+        backend="triton",
+        keep_logits_bytes=keep_bytes,
+    )
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     return 0 if kept is None else kept.shifted.shape[0], lp.detach(), ent.detach(), h.grad, w.grad
 
@@ -594,10 +731,23 @@ def test_two_pass_keep_logits_tensor_parallel_in_the_interpreter(keep):
     temperature = torch.rand(n, generator=g) + 0.5
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     keep_bytes = 10**9 if keep == "every row" else 47 * (2 * 160 + 4 * 5)
-    results = run_in_processes(_tp_keep_logits_worker, 2, hidden, weight, labels, temperature, g_lp, g_ent, vocab_size,
-                          keep_bytes, env={"TRITON_INTERPRET": "1"})
+    results = run_in_processes(
+        _tp_keep_logits_worker,
+        2,
+        hidden,
+        weight,
+        labels,
+        temperature,
+        g_lp,
+        g_ent,
+        vocab_size,
+        keep_bytes,
+        env={"TRITON_INTERPRET": "1"},
+    )
     assert [r[0] for r in results] == ([n, n] if keep == "every row" else [32, 48])
-    ref = _fp64_reference(hidden, weight[:vocab_size], labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, g_ent)
+    ref = _fp64_reference(
+        hidden, weight[:vocab_size], labels, torch.ones(n, dtype=torch.bool), temperature, g_lp, g_ent
+    )
     for _, lp, ent, *_ in results:
         assert (lp.double() - ref[0]).abs().max().item() <= VALUE_TOL
         assert (ent.double() - ref[1]).abs().max().item() <= VALUE_TOL

@@ -54,18 +54,30 @@ def _kernel_cases() -> dict:
     inside = (sparse.columns >= 40) & (sparse.columns < 104)
     for row, j in inside.nonzero().tolist():
         expected[row, sparse.columns[row, j] - 40] += sparse.coefficients[row, j] * inv_temp[row]
-    triton_kernels.add_sparse_gradient_kernel[(n,)](dz, dz.stride(0), sparse.columns.contiguous(),
-                                                    sparse.coefficients.contiguous(), inv_temp, k, 40, 64, BLOCK=32)
+    triton_kernels.add_sparse_gradient_kernel[(n,)](
+        dz, dz.stride(0), sparse.columns.contiguous(), sparse.coefficients.contiguous(), inv_temp, k, 40, 64, BLOCK=32
+    )
     results["fix_up"] = (dz.float() - expected.half().float()).abs().max().item()
 
     # the SQUARES flag: square sums per row (several splits merged) against the torch math
     labels = torch.randint(0, v, (n,), generator=g)
     temperature = inv_temp.reciprocal()
-    problem = build_problem(hidden, weight, labels, temperature=temperature, tp_group=None, score_mask=None,
-                            ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None)
+    problem = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        tp_group=None,
+        score_mask=None,
+        ignore_index=-100,
+        vocab_size=None,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     rows = problem.active_rows
-    partials, squares = statistics_with_squares(problem, hidden, weight, label_columns(problem, rows).int(),
-                                                inverse_temperature(temperature, rows), True, None)
+    partials, squares = statistics_with_squares(
+        problem, hidden, weight, label_columns(problem, rows).int(), inverse_temperature(temperature, rows), True, None
+    )
     z = hidden.double() @ weight.double().t() * inv_temp.double().unsqueeze(1)
     results["squares"] = ((squares.double() - square_sum(z)) / square_sum(z)).abs().max().item()
     results["row_max"] = (partials.row_max.double() - z.amax(1)).abs().max().item()
@@ -93,15 +105,29 @@ def _op_cases() -> list[dict]:
         top_k = 5 if chunk_bytes else 0
         want = reference(case, top_k=top_k)
         hidden, weight = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
-        out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
-                              score_mask=case.score_mask, vocab_size=case.vocab_size, top_k=top_k,
-                              calculate_sum_pi_squared=True, backend="triton")
+        out = token_log_probs(
+            hidden,
+            weight,
+            case.labels,
+            case.token_ids,
+            temperature=case.temperature,
+            score_mask=case.score_mask,
+            vocab_size=case.vocab_size,
+            top_k=top_k,
+            calculate_sum_pi_squared=True,
+            backend="triton",
+        )
         upstream_loss(out, case).backward()
         off = ~scored_rows(case)
-        result = {"case": name, "d_hidden": rel(hidden.grad, want["d_hidden"]),
-                  "d_weight": rel(weight.grad, want["d_weight"]),
-                  "off_rows_zero": bool((hidden.grad[off] == 0).all() and (out.token_log_probs[off] == 0).all())}
-        for field in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared") + (("top_log_probs",) if top_k else ()):
+        result = {
+            "case": name,
+            "d_hidden": rel(hidden.grad, want["d_hidden"]),
+            "d_weight": rel(weight.grad, want["d_weight"]),
+            "off_rows_zero": bool((hidden.grad[off] == 0).all() and (out.token_log_probs[off] == 0).all()),
+        }
+        for field in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared") + (
+            ("top_log_probs",) if top_k else ()
+        ):
             result[field] = max_abs(getattr(out, field), want[field])
         if top_k:
             result["top_ids_exact"] = bool(torch.equal(out.top_ids, want["top_ids"]))
@@ -112,10 +138,15 @@ def _op_cases() -> list[dict]:
 def _run_interpreted(function: str):
     """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
     tests = Path(__file__).resolve().parent
-    code = (f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
-            f"print(json.dumps(t.{function}()))")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
+        f"print(json.dumps(t.{function}()))"
+    )
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,8 +14,10 @@ import types
 from verl_fused_hook_harness.support import upstream_notices
 from verl_fused_hook_harness.support.upstream_notices import UpstreamNotices
 
-WARNING = (b"/venv/site-packages/megatron/core/models/backends.py:34: UserWarning: Apex is not installed. Falling back "
-           b"to Torch Norm\n  warnings.warn(\n")
+WARNING = (
+    b"/venv/site-packages/megatron/core/models/backends.py:34: UserWarning: Apex is not installed. Falling back "
+    b"to Torch Norm\n  warnings.warn(\n"
+)
 OWN = b"INFO:2026-01-01 00:00:00,000:verl_fused_hook: MegatronEngineWithLMHead uses the output_processor hook\n"
 
 
@@ -58,8 +60,11 @@ def test_verbose_changes_nothing(capfd):
 def test_model_prints_of_two_ranks_interleaved_stay_hidden(capfd):
     """Two ranks print the model at once; a write past the pipe's atomic size lands inside the other's print."""
     with UpstreamNotices() as notices:
-        os.write(1, b"[GPTModel(\n  (embedding): LanguageModelEmbedding(\n    (word_emb[GPTModel(\n  (embedding): X\n)]\n"
-                    b"eddings): VocabParallelEmbedding()\n  )\n)]\n")
+        os.write(
+            1,
+            b"[GPTModel(\n  (embedding): LanguageModelEmbedding(\n    (word_emb[GPTModel(\n  (embedding): X\n)]\n"
+            b"eddings): VocabParallelEmbedding()\n  )\n)]\n",
+        )
         os.write(1, b"result\n")
     out, err = capfd.readouterr()
     assert out == "result\n" and notices.counts["verl model prints"] == 2

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from output_rows import OutputWeightRows
 
 from verl_fused_hook.probe import OutputProcessorUnsupportedError
 from verl_fused_hook.switch import ENV_VAR
+from verl_fused_hook.verl_integration import call_sites, install
 from verl_fused_hook_harness.stand_ins.legacy_kernel_swap import portable_legacy_kernel
 from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
-from output_rows import OutputWeightRows
 from verl_fused_hook_harness.support.verl_engine import fused_engine_forward, megatron_engine
-from verl_fused_hook.verl_integration import call_sites, install
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 192  # no other layer of the tiny model has 192 output features, so output-weight matmuls are countable
@@ -133,7 +133,10 @@ def test_hook_mode_build_uses_the_probe_and_keeps_forward(monkeypatch, caplog):
     engine, model = built({"output_processor_backend": "torch"})
     assert "forward" not in model.__dict__ and not hasattr(model, "forward_backup")
     assert model._verl_fused_forward_mode == "hook" and model._verl_fused_hook_plan.backend == "torch"
-    assert "MegatronEngineWithLMHead uses the output_processor hook, backend=torch (VERL_FUSED_USE_OP_HOOK=1)" in caplog.text
+    assert (
+        "MegatronEngineWithLMHead uses the output_processor hook, backend=torch (VERL_FUSED_USE_OP_HOOK=1)"
+        in caplog.text
+    )
 
 
 def test_legacy_mode_forces_verl_monkey_patch_even_with_hook_support(monkeypatch, caplog):
@@ -165,9 +168,14 @@ def test_misspelt_entry_stops_the_build_even_with_the_switch_unset(monkeypatch, 
     else:
         monkeypatch.setenv(ENV_VAR, switch)
     model = tiny_model()
-    engine = megatron_engine([model], fused_kernel_options={"output_processor_fused_los": True, "impl_backend": "triton"})
-    with pytest.raises(ValueError, match=r"fused_kernel_options\.output_processor_fused_los is not a verl_fused_hook "
-                       r"entry; did you mean actor_rollout_ref\.model\.fused_kernel_options\.output_processor_fused_loss\?"):
+    engine = megatron_engine(
+        [model], fused_kernel_options={"output_processor_fused_los": True, "impl_backend": "triton"}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"fused_kernel_options\.output_processor_fused_los is not a verl_fused_hook "
+        r"entry; did you mean actor_rollout_ref\.model\.fused_kernel_options\.output_processor_fused_loss\?",
+    ):
         engine._maybe_enable_fused_kernels()
     assert not hasattr(model, "_verl_fused_hook_plan")
 
@@ -176,7 +184,9 @@ def test_verl_backend_without_cuda_stops_the_build(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
     model = tiny_model()
     engine = megatron_engine([model], fused_kernel_options={"output_processor_backend": "verl"})
-    with pytest.raises(ValueError, match=r"output_processor_backend=verl cannot run here: hidden: verl's kernel needs "):
+    with pytest.raises(
+        ValueError, match=r"output_processor_backend=verl cannot run here: hidden: verl's kernel needs "
+    ):
         engine._maybe_enable_fused_kernels()
     assert not hasattr(model, "_verl_fused_hook_plan")
 
@@ -286,8 +296,6 @@ def partial_sft():
     return partial(sft_loss, config=None)
 
 
-
-
 def test_score_mask_skips_rows_verl_never_reads(monkeypatch):
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -304,7 +312,9 @@ def test_score_mask_skips_rows_verl_never_reads(monkeypatch):
     assert counter_full.rows == sum(PROMPT_LENS) + sum(RESPONSE_LENS)
     assert counter_masked.rows == sum(RESPONSE_LENS)  # prompt rows and each sequence's last row: no matmul
     for key in ("log_probs", "entropy"):
-        torch.testing.assert_close(no_padding_2_padding(masked[key], batch), no_padding_2_padding(full[key], batch), **CLOSE)
+        torch.testing.assert_close(
+            no_padding_2_padding(masked[key], batch), no_padding_2_padding(full[key], batch), **CLOSE
+        )
         read = torch.zeros(masked[key].values().shape, dtype=torch.bool)
         offsets = batch["input_ids"].offsets()
         for start, p, r in zip(offsets[:-1].tolist(), PROMPT_LENS, RESPONSE_LENS):
@@ -385,8 +395,14 @@ REPORT_GATE = (
 
 
 def fresh_python(code: str, **env):
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -399,7 +415,10 @@ def test_import_verl_loads_the_plugin_through_its_entry_point():
 
 
 def test_external_lib_installs_the_plugin_in_a_fresh_process():
-    code = "import verl\nfrom verl.utils.import_utils import import_external_libs\nimport_external_libs('verl_fused_hook')\n"
+    code = (
+        "import verl\nfrom verl.utils.import_utils import import_external_libs\n"
+        "import_external_libs('verl_fused_hook')\n"
+    )
     assert fresh_python(code + REPORT_GATE, VERL_USE_EXTERNAL_PLUGINS="none").endswith(GATE_FILE)
 
 
@@ -442,8 +461,11 @@ def _tp2_hook_step_worker(rank, world_size):
         key: torch.stack([no_padding_2_padding(uniform[t][key], batch)[i] for i, t in enumerate((0.7, 1.0, 0.5))])
         for key in ("log_probs", "entropy")
     }
-    return {"read": read, "expected": {k: v.detach() for k, v in expected.items()},
-            "total": {k: mixed[k].values().detach() for k in ("log_probs", "entropy")}}
+    return {
+        "read": read,
+        "expected": {k: v.detach() for k, v in expected.items()},
+        "total": {k: mixed[k].values().detach() for k in ("log_probs", "entropy")},
+    }
 
 
 def test_tp2_sequence_parallel_mixed_temperatures_and_score_mask():

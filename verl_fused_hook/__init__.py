@@ -17,7 +17,12 @@ _LAZY = {
 }
 
 __all__ = [
-    "BACKEND_CHOICES", "TokenLogProbs", "log_probs_and_entropy", "log_probs_entropy_and_loss", "token_log_probs", *_LAZY,
+    "BACKEND_CHOICES",
+    "TokenLogProbs",
+    "log_probs_and_entropy",
+    "log_probs_entropy_and_loss",
+    "token_log_probs",
+    *_LAZY,
 ]
 
 

@@ -13,15 +13,25 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_int(field: str, value, *, low: int | None = None, high: int | None = None, optional: bool = False,
-              expected: str | None = None) -> None:
+def check_int(
+    field: str,
+    value,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    optional: bool = False,
+    expected: str | None = None,
+) -> None:
     """ValueError "{field}: {expected}, got {value!r}" unless `value` is an int (never a bool) in [low, high], or
     None when `optional`. `expected` defaults to "expected an int", "expected an int >= {low}" or "expected None or
     an int >= {low}"."""
     if value is None and optional:
         return
-    if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low) and (
-        high is None or value <= high
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
     ):
         return
     if expected is None:

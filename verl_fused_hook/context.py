@@ -8,8 +8,9 @@ named when the context is built, before the model runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -105,7 +106,8 @@ class FusedOutputProcessorContext:
         check_int("FusedOutputProcessorContext.keep_logits_bytes", self.keep_logits_bytes, low=0)
         if self.keep_logits_bytes and self.loss_fn is not None:
             raise ValueError(
-                "FusedOutputProcessorContext.keep_logits_bytes: belongs to the op without a fused loss (whose chunks of "
+                "FusedOutputProcessorContext.keep_logits_bytes: belongs to the op without a fused loss (whose chunks "
+                "of "
                 "kept logits loss_chunk_bytes sizes); set one or the other"
             )
         if self.loss_row_groups is not None and (
@@ -114,7 +116,8 @@ class FusedOutputProcessorContext:
             or self.loss_row_groups.dim() != 2
         ):
             raise ValueError(
-                "FusedOutputProcessorContext.loss_row_groups: expected None or an int64 tensor [b, s] shaped like labels"
+                "FusedOutputProcessorContext.loss_row_groups: expected None or an int64 tensor [b, s] shaped like "
+                "labels"
             )
         check_int("FusedOutputProcessorContext.vocab_size", self.vocab_size, low=1, optional=True)
         unsupported = [

@@ -46,7 +46,9 @@ def _make_output(log_probs: torch.Tensor, entropy: torch.Tensor | None, hidden_s
         from verl.utils.model import CausalLMOutputForPPO
     except ImportError:
         return LogProbsOutput(log_probs=log_probs, entropy=entropy, hidden_states=hidden_states)
-    output = CausalLMOutputForPPO(loss=None, logits=None, past_key_values=None, hidden_states=hidden_states, attentions=None)
+    output = CausalLMOutputForPPO(
+        loss=None, logits=None, past_key_values=None, hidden_states=hidden_states, attentions=None
+    )
     output.log_probs = log_probs
     output.entropy = entropy
     return output
@@ -96,7 +98,9 @@ def fused_output_processor(
             f"output_processor_context: expected a FusedOutputProcessorContext, got {type(context).__name__}"
         )
     if labels is None:
-        raise ValueError("labels: fused_output_processor computes log-probs of the labels, so GPTModel.forward needs labels=")
+        raise ValueError(
+            "labels: fused_output_processor computes log-probs of the labels, so GPTModel.forward needs labels="
+        )
     check_output_layer_has_no_bias(output_layer)
     weight = resolve_output_weight(output_layer, output_weight)
     tp = tensor_parallel_layout(output_layer)
@@ -132,7 +136,8 @@ def fused_output_processor(
     if context.loss_fn is not None:
         if context.loss_row_groups is not None and context.loss_row_groups.shape != labels.shape:
             raise ValueError(
-                f"FusedOutputProcessorContext.loss_row_groups: must be shaped like labels [b, s] = {tuple(labels.shape)}, "
+                f"FusedOutputProcessorContext.loss_row_groups: must be shaped like labels [b, s] = "
+                f"{tuple(labels.shape)}, "
                 f"got {tuple(context.loss_row_groups.shape)}"
             )
         row_groups = None if context.loss_row_groups is None else context.loss_row_groups.to(labels.device).t()
@@ -153,7 +158,12 @@ def fused_output_processor(
         output.loss, output.loss_metrics = fused.loss, fused.metrics
         return output
     log_probs, entropy = log_probs_and_entropy(
-        hidden_states, weight, labels_sb, **problem, tile_rows=context.tile_rows, keep_logits_bytes=context.keep_logits_bytes
+        hidden_states,
+        weight,
+        labels_sb,
+        **problem,
+        tile_rows=context.tile_rows,
+        keep_logits_bytes=context.keep_logits_bytes,
     )
     log_probs = log_probs.t().contiguous()
     entropy = _transposed(entropy)

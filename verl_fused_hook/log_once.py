@@ -25,8 +25,15 @@ def level_on_this_rank(level: int) -> int:
     return level
 
 
-def log_once(logger: logging.Logger, message: str, level: int = logging.INFO, *, key=None, later: int | None = None,
-             every_rank: bool = False) -> None:
+def log_once(
+    logger: logging.Logger,
+    message: str,
+    level: int = logging.INFO,
+    *,
+    key=None,
+    later: int | None = None,
+    every_rank: bool = False,
+) -> None:
     """`logger.log(level, message)` the first time this logger is given `key` (default: this message at this level);
     after that at level `later`, or not at all (None). A note (below WARNING) goes to DEBUG on every rank but the
     first, unless `every_rank`."""

@@ -66,11 +66,15 @@ def fused_process_mtp_loss(
     if loss_mask is None:
         loss_mask = torch.ones_like(mtp_labels)
     if labels_from_input_ids:  # the last rolled-in label is fabricated: mask it, as megatron does
-        loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        loss_mask, _ = roll_tensor(
+            loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+        )
     original_num_tokens = loss_mask.sum()
 
     for layer in range(num_layers):
-        mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        mtp_labels, _ = roll_tensor(
+            mtp_labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+        )
         loss_mask, num_tokens = roll_tensor(
             loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
         )

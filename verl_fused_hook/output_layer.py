@@ -52,12 +52,19 @@ def adds_weight_grad_to_main_grad(output_layer, weight: torch.Tensor, backend: s
     elif getattr(weight, "__fsdp_param__", False):
         reason = "its weight is a Megatron-FSDP parameter, whose own gradient hook makes main_grad"
     elif not hasattr(weight, "main_grad"):
-        reason = "its weight has no main_grad (not wrapped in megatron's DistributedDataParallel), as megatron's layer does"
+        reason = (
+            "its weight has no main_grad (not wrapped in megatron's DistributedDataParallel), as megatron's layer does"
+        )
     else:
         return True
     if weight.requires_grad and torch.is_grad_enabled():
-        log_once(logger, f"{type(output_layer).__name__} has gradient_accumulation_fusion, but the output layer's "
-                 f"d_weight is returned: {reason}", key=reason, every_rank=True)
+        log_once(
+            logger,
+            f"{type(output_layer).__name__} has gradient_accumulation_fusion, but the output layer's "
+            f"d_weight is returned: {reason}",
+            key=reason,
+            every_rank=True,
+        )
     return False
 
 
@@ -78,7 +85,8 @@ def logit_multiplier(scale_logits, config) -> float:
     factor = float(probe[0])
     if not (math.isfinite(factor) and factor > 0 and float(probe[1]) == 2.0 * factor):
         raise ValueError(
-            f"scale_logits: fused_output_processor supports a positive constant logit scale (MuP), got {probe.tolist()} for [1, 2]"
+            f"scale_logits: fused_output_processor supports a positive constant logit scale (MuP), got "
+            f"{probe.tolist()} for [1, 2]"
         )
     return factor
 
@@ -103,5 +111,7 @@ def tensor_parallel_layout(output_layer, tp_group=None) -> TensorParallelLayout:
     size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     sequence_parallel = size > 1 and bool(getattr(output_layer, "sequence_parallel", False))
     return TensorParallelLayout(
-        group=group if size > 1 else None, size=size, tp_hidden="sequence_sharded" if sequence_parallel else "replicated"
+        group=group if size > 1 else None,
+        size=size,
+        tp_hidden="sequence_sharded" if sequence_parallel else "replicated",
     )

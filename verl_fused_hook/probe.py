@@ -36,7 +36,14 @@ def unwrap_to_gpt(model: torch.nn.Module) -> torch.nn.Module:
     seen = set()
     while not isinstance(model, GPTModel) and id(model) not in seen:
         seen.add(id(model))
-        inner = next((getattr(model, name) for name in _WRAPPER_ATTRIBUTES if isinstance(getattr(model, name, None), torch.nn.Module)), None)
+        inner = next(
+            (
+                getattr(model, name)
+                for name in _WRAPPER_ATTRIBUTES
+                if isinstance(getattr(model, name, None), torch.nn.Module)
+            ),
+            None,
+        )
         if inner is None:
             break
         model = inner
@@ -65,6 +72,7 @@ def require_output_processor_support(model: torch.nn.Module) -> torch.nn.Module:
         raise OutputProcessorUnsupportedError(
             f"{type(inner).__name__}.forward has no {' / '.join(missing)} parameter: the output_processor hook needs "
             f"megatron-core>=0.18.0 (upstream PR 4686); installed megatron-core is {_installed_megatron_version()}. "
-            "Upgrade with `pip install 'megatron-core>=0.18'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's legacy forward"
+            "Upgrade with `pip install 'megatron-core>=0.18'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's legacy "
+            "forward"
         )
     return inner

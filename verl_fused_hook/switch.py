@@ -42,7 +42,11 @@ CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
 CONFIG_KEEP_LOGITS_KEY = "output_processor_keep_logits_gib"
 CONFIG_KEYS = (
-    CONFIG_HOOK_KEY, CONFIG_BACKEND_KEY, CONFIG_FUSED_LOSS_KEY, CONFIG_FUSED_LOSS_CHUNK_KEY, CONFIG_SCORE_MASK_KEY,
+    CONFIG_HOOK_KEY,
+    CONFIG_BACKEND_KEY,
+    CONFIG_FUSED_LOSS_KEY,
+    CONFIG_FUSED_LOSS_CHUNK_KEY,
+    CONFIG_SCORE_MASK_KEY,
     CONFIG_KEEP_LOGITS_KEY,
 )
 # Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
@@ -76,7 +80,9 @@ class FusedForwardPlan:
 
     def log_line(self, engine_name: str) -> str:
         if self.mode == HOOK:
-            text = f"verl_fused_hook: {engine_name} uses the output_processor hook, backend={self.backend} ({self.source})"
+            text = (
+                f"verl_fused_hook: {engine_name} uses the output_processor hook, backend={self.backend} ({self.source})"
+            )
             if self.fused_loss:
                 text += f", {CONFIG_FUSED_LOSS_KEY}=true"
             if self.fused_loss and self.fused_loss_chunk_bytes is not None:
@@ -160,14 +166,18 @@ def _parse_config_gib(options: Mapping | None, key: str, what: str) -> int | Non
 def parse_config_fused_loss_chunk(options: Mapping | None) -> int | None:
     """`fused_kernel_options.output_processor_fused_loss_chunk_gib` in bytes, or None when absent/null."""
     return _parse_config_gib(
-        options, CONFIG_FUSED_LOSS_CHUNK_KEY, "the fused loss's chunk of stored logits, e.g. 2) or null (the op's default, 4"
+        options,
+        CONFIG_FUSED_LOSS_CHUNK_KEY,
+        "the fused loss's chunk of stored logits, e.g. 2) or null (the op's default, 4",
     )
 
 
 def parse_config_keep_logits(options: Mapping | None) -> int | None:
     """`fused_kernel_options.output_processor_keep_logits_gib` in bytes, or None when absent/null."""
     return _parse_config_gib(
-        options, CONFIG_KEEP_LOGITS_KEY, "the logits the op keeps for its backward, e.g. 4) or null (none: recompute them"
+        options,
+        CONFIG_KEEP_LOGITS_KEY,
+        "the logits the op keeps for its backward, e.g. 4) or null (none: recompute them",
     )
 
 
@@ -189,7 +199,10 @@ def check_known_keys(options: Mapping | None) -> None:
     for key in options or ():
         if not isinstance(key, str) or key in CONFIG_KEYS:
             continue
-        if key.startswith(CONFIG_NAMESPACE) or min(edit_distance(key, known) for known in CONFIG_KEYS) <= NEAR_MISS_EDITS:
+        if (
+            key.startswith(CONFIG_NAMESPACE)
+            or min(edit_distance(key, known) for known in CONFIG_KEYS) <= NEAR_MISS_EDITS
+        ):
             nearest = difflib.get_close_matches(key, CONFIG_KEYS, n=1, cutoff=0)[0]  # most letters in common
             raise ValueError(
                 f"{CONFIG_PREFIX}.{key} is not a verl_fused_hook entry; did you mean {CONFIG_PREFIX}.{nearest}? "
@@ -228,7 +241,8 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={config_backend} ignored outside hook mode")
     if fused_loss and mode == HOOK and not backend_capabilities(backend).loss_inside:
         raise ValueError(
-            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true needs the op: {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} "
+            f"{CONFIG_PREFIX}.{CONFIG_FUSED_LOSS_KEY}=true needs the op: "
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} "
             "runs a kernel that cannot take the loss inside; use output_processor_backend=auto"
         )
     if fused_loss and mode != HOOK:
@@ -243,10 +257,16 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     if keep_logits is not None and mode == HOOK and not backend_capabilities(backend).keep_logits:
         raise ValueError(
             f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} needs a backend that keeps logits: "
-            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} recomputes them; use output_processor_backend=auto or triton"
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} recomputes them; use output_processor_backend=auto or "
+            f"triton"
         )
     return FusedForwardPlan(
-        mode=mode, backend=backend, source=source, note="; ".join(notes) or None, fused_loss=fused_loss,
-        fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None, score_mask=score_mask is not False,
+        mode=mode,
+        backend=backend,
+        source=source,
+        note="; ".join(notes) or None,
+        fused_loss=fused_loss,
+        fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None,
+        score_mask=score_mask is not False,
         keep_logits_bytes=keep_logits if keep_logits is not None and mode == HOOK else 0,
     )

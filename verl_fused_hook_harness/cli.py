@@ -10,16 +10,32 @@ import importlib
 import sys
 
 COMMANDS = {
-    "ab-parity": ("verl_fused_hook_harness.commands.ab.parity", "hook mode vs verl's legacy fused forward on identical weights and batch"),
-    "bench": ("verl_fused_hook_harness.commands.bench.op_bench", "the op against its peers and the cuBLAS GEMM floor (CUDA)"),
+    "ab-parity": (
+        "verl_fused_hook_harness.commands.ab.parity",
+        "hook mode vs verl's legacy fused forward on identical weights and batch",
+    ),
+    "bench": (
+        "verl_fused_hook_harness.commands.bench.op_bench",
+        "the op against its peers and the cuBLAS GEMM floor (CUDA)",
+    ),
     "e2e-bench": ("verl_fused_hook_harness.commands.e2e.bench", "verl's engine forward+backward in each mode (CUDA)"),
-    "train-parity": ("verl_fused_hook_harness.commands.train.parity", "K GRPO steps through verl's engine per mode, checkpoint/resume"),
-    "doctor": ("verl_fused_hook_harness.commands.doctor", "what the plugin will do on this machine: versions, hook probe, backend, entry point, plan, op self-check"),
+    "train-parity": (
+        "verl_fused_hook_harness.commands.train.parity",
+        "K GRPO steps through verl's engine per mode, checkpoint/resume",
+    ),
+    "doctor": (
+        "verl_fused_hook_harness.commands.doctor",
+        "what the plugin will do on this machine: versions, hook probe, backend, entry point, plan, op self-check",
+    ),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: verl-fused-hook <command> [args]   (verl-fused-hook <command> --help for its arguments)", "", "commands:"]
+    lines = [
+        "usage: verl-fused-hook <command> [args]   (verl-fused-hook <command> --help for its arguments)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<12} {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -31,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"verl-fused-hook: unknown command {name!r}; allowed: {', '.join(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
+        print(
+            f"verl-fused-hook: unknown command {name!r}; allowed: {', '.join(COMMANDS)}\n\n{_usage()}", file=sys.stderr
+        )
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     sys.argv[0] = f"verl-fused-hook {name}"  # argparse's prog in the tool's usage and error lines

@@ -30,13 +30,30 @@ TIME_LIMIT_S = 150
 
 def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
     out = tmp_path / "ab_mtp.json"
-    command = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cuda", "--tp", "1",
-               "--backend", "triton", "--dtype", "bf16", "--mtp-layers", "1", "--json", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "verl_fused_hook_harness.cli",
+        "ab-parity",
+        "--device",
+        "cuda",
+        "--tp",
+        "1",
+        "--backend",
+        "triton",
+        "--dtype",
+        "bf16",
+        "--mtp-layers",
+        "1",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # its own process group: on a timeout the command and its worker are killed together (a worker left
     # holding the output pipe would keep the test waiting)
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as process:
         try:
             printed, _ = process.communicate(timeout=TIME_LIMIT_S)
         except subprocess.TimeoutExpired:

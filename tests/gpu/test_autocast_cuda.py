@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
-from verl_fused_hook.ops import log_probs_and_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,11 @@ def _run(backend, dtype, autocast_dtype):
 
 @pytest.mark.parametrize(
     "backend, dtype, autocast_dtype",
-    [("torch", torch.float32, torch.bfloat16), ("torch", torch.bfloat16, torch.float16), ("triton", torch.bfloat16, torch.float16)],
+    [
+        ("torch", torch.float32, torch.bfloat16),
+        ("torch", torch.bfloat16, torch.float16),
+        ("triton", torch.bfloat16, torch.float16),
+    ],
 )
 def test_autocast_changes_nothing(backend, dtype, autocast_dtype):
     if backend == "triton":

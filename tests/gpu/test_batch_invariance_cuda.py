@@ -54,8 +54,9 @@ def test_a_rows_values_do_not_depend_on_its_batch(h, v, vocab_size):
         cases = {
             "first": _values(first[0], weight, *first[1:], slice(0, PROBE), vocab_size=vocab_size),
             "last": _values(last[0], weight, *last[1:], slice(-PROBE, None), vocab_size=vocab_size),
-            "last, others masked": _values(last[0], weight, *last[1:], slice(-PROBE, None), vocab_size=vocab_size,
-                                           score_mask=mask),
+            "last, others masked": _values(
+                last[0], weight, *last[1:], slice(-PROBE, None), vocab_size=vocab_size, score_mask=mask
+            ),
         }
         for name, (lp, ent) in cases.items():
             assert torch.equal(lp, alone[0]) and torch.equal(ent, alone[1]), (count, name)
@@ -82,8 +83,14 @@ def test_the_fused_loss_computes_the_two_pass_values_whatever_its_chunks(chunk_r
     hidden, weight, labels, temperature = _inputs(5000, 4096, 151936, seed=7)
     two_pass = _values(hidden, weight, labels, temperature, slice(None))
     result = log_probs_entropy_and_loss(
-        hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), labels, temperature=temperature,
-        backend="triton", loss_fn=lambda lp, ent: ((lp - 0.01 * ent).mean(), {}), loss_name="lp", chunk_rows=chunk_rows,
+        hidden.clone().requires_grad_(True),
+        weight.clone().requires_grad_(True),
+        labels,
+        temperature=temperature,
+        backend="triton",
+        loss_fn=lambda lp, ent: ((lp - 0.01 * ent).mean(), {}),
+        loss_name="lp",
+        chunk_rows=chunk_rows,
     )
     assert torch.equal(result.log_probs, two_pass[0]) and torch.equal(result.entropy, two_pass[1])
 
@@ -106,13 +113,22 @@ def _tp_worker(rank, world_size, hidden, weight, labels, temperature):
     hidden, labels, temperature = hidden.cuda(), labels.cuda(), temperature.cuda()
 
     def values(rows):
-        lp, ent = log_probs_and_entropy(hidden[rows], shard, labels[rows], temperature=temperature[rows],
-                                        tp_group=dist.group.WORLD, backend="triton", vocab_size=151930)
+        lp, ent = log_probs_and_entropy(
+            hidden[rows],
+            shard,
+            labels[rows],
+            temperature=temperature[rows],
+            tp_group=dist.group.WORLD,
+            backend="triton",
+            vocab_size=151930,
+        )
         return lp[-PROBE:].cpu(), ent[-PROBE:].cpu()
 
     alone = values(torch.arange(PROBE, device="cuda"))
-    inside = [values(torch.cat([torch.arange(PROBE, PROBE + count, device="cuda"), torch.arange(PROBE, device="cuda")]))
-              for count in (5, 1500)]
+    inside = [
+        values(torch.cat([torch.arange(PROBE, PROBE + count, device="cuda"), torch.arange(PROBE, device="cuda")]))
+        for count in (5, 1500)
+    ]
     return alone, inside
 
 

@@ -27,7 +27,18 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cuda", "--tp", "1", "--layout", "bshd"]
+COMMAND = [
+    sys.executable,
+    "-m",
+    "verl_fused_hook_harness.cli",
+    "ab-parity",
+    "--device",
+    "cuda",
+    "--tp",
+    "1",
+    "--layout",
+    "bshd",
+]
 PARITY_KEYS = ("log_probs", "entropy", "policy_loss", "grads")
 
 
@@ -35,8 +46,14 @@ PARITY_KEYS = ("log_probs", "entropy", "policy_loss", "grads")
 def test_hook_bshd_matches_verl_as_it_ships(tmp_path, backend, dtype, rtol):
     out = tmp_path / "ab_bshd.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([*COMMAND, "--backend", backend, "--dtype", dtype, "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [*COMMAND, "--backend", backend, "--dtype", dtype, "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["layout"] == "bshd" and report["match"] and report["unfused_rtol"] == rtol

@@ -30,9 +30,28 @@ MTP_LOSS_REL = 1e-3  # a mean over the rows: bf16 rounding of single logits aver
 
 
 def test_e2e_mtp_output_layer_memory_on_cuda(tmp_path):
-    command = [sys.executable, "-m", "verl_fused_hook_harness.cli", "e2e-bench", "--mtp", "1", "--device", "cuda",
-               "--hf-config", str(TINY), "--vocab-size", "32000", "--sizes", "4096", "--warmups", "1",
-               "--repeats", "1", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "verl_fused_hook_harness.cli",
+        "e2e-bench",
+        "--mtp",
+        "1",
+        "--device",
+        "cuda",
+        "--hf-config",
+        str(TINY),
+        "--vocab-size",
+        "32000",
+        "--sizes",
+        "4096",
+        "--warmups",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     print(done.stdout[-3000:])

@@ -37,8 +37,21 @@ GRAD_REL = 2e-2  # bf16 gradients, worst parameter, relative to its largest magn
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    command = [*COMMAND, "--device", "cuda", "--hf-config", str(TINY), "--sizes", "2048",
-               "--warmups", "1", "--repeats", "1", "--out", str(out)]
+    command = [
+        *COMMAND,
+        "--device",
+        "cuda",
+        "--hf-config",
+        str(TINY),
+        "--sizes",
+        "2048",
+        "--warmups",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

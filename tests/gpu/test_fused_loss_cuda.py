@@ -52,8 +52,15 @@ def test_host_evaluation_gives_the_device_evaluation_on_cuda():
     for host in (None, host_loss_fn):
         x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         result = log_probs_entropy_and_loss(
-            x, w, labels, loss_fn=loss_fn, loss_name=name, temperature=0.7, row_gradients=row_gradients,
-            host_loss_fn=host, chunk_rows=3000,  # three chunks: the copy is taken at the last
+            x,
+            w,
+            labels,
+            loss_fn=loss_fn,
+            loss_name=name,
+            temperature=0.7,
+            row_gradients=row_gradients,
+            host_loss_fn=host,
+            chunk_rows=3000,  # three chunks: the copy is taken at the last
         )
         results.append((result, torch.autograd.grad(result.loss, (x, w))))
     (device, device_grads), (host, host_grads) = results
@@ -84,8 +91,15 @@ def test_chunk_bytes_splits_the_rows_on_cuda():
         calls.clear()
         x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         result = log_probs_entropy_and_loss(
-            x, w, labels, loss_fn=loss_fn, loss_name=name, temperature=0.7, row_gradients=counting_row_gradients,
-            host_loss_fn=host_loss_fn, chunk_bytes=chunk_bytes,
+            x,
+            w,
+            labels,
+            loss_fn=loss_fn,
+            loss_name=name,
+            temperature=0.7,
+            row_gradients=counting_row_gradients,
+            host_loss_fn=host_loss_fn,
+            chunk_bytes=chunk_bytes,
         )
         runs.append((len(calls), result.loss, torch.autograd.grad(result.loss, (x, w))))
     (one, loss_one, grads_one), (several, loss_several, grads_several) = runs

@@ -41,14 +41,29 @@ def _rel(a, b):
 def _fixed_and_row(hidden, weight, labels):
     """What plan_chunks holds back beside the chunk (gradients, per-row vectors, margin), the fp32 d_weight
     accumulator, and the bytes per row of a chunk, for the backend "auto" picks."""
-    from verl_fused_hook.ops.backends import resolve_backend
     from verl_fused_hook.ops.arguments import build_problem
+    from verl_fused_hook.ops.backends import resolve_backend
 
-    p = build_problem(hidden, weight, labels, temperature=1.0, tp_group=None, score_mask=None, ignore_index=-100,
-                      vocab_size=None, calculate_entropy=True, tile_rows=None)
+    p = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=1.0,
+        tp_group=None,
+        score_mask=None,
+        ignore_index=-100,
+        vocab_size=None,
+        calculate_entropy=True,
+        tile_rows=None,
+    )
     cost = resolve_backend("auto", p, driver="log_probs_entropy_and_loss").load().loss_inside_cost(p, True)
-    fixed = (cost.fixed_bytes + chunking.ROW_VECTOR_BYTES * p.num_rows + chunking.FREE_MEMORY_MARGIN_BYTES
-             + hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size())
+    fixed = (
+        cost.fixed_bytes
+        + chunking.ROW_VECTOR_BYTES * p.num_rows
+        + chunking.FREE_MEMORY_MARGIN_BYTES
+        + hidden.numel() * hidden.element_size()
+        + weight.numel() * weight.element_size()
+    )
     return fixed, 4 * weight.numel(), cost
 
 
@@ -65,8 +80,13 @@ def _run(hidden, weight, labels, g_lp, g_ent, **kwargs):
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     result = log_probs_entropy_and_loss(
-        x, w, labels, loss_fn=lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}), loss_name="weighted sum",
-        row_gradients=row_gradients, **kwargs,
+        x,
+        w,
+        labels,
+        loss_fn=lambda lp, ent: ((lp * g_lp).sum() + (ent * g_ent).sum(), {}),
+        loss_name="weighted sum",
+        row_gradients=row_gradients,
+        **kwargs,
     )
     d_hidden, d_weight = torch.autograd.grad(result.loss, (x, w))
     torch.cuda.synchronize()
@@ -104,8 +124,12 @@ def _strand(size: int) -> torch.Tensor:
     ("inactive split"), usable only by requests that fit it. Returns the small allocation, sized just above every
     free piece already cached, so that the allocator's best fit takes it from the new segment."""
     torch.cuda.empty_cache()  # only pieces of segments in use stay cached
-    pieces = [block["size"] for segment in torch.cuda.memory_snapshot() for block in segment["blocks"]
-              if block["state"] == "inactive"]
+    pieces = [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
     kept = max(pieces, default=0) + 2 * 2**20
     assert kept <= size // 4, f"the cache already holds a free piece of {max(pieces)} bytes"
     segment = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -209,8 +233,9 @@ def test_row_groups_on_cuda():
     _, _, cost = _fixed_and_row(hidden, weight, labels)
     chunk_bytes = 10000 * cost.stored_row_bytes  # 10000 rows of stored logits: three chunks of whole sequences
     x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    result = log_probs_entropy_and_loss(x, w, labels, loss_fn=recording, loss_name="gspo-like", chunk_bytes=chunk_bytes,
-                                        row_groups=groups)
+    result = log_probs_entropy_and_loss(
+        x, w, labels, loss_fn=recording, loss_name="gspo-like", chunk_bytes=chunk_bytes, row_groups=groups
+    )
     got = torch.autograd.grad(result.loss, (x, w))
     ends = torch.tensor(lengths).cumsum(0).tolist()
     assert calls[:-1] == [9300, 17100, 24800], calls  # (300, 9000) (1200, 4000, 100, 2500) (7000, 700)
@@ -218,8 +243,14 @@ def test_row_groups_on_cuda():
     torch.testing.assert_close(result.loss, want_loss.detach(), rtol=1e-4, atol=0)
     assert _rel(got[0], want[0]) < GRAD_TOL and _rel(got[1], want[1]) < GRAD_TOL
     with pytest.raises(NonSeparableLossError, match="loss gspo-like: its gradient in the log-prob of a row depends"):
-        log_probs_entropy_and_loss(hidden.detach().requires_grad_(), weight, labels, loss_fn=loss_fn,
-                                   loss_name="gspo-like", chunk_bytes=chunk_bytes)
+        log_probs_entropy_and_loss(
+            hidden.detach().requires_grad_(),
+            weight,
+            labels,
+            loss_fn=loss_fn,
+            loss_name="gspo-like",
+            chunk_bytes=chunk_bytes,
+        )
 
 
 def test_the_cache_is_counted_only_when_the_driver_free_memory_is_short_of_enough():

@@ -42,8 +42,16 @@ def _inputs():
 
 def _step(hidden, weight, labels, score_mask, g_lp, g_ent, fusion):
     h = hidden.clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(h, weight, labels, temperature=0.8, score_mask=score_mask, vocab_size=TRUE_VOCAB,
-                                    backend="triton", gradient_accumulation_fusion=fusion)
+    lp, ent = log_probs_and_entropy(
+        h,
+        weight,
+        labels,
+        temperature=0.8,
+        score_mask=score_mask,
+        vocab_size=TRUE_VOCAB,
+        backend="triton",
+        gradient_accumulation_fusion=fusion,
+    )
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     return lp, ent, h.grad
 
@@ -69,12 +77,17 @@ def test_groups_of_rows_add_into_fp32_main_grad():
     peak = torch.cuda.max_memory_allocated() - base
     assert fused.grad_added_to_main_grad is True
 
-    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=TRUE_VOCAB,
-                                      active=score_mask, grad_outputs=(g_lp, g_ent))
+    ref = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=0.8, vocab_size=TRUE_VOCAB, active=score_mask, grad_outputs=(g_lp, g_ent)
+    )
     assert compare.max_abs(lp, ref[0]) <= VALUE_TOL and compare.max_abs(ent, ref[1]) <= VALUE_TOL
     assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
-    errors = {"d_hidden": _rel(d_hidden, ref[2]), "d_hidden_returned": _rel(d_hidden0, ref[2]),
-              "d_weight": _rel(fused.main_grad.double() - 0.5, ref[3]), "d_weight_returned": _rel(plain.grad, ref[3])}
+    errors = {
+        "d_hidden": _rel(d_hidden, ref[2]),
+        "d_hidden_returned": _rel(d_hidden0, ref[2]),
+        "d_weight": _rel(fused.main_grad.double() - 0.5, ref[3]),
+        "d_weight_returned": _rel(plain.grad, ref[3]),
+    }
     assert errors["d_hidden"] <= GRAD_TOL and errors["d_hidden"] <= 1.01 * errors["d_hidden_returned"], errors
     # no bf16 rounding of d_weight
     assert errors["d_weight"] <= GRAD_TOL and errors["d_weight"] < errors["d_weight_returned"], errors
@@ -103,7 +116,11 @@ def _ddp_worker(rank, world_size, tied):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-    from verl_fused_hook_harness.stand_ins.megatron_cpu import build_cpu_gpt, init_model_parallel, tiny_transformer_config
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import (
+        build_cpu_gpt,
+        init_model_parallel,
+        tiny_transformer_config,
+    )
     from verl_fused_hook_harness.support.determinism import deterministic_steps, prepare_cublas_workspace
 
     prepare_cublas_workspace()
@@ -113,8 +130,13 @@ def _ddp_worker(rank, world_size, tied):
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     weight = ddp.module.shared_embedding_or_output_weight() if tied else ddp.module.output_layer.weight
     g = torch.Generator(device="cuda").manual_seed(3)
-    batches = [(torch.randint(0, 1000, (1, 256), device="cuda", generator=g),
-                torch.randint(0, 1000, (1, 256), device="cuda", generator=g)) for _ in range(2)]
+    batches = [
+        (
+            torch.randint(0, 1000, (1, 256), device="cuda", generator=g),
+            torch.randint(0, 1000, (1, 256), device="cuda", generator=g),
+        )
+        for _ in range(2)
+    ]
     position_ids = torch.arange(256, device="cuda")[None]
     main_grads, flags = [], []
     with deterministic_steps(ddp):
@@ -123,8 +145,14 @@ def _ddp_worker(rank, world_size, tied):
             ddp.module.output_layer.gradient_accumulation_fusion = fusion
             for input_ids, labels in batches:
                 context = FusedOutputProcessorContext(temperature=0.8, vocab_size=1000, backend="triton")
-                out = ddp(input_ids=input_ids, position_ids=position_ids, attention_mask=None, labels=labels,
-                          output_processor=fused_output_processor, output_processor_context=context)
+                out = ddp(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=None,
+                    labels=labels,
+                    output_processor=fused_output_processor,
+                    output_processor_context=context,
+                )
                 (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
                 flags.append(weight.grad_added_to_main_grad)
             ddp.finish_grad_sync()

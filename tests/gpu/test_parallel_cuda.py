@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_pipeline_p2p import BACKWARD_ROWS, FORWARD_ROWS, HIDDEN, p2p_worker
+
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
 pytestmark = [
@@ -43,7 +43,8 @@ def test_p2p_order_at_pp2_on_nccl():
 
 
 @pytest.mark.parametrize(
-    "flags", (("--pp", "2"), ("--pp", "2", "--vpp", "2", "--moe-experts", "8"), ("--ep", "2", "--moe-experts", "8")),
+    "flags",
+    (("--pp", "2"), ("--pp", "2", "--vpp", "2", "--moe-experts", "8"), ("--ep", "2", "--moe-experts", "8")),
     ids=("pp2", "vpp2_moe", "ep2_moe"),
 )
 def test_ab_parity_parallel_on_cuda(flags, tmp_path):

@@ -30,9 +30,19 @@ TOP_K = 32
 def _run(case, top_k=TOP_K, **options):
     hidden = case.hidden.clone().requires_grad_()
     weight = case.weight.clone().requires_grad_()
-    out = token_log_probs(hidden, weight, case.labels, case.token_ids, temperature=case.temperature,
-                          score_mask=case.score_mask, vocab_size=case.vocab_size, top_k=top_k,
-                          calculate_sum_pi_squared=True, backend="triton", **options)
+    out = token_log_probs(
+        hidden,
+        weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        top_k=top_k,
+        calculate_sum_pi_squared=True,
+        backend="triton",
+        **options,
+    )
     upstream_loss(out, case).backward()
     return out, hidden.grad, weight.grad
 
@@ -49,8 +59,9 @@ def _check_top(out, want_log_softmax_rows, case):
 
 @pytest.mark.parametrize("n,h,padded,vocab,k", [(777, 4096, 151936, 151930, 128), (1000, 1024, 32008, 32003, 32)])
 def test_against_fp64(n, h, padded, vocab, k):
-    case = make_case(n=n, h=h, padded=padded, vocab=vocab, k=k, dtype=torch.bfloat16, device="cuda",
-                     weight_scale=h**-0.5)
+    case = make_case(
+        n=n, h=h, padded=padded, vocab=vocab, k=k, dtype=torch.bfloat16, device="cuda", weight_scale=h**-0.5
+    )
     want = reference(case)
     out, d_hidden, d_weight = _run(case)
     for name in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared"):
@@ -66,20 +77,41 @@ def test_against_fp64(n, h, padded, vocab, k):
 def _tp_worker(rank, world_size):
     import torch.distributed as dist
 
-    case = make_case(n=501, h=1024, padded=32008, vocab=32003, k=64, tp=world_size, dtype=torch.bfloat16,
-                     device="cuda", weight_scale=1024**-0.5)
+    case = make_case(
+        n=501,
+        h=1024,
+        padded=32008,
+        vocab=32003,
+        k=64,
+        tp=world_size,
+        dtype=torch.bfloat16,
+        device="cuda",
+        weight_scale=1024**-0.5,
+    )
     shard = case.weight.chunk(world_size)[rank].clone().requires_grad_()
     hidden = case.hidden.clone().requires_grad_()
-    out = token_log_probs(hidden, shard, case.labels, case.token_ids, temperature=case.temperature,
-                          tp_group=dist.group.WORLD, score_mask=case.score_mask, vocab_size=case.vocab_size,
-                          top_k=TOP_K, calculate_sum_pi_squared=True, backend="triton")
+    out = token_log_probs(
+        hidden,
+        shard,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        tp_group=dist.group.WORLD,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        top_k=TOP_K,
+        calculate_sum_pi_squared=True,
+        backend="triton",
+    )
     upstream_loss(out, case).backward()
     return {name: value.cpu() for name, value in out._asdict().items()}, hidden.grad.cpu(), shard.grad.cpu()
 
 
 def test_tensor_parallel_two_ranks_on_one_gpu():
     results = run_in_processes(_tp_worker, 2)
-    case = make_case(n=501, h=1024, padded=32008, vocab=32003, k=64, tp=2, dtype=torch.bfloat16, weight_scale=1024**-0.5)
+    case = make_case(
+        n=501, h=1024, padded=32008, vocab=32003, k=64, tp=2, dtype=torch.bfloat16, weight_scale=1024**-0.5
+    )
     want = reference(case, top_k=TOP_K)
     outputs, d_hiddens, d_weights = zip(*results)
     for name, value in outputs[0].items():
@@ -92,19 +124,40 @@ def test_tensor_parallel_two_ranks_on_one_gpu():
 
 
 def test_every_output_of_a_row_is_the_same_alone_and_in_a_batch():
-    case = make_case(n=3777, h=4096, padded=151936, vocab=151930, k=128, dtype=torch.bfloat16, device="cuda",
-                     weight_scale=4096**-0.5, masked=False)
+    case = make_case(
+        n=3777,
+        h=4096,
+        padded=151936,
+        vocab=151930,
+        k=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        weight_scale=4096**-0.5,
+        masked=False,
+    )
     probe = slice(3000, 3777)
 
     def outputs(rows, mask=None):
         with torch.no_grad():
-            out = token_log_probs(case.hidden[rows], case.weight, case.labels[rows], case.token_ids[rows],
-                                  temperature=case.temperature[rows], vocab_size=case.vocab_size, score_mask=mask,
-                                  top_k=128, calculate_sum_pi_squared=True, backend="triton")
+            out = token_log_probs(
+                case.hidden[rows],
+                case.weight,
+                case.labels[rows],
+                case.token_ids[rows],
+                temperature=case.temperature[rows],
+                vocab_size=case.vocab_size,
+                score_mask=mask,
+                top_k=128,
+                calculate_sum_pi_squared=True,
+                backend="triton",
+            )
         return out
 
     alone = outputs(probe)
-    for rows in (torch.arange(0, 3777, device="cuda"), torch.cat([torch.arange(3000, 3777), torch.arange(0, 5)]).cuda()):
+    for rows in (
+        torch.arange(0, 3777, device="cuda"),
+        torch.cat([torch.arange(3000, 3777), torch.arange(0, 5)]).cuda(),
+    ):
         mask = torch.ones(rows.numel(), dtype=torch.bool, device="cuda")
         mask[torch.arange(rows.numel(), device="cuda") % 3 == 0] = False
         probed = (rows >= 3000).nonzero().squeeze(1)
@@ -130,8 +183,17 @@ def test_extra_memory_is_flat_in_rows():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = token_log_probs(hidden, weight, labels, ids, temperature=0.7, calculate_log_probs=False,
-                              calculate_entropy=False, top_k=k, backend="triton")
+        out = token_log_probs(
+            hidden,
+            weight,
+            labels,
+            ids,
+            temperature=0.7,
+            calculate_log_probs=False,
+            calculate_entropy=False,
+            top_k=k,
+            backend="triton",
+        )
         grads = torch.autograd.grad((out.token_log_probs * coefficients).sum(), (hidden, weight))
         torch.cuda.synchronize()
         extra[n] = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_fused_hook.ops import log_probs_and_entropy
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
-from verl_fused_hook.ops import log_probs_and_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,14 @@ def test_torch_backend_on_cuda_matches_fp64(dtype, value_tol, grad_tol):
     score_mask = torch.rand(n, device="cuda", generator=g) > 0.3
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
     lp, ent = log_probs_and_entropy(
-        hidden, weight, labels, temperature=temperature, vocab_size=vocab, score_mask=score_mask, backend="torch", tile_rows=100
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        vocab_size=vocab,
+        score_mask=score_mask,
+        backend="torch",
+        tile_rows=100,
     )
     (lp * g_lp + ent * g_ent).sum().backward()
     ref_lp, ref_ent, ref_dh, ref_dw = reference_log_probs_entropy(

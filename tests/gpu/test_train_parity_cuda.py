@@ -30,7 +30,8 @@ FIELDS = ("loss", "grad_norm", "param_checksum")
 
 def test_train_parity_on_cuda(tmp_path):
     command = [
-        sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity", "--device", "cuda", "--hf-config", str(TINY),
+        sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity", "--device", "cuda", "--hf-config",
+        str(TINY),
         "--steps", "4", "--prompts", "2", "--prompt-lengths", "3,9", "--response-lengths", "2,10",
         "--offload", "both", "--out", str(tmp_path),
     ]  # fmt: skip

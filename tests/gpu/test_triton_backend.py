@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from verl_fused_hook_harness.support import compare
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_and_entropy
-from verl_fused_hook.ops.backends import resolve_backend
 from verl_fused_hook.ops.arguments import LogProbProblem, build_problem, default_tile_rows
+from verl_fused_hook.ops.backends import resolve_backend
+from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,20 +55,42 @@ def _bf16_logit_grad_bound(hidden, weight, labels, temperature, g_lp, g_ent):
 
 
 def _check(
-    hidden, weight, labels, *, temperature=1.0, vocab_size=None, score_mask=None, entropy=True, grads=True, rel_tol=0.0,
-    hidden_grad_bound=False, keep_logits_bytes=0,
+    hidden,
+    weight,
+    labels,
+    *,
+    temperature=1.0,
+    vocab_size=None,
+    score_mask=None,
+    entropy=True,
+    grads=True,
+    rel_tol=0.0,
+    hidden_grad_bound=False,
+    keep_logits_bytes=0,
 ):
     active = labels != -100 if score_mask is None else (labels != -100) & score_mask
     h = hidden.clone().requires_grad_(grads)
     w = weight.clone().requires_grad_(grads)
     lp, ent = log_probs_and_entropy(
-        h, w, labels, temperature=temperature, vocab_size=vocab_size, score_mask=score_mask,
-        calculate_entropy=entropy, backend="triton", keep_logits_bytes=keep_logits_bytes,
+        h,
+        w,
+        labels,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        score_mask=score_mask,
+        calculate_entropy=entropy,
+        backend="triton",
+        keep_logits_bytes=keep_logits_bytes,
     )
     g_lp = torch.randn_like(lp)
     g_ent = torch.randn_like(lp) if entropy else torch.zeros_like(lp)
     ref = reference_log_probs_entropy(
-        hidden, weight, labels.clamp(min=0), temperature=temperature, vocab_size=vocab_size, active=active,
+        hidden,
+        weight,
+        labels.clamp(min=0),
+        temperature=temperature,
+        vocab_size=vocab_size,
+        active=active,
         grad_outputs=(g_lp, g_ent) if grads else None,
     )
     assert _within(lp, ref[0], rel_tol), compare.max_abs(lp, ref[0])
@@ -109,7 +131,8 @@ def test_matches_fp64_reference(n, h, v, vocab_size):
 @pytest.mark.parametrize("keep", ["every row", "two row blocks"])
 def test_keep_logits_matches_fp64_reference(keep, small_backward_budgets):
     """keep_logits_bytes: every scored row's logits kept (two GEMMs in the backward), or two 128-row blocks of them
-    with the rest recomputed over row tiles and vocabulary chunks; Megatron-padded vocabulary, masked rows, T per row."""
+    with the rest recomputed over row tiles and vocabulary chunks; Megatron-padded vocabulary, masked rows, T per
+    row."""
     from verl_fused_hook.ops import triton_backend
 
     n, h, v, vocab_size = 700, 512, 5003, 4999
@@ -119,11 +142,28 @@ def test_keep_logits_matches_fp64_reference(keep, small_backward_budgets):
     temperature = torch.rand(n, device="cuda", generator=g) + 0.5
     per_row = 2 * 5000 + 4 * 20  # fp16 logits at a pitch of 5000 columns, an fp32 max per 256-column tile
     keep_bytes = 1 << 40 if keep == "every row" else 300 * per_row
-    _check(hidden, weight, labels, temperature=temperature, vocab_size=vocab_size, score_mask=score_mask,
-           keep_logits_bytes=keep_bytes)
-    problem = build_problem(hidden, weight, labels, temperature=temperature, tp_group=None, score_mask=score_mask,
-                            ignore_index=-100, vocab_size=vocab_size, calculate_entropy=True, tile_rows=None,
-                            keep_logits_bytes=keep_bytes)
+    _check(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        score_mask=score_mask,
+        keep_logits_bytes=keep_bytes,
+    )
+    problem = build_problem(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        tp_group=None,
+        score_mask=score_mask,
+        ignore_index=-100,
+        vocab_size=vocab_size,
+        calculate_entropy=True,
+        tile_rows=None,
+        keep_logits_bytes=keep_bytes,
+    )
     kept = triton_backend.two_pass_passes(problem, True).kept.shifted.shape[0]
     assert kept == (int(score_mask.sum()) if keep == "every row" else 256)
 
@@ -202,9 +242,17 @@ def test_bitwise_deterministic():
 def test_auto_picks_triton_on_cuda():
     hidden, weight, _ = _inputs(4, 256, 1000, seed=29)
     problem = LogProbProblem(
-        hidden=hidden, weight=weight, labels=torch.zeros(4, dtype=torch.long, device="cuda"), temperature=1.0,
-        active_rows=torch.arange(4, device="cuda"), vocab_start=0, valid_columns=1000, tp_group=None,
-        tp_world_size=1, calculate_entropy=True, tile_rows=default_tile_rows(1000),
+        hidden=hidden,
+        weight=weight,
+        labels=torch.zeros(4, dtype=torch.long, device="cuda"),
+        temperature=1.0,
+        active_rows=torch.arange(4, device="cuda"),
+        vocab_start=0,
+        valid_columns=1000,
+        tp_group=None,
+        tp_world_size=1,
+        calculate_entropy=True,
+        tile_rows=default_tile_rows(1000),
     )
     assert resolve_backend("auto", problem).name == "triton"
     float_problem = dataclasses.replace(problem, hidden=hidden.float(), weight=weight.float())
@@ -218,8 +266,15 @@ def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size
     h = hidden.cuda().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].cuda().requires_grad_()
     lp, ent = log_probs_and_entropy(
-        h, w, labels.cuda(), temperature=0.8, tp_group=dist.group.WORLD, tp_hidden="partial", vocab_size=vocab_size,
-        backend="triton", keep_logits_bytes=keep_logits_bytes,
+        h,
+        w,
+        labels.cuda(),
+        temperature=0.8,
+        tp_group=dist.group.WORLD,
+        tp_hidden="partial",
+        vocab_size=vocab_size,
+        backend="triton",
+        keep_logits_bytes=keep_logits_bytes,
     )
     ((lp * g_lp.cuda()).sum() + (ent * g_ent.cuda()).sum()).backward()
     return lp.cpu(), ent.cpu(), h.grad.float().cpu(), w.grad.float().cpu()
@@ -235,7 +290,9 @@ def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
     results = run_in_processes(
         _tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, keep_logits_bytes
     )
-    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
+    ref = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent)
+    )
     d_hidden = sum(r[2] for r in results)  # the caller's all-reduce of the partial d_hidden
     d_weight = torch.cat([r[3] for r in results])
     for lp, ent, *_ in results:
@@ -292,7 +349,9 @@ def test_row_tiled_backward_tensor_parallel(v, vocab_size, groups):
     results = run_in_processes(
         _tiled_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size, 256
     )
-    ref = reference_log_probs_entropy(hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent))
+    ref = reference_log_probs_entropy(
+        hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent)
+    )
     assert [r[0] for r in results] == [groups, groups]
     for _, lp, ent, *_ in results:
         assert compare.max_abs(lp, ref[0].cpu()) <= VALUE_TOL
@@ -323,7 +382,9 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
 
     rows = torch.randperm(n, device="cuda", generator=g)[:128]
-    ref = reference_log_probs_entropy(hidden[rows], weight, labels[rows], temperature=0.7, grad_outputs=(g_lp[rows], g_ent[rows]))
+    ref = reference_log_probs_entropy(
+        hidden[rows], weight, labels[rows], temperature=0.7, grad_outputs=(g_lp[rows], g_ent[rows])
+    )
     assert compare.max_abs(lp[rows], ref[0]) <= VALUE_TOL
     assert compare.max_abs(ent[rows], ref[1]) <= VALUE_TOL
     assert _rel(hd.grad[rows], ref[2]) <= GRAD_TOL

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 from verl_fused_hook.ops import log_probs_entropy_and_loss
 from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,8 +50,16 @@ def _stored(hidden, weight, label_col, inv_temp, vocab):
 
     n = hidden.shape[0]
     p = build_problem(
-        hidden, weight, torch.zeros(n, dtype=torch.long, device="cuda"), temperature=1.0, tp_group=None,
-        score_mask=None, ignore_index=-100, vocab_size=vocab, calculate_entropy=True, tile_rows=None,
+        hidden,
+        weight,
+        torch.zeros(n, dtype=torch.long, device="cuda"),
+        temperature=1.0,
+        tp_group=None,
+        score_mask=None,
+        ignore_index=-100,
+        vocab_size=vocab,
+        calculate_entropy=True,
+        tile_rows=None,
     )
     pitch = -(-vocab // 8) * 8
     store = StoredLogits(
@@ -130,8 +138,14 @@ def test_fused_loss_matches_fp64_over_chunks(chunk_rows):
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
     hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = log_probs_entropy_and_loss(
-        hid, w, labels, loss_fn=_weighted_sum(g_lp, g_ent), loss_name="weighted sum", temperature=temperature,
-        score_mask=score_mask, chunk_rows=chunk_rows,
+        hid,
+        w,
+        labels,
+        loss_fn=_weighted_sum(g_lp, g_ent),
+        loss_name="weighted sum",
+        temperature=temperature,
+        score_mask=score_mask,
+        chunk_rows=chunk_rows,
     )
     out.loss.backward()
     active = score_mask & (labels != -100)
@@ -153,8 +167,16 @@ def _tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size
     h = hidden.cuda().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].cuda().requires_grad_()
     out = log_probs_entropy_and_loss(
-        h, w, labels.cuda(), loss_fn=_weighted_sum(g_lp.cuda(), g_ent.cuda()), loss_name="weighted sum",
-        temperature=0.8, tp_group=dist.group.WORLD, tp_hidden="partial", vocab_size=vocab_size, chunk_rows=128,
+        h,
+        w,
+        labels.cuda(),
+        loss_fn=_weighted_sum(g_lp.cuda(), g_ent.cuda()),
+        loss_name="weighted sum",
+        temperature=0.8,
+        tp_group=dist.group.WORLD,
+        tp_hidden="partial",
+        vocab_size=vocab_size,
+        chunk_rows=128,
     )
     out.loss.backward()
     return out.log_probs.cpu(), out.entropy.cpu(), h.grad.float().cpu(), w.grad.float().cpu()
@@ -165,7 +187,9 @@ def test_fused_loss_tensor_parallel_two_ranks_on_one_gpu():
     hidden, weight, g = _inputs(n, h, v, seed=31)
     labels = torch.randint(0, vocab_size, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    results = run_in_processes(_tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size)
+    results = run_in_processes(
+        _tp_worker, 2, hidden.cpu(), weight.cpu(), labels.cpu(), g_lp.cpu(), g_ent.cpu(), vocab_size
+    )
     ref = reference_log_probs_entropy(
         hidden, weight, labels, temperature=0.8, vocab_size=vocab_size, grad_outputs=(g_lp, g_ent)
     )

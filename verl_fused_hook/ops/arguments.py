@@ -85,7 +85,9 @@ def _tp_layout(tp_group) -> tuple[int, int]:
         raise ValueError(f"tp_group: expected a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         if tp_group is not None:
-            raise ValueError("tp_group was given but torch.distributed is not initialized; pass tp_group=None for one rank")
+            raise ValueError(
+                "tp_group was given but torch.distributed is not initialized; pass tp_group=None for one rank"
+            )
         return 1, 0
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
@@ -98,9 +100,13 @@ def check_temperature_values(field: str, temperature, *, read_values: bool = Tru
         if not temperature.is_floating_point():
             raise ValueError(f"{field}: a tensor must be floating point, got {temperature.dtype}")
         if temperature.device.type == "meta":
-            raise ValueError(f"{field}: a tensor on the meta device holds no values; pass it on the CPU or the model's device")
+            raise ValueError(
+                f"{field}: a tensor on the meta device holds no values; pass it on the CPU or the model's device"
+            )
         if temperature.requires_grad:
-            raise ValueError(f"{field}: requires grad, but no gradient flows to the temperature; pass temperature.detach()")
+            raise ValueError(
+                f"{field}: requires grad, but no gradient flows to the temperature; pass temperature.detach()"
+            )
         if read_values and bool(bad_temperatures(temperature)):
             raise ValueError(f"{field}: every value must be finite and > 0")
         return
@@ -125,7 +131,8 @@ def _check_temperature(temperature, labels: torch.Tensor, device: torch.device) 
         return float(temperature.item())
     if temperature.shape != labels.shape:
         raise ValueError(
-            f"temperature: a tensor must be 0-d or shaped like labels {tuple(labels.shape)}, got {tuple(temperature.shape)}"
+            f"temperature: a tensor must be 0-d or shaped like labels {tuple(labels.shape)}, got "
+            f"{tuple(temperature.shape)}"
         )
     return temperature.reshape(-1).to(device=device, dtype=torch.float32)
 
@@ -157,7 +164,8 @@ def check_row_counts_agree(tp_group, device: torch.device, num_rows: int, scored
     if any(c != counts[0] for c in counts):
         per_rank = ", ".join(f"rank {rank}: {n} rows ({k} scored)" for rank, (n, k) in enumerate(counts))
         raise ValueError(
-            f"hidden/labels/score_mask: every rank of tp_group must pass the same rows and the same scored rows, got {per_rank}"
+            f"hidden/labels/score_mask: every rank of tp_group must pass the same rows and the same scored rows, got "
+            f"{per_rank}"
         )
     _row_counts_checked.add(tp_group)
 
@@ -203,7 +211,9 @@ def build_problem(
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise ValueError(f"hidden/weight: must be floating point, got {hidden.dtype} and {weight.dtype}")
     if hidden.device != weight.device or labels.device != hidden.device:
-        raise ValueError(f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}")
+        raise ValueError(
+            f"hidden, weight, labels: must share one device, got {hidden.device}, {weight.device}, {labels.device}"
+        )
     if not _is_integer_dtype(labels.dtype):
         raise ValueError(f"labels: must be an integer tensor, got {labels.dtype}")
     check_bool("return_label_is_max", return_label_is_max)
@@ -219,8 +229,13 @@ def build_problem(
     padded_vocab = local_vocab * tp_world_size
     if vocab_size is None:
         vocab_size = padded_vocab
-    check_int("vocab_size", vocab_size, low=1, high=padded_vocab,
-              expected=f"must be an int in [1, {padded_vocab}] (V_local * tp size)")
+    check_int(
+        "vocab_size",
+        vocab_size,
+        low=1,
+        high=padded_vocab,
+        expected=f"must be an int in [1, {padded_vocab}] (V_local * tp size)",
+    )
 
     flat_labels = labels.reshape(-1).long()
     labelled = flat_labels != ignore_index
@@ -228,7 +243,8 @@ def build_problem(
     if score_mask is not None:
         if score_mask.shape != labels.shape or score_mask.dtype != torch.bool:
             raise ValueError(
-                f"score_mask: must be a bool tensor shaped like labels {tuple(labels.shape)}, got {score_mask.dtype} {tuple(score_mask.shape)}"
+                f"score_mask: must be a bool tensor shaped like labels {tuple(labels.shape)}, got {score_mask.dtype} "
+                f"{tuple(score_mask.shape)}"
             )
         scored = scored & score_mask.reshape(-1).to(scored.device)
     row_temperature = _check_temperature(temperature, labels, hidden.device)
@@ -266,7 +282,9 @@ def build_problem(
         tp_world_size=tp_world_size,
         calculate_entropy=calculate_entropy,
         tile_rows=tile_rows if tile_rows is not None else default_tile_rows(local_vocab),
-        label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device) if return_label_is_max else None,
+        label_is_max=torch.zeros(flat_labels.shape, dtype=torch.bool, device=hidden.device)
+        if return_label_is_max
+        else None,
         vocab_size=vocab_size,
         keep_logits_bytes=keep_logits_bytes,
         main_grad_dtype=main_grad_dtype,
@@ -283,11 +301,13 @@ def _check_labels_shape(hidden: torch.Tensor, labels: torch.Tensor, tp_hidden: s
         rows = (hidden.shape[0] * tp_world_size, *hidden.shape[1:-1])
         if labels.shape != rows:
             raise ValueError(
-                f"labels: must be shaped like hidden without its last dim, hidden's dim 0 gathered over the {tp_world_size} "
+                f"labels: must be shaped like hidden without its last dim, hidden's dim 0 gathered over the "
+                f"{tp_world_size} "
                 f"ranks of tp_group (tp_hidden='sequence_sharded'): {rows}, got {tuple(labels.shape)}"
             )
         return
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
-            f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+            f"labels: must be shaped like hidden without its last dim {tuple(hidden.shape[:-1])}, got "
+            f"{tuple(labels.shape)}"
         )

@@ -68,8 +68,9 @@ class BlockPasses(Protocol):
     def statistics(self, block: RowBlock) -> Partials:
         """This shard's partials of the block's rows."""
 
-    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
-                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+    def gradients(
+        self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool, weight_sum: WeightGradientSum | None
+    ) -> Tensor | None:
         """d_hidden of the block's rows (None unless `want_hidden`); their share of d_weight added into
         `weight_sum` (None: no d_weight wanted)."""
 
@@ -167,14 +168,22 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", ".triton_backend", BackendCapabilities(keep_logits=True),
-                      selected_tokens_module=".triton_selected_tokens"),
+    "triton": Backend(
+        "triton",
+        ".triton_backend",
+        BackendCapabilities(keep_logits=True),
+        selected_tokens_module=".triton_selected_tokens",
+    ),
     "torch": Backend("torch", ".torch_backend", BackendCapabilities(), selected_tokens_module=".torch_backend"),
     "verl": Backend(
         "verl",
         ".verl_backend",
         BackendCapabilities(
-            per_row_temperature=False, row_selection=False, padded_vocabulary=False, label_is_max=False, loss_inside=False,
+            per_row_temperature=False,
+            row_selection=False,
+            padded_vocabulary=False,
+            label_is_max=False,
+            loss_inside=False,
             selected_tokens=False,
         ),
         whole_problem=True,
@@ -235,8 +244,12 @@ def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs
         if reason is None:
             return backend
         if problem.hidden.is_cuda:  # one line per distinct reason, not one per training step
-            log_once(logger, f"{driver}: backend=auto skips {candidate!r} on this GPU: {reason}", logging.WARNING,
-                     key=(driver, candidate, reason))
+            log_once(
+                logger,
+                f"{driver}: backend=auto skips {candidate!r} on this GPU: {reason}",
+                logging.WARNING,
+                key=(driver, candidate, reason),
+            )
         else:
             logger.debug("%s: backend=auto skips %r: %s", driver, candidate, reason)
     raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs

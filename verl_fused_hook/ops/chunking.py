@@ -92,9 +92,13 @@ def check_row_groups(row_groups, labels: torch.Tensor) -> None:
     if row_groups is None:
         return
     if not isinstance(row_groups, torch.Tensor):
-        raise ValueError(f"row_groups: expected None or an int64 tensor shaped like labels, got {type(row_groups).__name__}")
+        raise ValueError(
+            f"row_groups: expected None or an int64 tensor shaped like labels, got {type(row_groups).__name__}"
+        )
     if row_groups.dtype.is_floating_point or row_groups.dtype.is_complex or row_groups.dtype == torch.bool:
-        raise ValueError(f"row_groups: must be an integer tensor (group ids; negative: no group), got {row_groups.dtype}")
+        raise ValueError(
+            f"row_groups: must be an integer tensor (group ids; negative: no group), got {row_groups.dtype}"
+        )
     if row_groups.shape != labels.shape or row_groups.device.type == "meta":
         raise ValueError(f"row_groups: must be shaped like labels {tuple(labels.shape)}, got {tuple(row_groups.shape)}")
 
@@ -120,7 +124,8 @@ def row_group_units(row_groups: torch.Tensor, p: LogProbProblem) -> RowGroups:
         error = (
             f"row_groups: the scored rows of group {int(ids[k])} are not contiguous in the op's row order (flattened "
             f"labels): scored row {int(rows[first[unit_a + 1]])} of another group (or of none) lies between its rows "
-            f"{int(rows[first[unit_a] + lengths[unit_a] - 1])} and {int(rows[first[unit_b]])}. Each group's scored rows "
+            f"{int(rows[first[unit_a] + lengths[unit_a] - 1])} and {int(rows[first[unit_b]])}. Each group's scored "
+            f"rows "
             "must be contiguous (packed sequences, or [batch, seq] with the batch first)"
         )
     return RowGroups(lengths, unit_groups, error)
@@ -163,14 +168,24 @@ def _agree(p: LogProbProblem, one: bool, rows: int, groups: RowGroups | None) ->
     valid = groups is None or groups.error is None
     if p.tp_world_size == 1:
         return RankAgreement(one, rows, not valid, False)
-    mine = torch.tensor([int(one), rows, fingerprint, -fingerprint, int(valid)], dtype=torch.int64, device=p.hidden.device)
+    mine = torch.tensor(
+        [int(one), rows, fingerprint, -fingerprint, int(valid)], dtype=torch.int64, device=p.hidden.device
+    )
     dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=p.tp_group)
     every_one, smallest, low, minus_high, every_valid = mine.tolist()
     return RankAgreement(bool(every_one), smallest, not every_valid, low != -minus_high)
 
 
-def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, chunk_rows: int | None,
-                chunk_bytes: int | None, groups: RowGroups | None, loss_name: str) -> list[slice] | None:
+def plan_chunks(
+    p: LogProbProblem,
+    cost: ChunkCost | None,
+    *,
+    want_grads: bool,
+    chunk_rows: int | None,
+    chunk_bytes: int | None,
+    groups: RowGroups | None,
+    loss_name: str,
+) -> list[slice] | None:
     """The chunks of one call, as slices of its scored rows; None: run the two-pass path. cost None: the backend
     runs every scored row in one block (nothing kept).
 
@@ -191,8 +206,10 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
             one = chunk_rows >= active
         else:
             budget = chunk_bytes or cost.budget_bytes
-            rows, bound = max(cost.row_multiple, _round_down(budget // cost.stored_row_bytes, cost.row_multiple)), (
-                f"the {_size(budget)} budget")
+            rows, bound = (
+                max(cost.row_multiple, _round_down(budget // cost.stored_row_bytes, cost.row_multiple)),
+                (f"the {_size(budget)} budget"),
+            )
             one = active * cost.row_bytes <= budget * cost.row_bytes // cost.stored_row_bytes + accumulator
         requested = rows
         # free memory that leaves every decision below as the budget alone makes it (a chunk of whole multiples):
@@ -211,12 +228,17 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
         bound = "the free memory of another rank of tp_group"
     rows = agreed.rows
     if agreed.refused:
-        raise ValueError(groups.error if groups is not None and groups.error else
-                         "row_groups: another rank of tp_group refused its row_groups (see its error); every rank "
-                         "must pass the same row_groups")
+        raise ValueError(
+            groups.error
+            if groups is not None and groups.error
+            else "row_groups: another rank of tp_group refused its row_groups (see its error); every rank "
+            "must pass the same row_groups"
+        )
     if agreed.differ:
-        raise ValueError("row_groups: every rank of tp_group must pass the same row_groups (as the same rows); "
-                         "the ranks' groups of scored rows differ")
+        raise ValueError(
+            "row_groups: every rank of tp_group must pass the same row_groups (as the same rows); "
+            "the ranks' groups of scored rows differ"
+        )
     if agreed.one_chunk or active == 0:
         logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in one chunk", loss_name, active)
         return [slice(0, active)] if active else []
@@ -224,23 +246,37 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     if rows < minimal:
         need = fixed + accumulator + minimal * cost.row_bytes
         elsewhere = available is not None and available >= need
-        log_fallback(loss_name, "memory", (
-            f"log_probs_entropy_and_loss: loss {loss_name}: too little free GPU memory for a chunk of {minimal} rows: "
-            f"{_size(need)} needed ({_size(minimal * cost.row_bytes)} for the chunk, {_size(accumulator)} for the fp32 "
-            f"d_weight accumulator, {_size(fixed)} for the gradients, per-row vectors and the "
-            f"{_size(FREE_MEMORY_MARGIN_BYTES)} margin), {_size(available or 0)} free on {p.hidden.device}"
-            f"{' (this rank; another rank of tp_group has less)' if elsewhere else ''}; this call runs the two-pass "
-            "path (logits recomputed in backward)"))
+        log_fallback(
+            loss_name,
+            "memory",
+            (
+                f"log_probs_entropy_and_loss: loss {loss_name}: too little free GPU memory for a chunk of {minimal} "
+                f"rows: "
+                f"{_size(need)} needed ({_size(minimal * cost.row_bytes)} for the chunk, {_size(accumulator)} for the "
+                f"fp32 "
+                f"d_weight accumulator, {_size(fixed)} for the gradients, per-row vectors and the "
+                f"{_size(FREE_MEMORY_MARGIN_BYTES)} margin), {_size(available or 0)} free on {p.hidden.device}"
+                f"{' (this rank; another rank of tp_group has less)' if elsewhere else ''}; this call runs the "
+                f"two-pass "
+                "path (logits recomputed in backward)"
+            ),
+        )
         return None
     rows = min(rows, active)
     if groups is not None and want_grads:
         longest = int(groups.lengths.argmax())
         if int(groups.lengths[longest]) > rows:
-            log_fallback(loss_name, "group", (
-                f"log_probs_entropy_and_loss: loss {loss_name}: row group {int(groups.groups[longest])} has "
-                f"{int(groups.lengths[longest])} scored rows, more than a chunk holds ({rows} rows, set by {bound}); "
-                "this call runs the two-pass path (logits recomputed in backward). A larger chunk_bytes or "
-                "chunk_rows keeps such sequences in the fused loss"))
+            log_fallback(
+                loss_name,
+                "group",
+                (
+                    f"log_probs_entropy_and_loss: loss {loss_name}: row group {int(groups.groups[longest])} has "
+                    f"{int(groups.lengths[longest])} scored rows, more than a chunk holds ({rows} rows, set by "
+                    f"{bound}); "
+                    "this call runs the two-pass path (logits recomputed in backward). A larger chunk_bytes or "
+                    "chunk_rows keeps such sequences in the fused loss"
+                ),
+            )
             return None
         spans = _packed(groups.lengths, rows)
     elif rows == chunk_rows:  # as asked (every rank: the same arguments, the same agreed rows)
@@ -248,8 +284,14 @@ def plan_chunks(p: LogProbProblem, cost: ChunkCost | None, *, want_grads: bool, 
     else:
         size = equal_piece_rows(active, rows)
         spans = [slice(start, min(start + size, active)) for start in range(0, active, size)]
-    logger.debug("log_probs_entropy_and_loss: loss %s: %d scored rows in %d chunks of up to %d rows (set by %s)",
-                 loss_name, active, len(spans), max(s.stop - s.start for s in spans), bound)
+    logger.debug(
+        "log_probs_entropy_and_loss: loss %s: %d scored rows in %d chunks of up to %d rows (set by %s)",
+        loss_name,
+        active,
+        len(spans),
+        max(s.stop - s.start for s in spans),
+        bound,
+    )
     return spans
 
 
@@ -266,7 +308,9 @@ def _packed(lengths: torch.Tensor, capacity: int) -> list[slice]:
         share = total * index / count
         first, last = int(ends.searchsorted(start, "right")), int(ends.searchsorted(start + capacity, "right")) - 1
         nearest = min(max(int(ends.searchsorted(share)), first), last)
-        cut = min((int(ends[i]) for i in (nearest - 1, nearest) if first <= i <= last), key=lambda end: abs(end - share))
+        cut = min(
+            (int(ends[i]) for i in (nearest - 1, nearest) if first <= i <= last), key=lambda end: abs(end - share)
+        )
         spans.append(slice(start, cut))
         start = cut
     if total - start > capacity:

@@ -139,8 +139,13 @@ def evaluation_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-100)
 
 
-def _one_pass(p: LogProbProblem, call: LossCall, want_grads: bool, passes: LossInsidePasses,
-              accumulator: torch.Tensor | None = None) -> LossPass:
+def _one_pass(
+    p: LogProbProblem,
+    call: LossCall,
+    want_grads: bool,
+    passes: LossInsidePasses,
+    accumulator: torch.Tensor | None = None,
+) -> LossPass:
     """Chunk by chunk: logits once, statistics, the loss's row gradients, d_logits, both input gradients
     (`accumulator`: the fp32 d_weight sum's buffer, from `_workspace`)."""
     device, n = p.hidden.device, p.num_rows
@@ -227,9 +232,14 @@ def _workspace(p: LogProbProblem, module: BlockBackend, spans: list[slice], loss
             failure = "another rank of tp_group could not allocate its own"
     if failure is None:
         return passes, accumulator
-    log_fallback(loss_name, "allocation", (
-        f"log_probs_entropy_and_loss: loss {loss_name}: the chunk of kept logits or the fp32 d_weight accumulator "
-        f"could not be allocated ({failure}); this call runs the two-pass path (logits recomputed in backward)"))
+    log_fallback(
+        loss_name,
+        "allocation",
+        (
+            f"log_probs_entropy_and_loss: loss {loss_name}: the chunk of kept logits or the fp32 d_weight accumulator "
+            f"could not be allocated ({failure}); this call runs the two-pass path (logits recomputed in backward)"
+        ),
+    )
     return None
 
 
@@ -391,7 +401,9 @@ def log_probs_entropy_and_loss(
     and row_gradients and host_loss_fn are not called.
     """
     if not callable(loss_fn):
-        raise ValueError(f"loss_fn: expected a callable (log_probs, entropy) -> (loss, metrics), got {type(loss_fn).__name__}")
+        raise ValueError(
+            f"loss_fn: expected a callable (log_probs, entropy) -> (loss, metrics), got {type(loss_fn).__name__}"
+        )
     if not isinstance(loss_name, str) or not loss_name:
         raise ValueError(f"loss_name: expected a non-empty str, got {loss_name!r}")
     for name, value in (("row_gradients", row_gradients), ("host_loss_fn", host_loss_fn)):
@@ -415,15 +427,26 @@ def log_probs_entropy_and_loss(
         gradient_accumulation_fusion=gradient_accumulation_fusion,
     )
     call = LossCall(
-        loss_fn=loss_fn, loss_name=loss_name, shape=labels.shape, row_gradients=row_gradients, host_loss_fn=host_loss_fn,
+        loss_fn=loss_fn,
+        loss_name=loss_name,
+        shape=labels.shape,
+        row_gradients=row_gradients,
+        host_loss_fn=host_loss_fn,
         grouped=row_groups is not None,
     )
     # fp32 whatever the caller's autocast says, as log_probs_and_entropy (its backward only scales)
     with torch.autocast(device_type=p.hidden.device.type, enabled=False):
         module = resolve_backend(backend, p, driver="log_probs_entropy_and_loss").load()
         groups = None if row_groups is None else row_group_units(row_groups, p)
-        spans = plan_chunks(p, module.loss_inside_cost(p, p.needs_grad), want_grads=p.needs_grad, chunk_rows=chunk_rows,
-                            chunk_bytes=chunk_bytes, groups=groups, loss_name=loss_name)
+        spans = plan_chunks(
+            p,
+            module.loss_inside_cost(p, p.needs_grad),
+            want_grads=p.needs_grad,
+            chunk_rows=chunk_rows,
+            chunk_bytes=chunk_bytes,
+            groups=groups,
+            loss_name=loss_name,
+        )
 
         workspace = _workspace(p, module, spans, loss_name) if spans is not None and p.needs_grad else None
         if spans is None or (p.needs_grad and workspace is None):

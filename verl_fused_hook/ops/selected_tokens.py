@@ -28,7 +28,6 @@ from .softmax_math import LogitGradientInputs, Partials, combine_row_statistics,
 from .token_math import (
     TokenPartials,
     TokenRequest,
-    TokenResults,
     combine_duplicate_columns,
     merge_token_partials,
     no_column_token_partials,
@@ -46,7 +45,9 @@ class TokenLogProbs(NamedTuple):
     log_probs: Tensor | None  # [...] log p(label)
     entropy: Tensor | None  # [...]
     token_log_probs: Tensor | None  # [..., k] log p(token_ids[..., j])
-    top_ids: Tensor | None  # int64 [..., top_k] the row's top_k global ids, highest logit first; -1 on rows not computed
+    top_ids: (
+        Tensor | None
+    )  # int64 [..., top_k] the row's top_k global ids, highest logit first; -1 on rows not computed
     top_log_probs: Tensor | None  # [..., top_k] their log-probs
     sum_pi_squared: Tensor | None  # [...] sum_j p_j^2
 
@@ -92,8 +93,10 @@ def token_log_probs(
     check_backend_name(backend)
     if backend != "auto" and not BACKENDS[backend].capabilities.selected_tokens:
         allowed = ", ".join(n for n in BACKEND_CHOICES if n == "auto" or BACKENDS[n].capabilities.selected_tokens)
-        raise ValueError(f"backend: {backend!r} cannot run {DRIVER} (its kernel returns the label's log-prob and "
-                         f"entropy only); allowed: {allowed}")
+        raise ValueError(
+            f"backend: {backend!r} cannot run {DRIVER} (its kernel returns the label's log-prob and "
+            f"entropy only); allowed: {allowed}"
+        )
     check_bool("calculate_log_probs", calculate_log_probs)
     check_bool("calculate_sum_pi_squared", calculate_sum_pi_squared)
     check_int("top_k", top_k, low=0, expected="must be an int >= 0")
@@ -102,8 +105,13 @@ def token_log_probs(
         ignore_index=ignore_index, vocab_size=vocab_size, calculate_entropy=calculate_entropy, tile_rows=tile_rows,
         tp_hidden=tp_hidden,
     )  # fmt: skip
-    check_int("top_k", top_k, low=0, high=problem.vocab_size,
-              expected=f"must be an int in [0, {problem.vocab_size}] (vocab_size)")
+    check_int(
+        "top_k",
+        top_k,
+        low=0,
+        high=problem.vocab_size,
+        expected=f"must be an int in [0, {problem.vocab_size}] (vocab_size)",
+    )
     token_columns = _token_columns(problem, labels, token_ids)
     request = TokenRequest(token_columns, top_k, calculate_sum_pi_squared)
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
@@ -128,15 +136,19 @@ def _token_columns(p: LogProbProblem, labels: Tensor, token_ids: Tensor | None) 
     if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids: must be an integer tensor, got {token_ids.dtype}")
     if token_ids.dim() != labels.dim() + 1 or token_ids.shape[:-1] != labels.shape:
-        raise ValueError(f"token_ids: must be shaped like labels {tuple(labels.shape)} plus a last dim of ids [..., k], "
-                         f"got {tuple(token_ids.shape)}")
+        raise ValueError(
+            f"token_ids: must be shaped like labels {tuple(labels.shape)} plus a last dim of ids [..., k], "
+            f"got {tuple(token_ids.shape)}"
+        )
     if token_ids.device != labels.device:
         raise ValueError(f"token_ids: must be on labels' device {labels.device}, got {token_ids.device}")
     ids = token_ids.reshape(p.num_rows, token_ids.shape[-1]).index_select(0, p.active_rows).long()
     bad = (ids < 0) | (ids >= p.vocab_size)
     if ids.numel() and bool(bad.any()):
-        raise ValueError(f"token_ids: ids must lie in [0, {p.vocab_size}) (vocab_size) on every computed row, "
-                         f"found {ids[bad][0].item()}")
+        raise ValueError(
+            f"token_ids: ids must lie in [0, {p.vocab_size}) (vocab_size) on every computed row, "
+            f"found {ids[bad][0].item()}"
+        )
     local = ids - p.vocab_start
     return torch.where((local >= 0) & (local < p.valid_columns), local, -1)
 
@@ -152,11 +164,16 @@ def _forward(p: LogProbProblem, request: TokenRequest, passes) -> tuple[tuple, t
         partials = Partials(*(_cat(column) for column in zip(*(part[0] for part in parts))))
         extras = TokenPartials(*(_cat(column) for column in zip(*(part[1] for part in parts))))
     statistics = combine_row_statistics(p, partials)
-    results = merge_token_partials(extras, statistics.row_max, partials.row_max, statistics.log_sum,
-                                   p.tp_group, p.tp_world_size)
+    results = merge_token_partials(
+        extras, statistics.row_max, partials.row_max, statistics.log_sum, p.tp_group, p.tp_world_size
+    )
     outputs = (
-        _full(p, statistics.log_probs, 0.0), _full(p, statistics.entropy, 0.0), _full(p, results.token_log_probs, 0.0),
-        _full(p, results.top_ids, -1), _full(p, results.top_log_probs, 0.0), _full(p, results.sum_pi_squared, 0.0),
+        _full(p, statistics.log_probs, 0.0),
+        _full(p, statistics.entropy, 0.0),
+        _full(p, results.token_log_probs, 0.0),
+        _full(p, results.top_ids, -1),
+        _full(p, results.top_log_probs, 0.0),
+        _full(p, results.sum_pi_squared, 0.0),
     )
     return outputs, (statistics.row_max, statistics.log_sum, statistics.shifted_mean)
 
@@ -179,8 +196,14 @@ def _shaped(outputs: tuple, shape: torch.Size, calculate_log_probs: bool) -> Tok
     log_probs, entropy, token_lp, top_ids, top_lp, sum_pi_squared = outputs
     rows = lambda t: None if t is None else t.view(shape)  # noqa: E731
     per_id = lambda t: None if t is None else t.view(*shape, t.shape[-1])  # noqa: E731
-    return TokenLogProbs(rows(log_probs) if calculate_log_probs else None, rows(entropy), per_id(token_lp),
-                         per_id(top_ids), per_id(top_lp), rows(sum_pi_squared))
+    return TokenLogProbs(
+        rows(log_probs) if calculate_log_probs else None,
+        rows(entropy),
+        per_id(token_lp),
+        per_id(top_ids),
+        per_id(top_lp),
+        rows(sum_pi_squared),
+    )
 
 
 class _SelectedTokens(torch.autograd.Function):
@@ -222,8 +245,9 @@ class _SelectedTokens(torch.autograd.Function):
             g_lp = _scored(grad_log_probs, rows)
             g_tokens = _scored(grad_token_log_probs, rows)
             dense, sparse = _dense_and_sparse(block.label_col, g_lp, token_columns, span, g_tokens)
-            inputs = LogitGradientInputs(row_max[span], log_sum[span], shifted_mean[span], dense,
-                                         _scored(grad_entropy, rows))
+            inputs = LogitGradientInputs(
+                row_max[span], log_sum[span], shifted_mean[span], dense, _scored(grad_entropy, rows)
+            )
             d_hidden = passes.token_gradients(block, inputs, sparse, grad_hidden is not None, weight_sum)
             if d_hidden is not None:
                 grad_hidden.index_copy_(0, rows, d_hidden.to(hidden_dtype))
@@ -237,8 +261,9 @@ def _scored(grad: Tensor | None, rows: Tensor) -> Tensor | None:
     return None if grad is None else grad.index_select(0, rows).float()
 
 
-def _dense_and_sparse(label_col: Tensor, g_lp: Tensor | None, token_columns: Tensor | None, span: slice,
-                      g_tokens: Tensor | None):
+def _dense_and_sparse(
+    label_col: Tensor, g_lp: Tensor | None, token_columns: Tensor | None, span: slice, g_tokens: Tensor | None
+):
     """The dense coefficient per row (g_lp + sum_j c_j; None when neither flows) and the sparse part: the label's
     column with g_lp and the ids' columns with c_j, duplicates combined."""
     label = label_col.long().unsqueeze(1)

@@ -9,8 +9,9 @@ NonSeparableLossError. A gradient that is NaN or infinite is reported as that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,8 +75,13 @@ class Evaluation(NamedTuple):
     g_ent: torch.Tensor | None
 
 
-def evaluate(call: LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | None, with_grad: bool,
-             loss_fn: LossFunction | None = None) -> Evaluation:
+def evaluate(
+    call: LossCall,
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    with_grad: bool,
+    loss_fn: LossFunction | None = None,
+) -> Evaluation:
     """loss_fn (default call.loss_fn) on full-length values; with_grad: also its fp32 gradients in log_probs and
     entropy (zeros if unused), else None for both."""
     loss_fn = loss_fn or call.loss_fn
@@ -87,7 +93,9 @@ def evaluate(call: LossCall, log_probs: torch.Tensor, entropy: torch.Tensor | No
         ent = None if entropy is None else entropy.detach().requires_grad_(True)
         loss, metrics = loss_fn(lp.view(call.shape), None if ent is None else ent.view(call.shape))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn ({call.loss_name}): must return (scalar tensor, metrics), got {type(loss).__name__}")
+            raise ValueError(
+                f"loss_fn ({call.loss_name}): must return (scalar tensor, metrics), got {type(loss).__name__}"
+            )
         inputs = [lp] if ent is None else [lp, ent]
         grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
     g_lp = grads[0] if grads[0] is not None else torch.zeros_like(log_probs)

@@ -48,7 +48,9 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, group, world_size):
         ctx.group, ctx.world_size = group, world_size
-        gathered = torch.empty((hidden.shape[0] * world_size, *hidden.shape[1:]), dtype=hidden.dtype, device=hidden.device)
+        gathered = torch.empty(
+            (hidden.shape[0] * world_size, *hidden.shape[1:]), dtype=hidden.dtype, device=hidden.device
+        )
         dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=group)
         return gathered
 

@@ -100,8 +100,10 @@ def pad_candidates(values: Tensor, ids: Tensor, top_k: int) -> tuple[Tensor, Ten
     if missing <= 0:
         return values, ids
     rows = values.shape[0]
-    return (torch.cat([values, values.new_full((rows, missing), float("-inf"))], 1),
-            torch.cat([ids, ids.new_full((rows, missing), -1)], 1))
+    return (
+        torch.cat([values, values.new_full((rows, missing), float("-inf"))], 1),
+        torch.cat([ids, ids.new_full((rows, missing), -1)], 1),
+    )
 
 
 def no_column_token_partials(rows: int, request: TokenRequest, device: torch.device) -> TokenPartials:
@@ -137,8 +139,9 @@ def gather_ranks(mine: Tensor, tp_group, tp_world_size: int) -> Tensor:
     return slots
 
 
-def merge_token_partials(partials: TokenPartials, row_max: Tensor, local_max: Tensor, log_sum: Tensor,
-                         tp_group, tp_world_size: int) -> TokenResults:
+def merge_token_partials(
+    partials: TokenPartials, row_max: Tensor, local_max: Tensor, log_sum: Tensor, tp_group, tp_world_size: int
+) -> TokenResults:
     """Merge a shard's extras with the other ranks', given the merged statistics: the global `row_max` M, this
     shard's `local_max` m and the global log sum e^(z - M). Every rank gathers every rank's extras (`gather_ranks`)
     and merges them in rank order: the ids' logits are one rank's value plus exact zeros, the square sums are
@@ -150,9 +153,13 @@ def merge_token_partials(partials: TokenPartials, row_max: Tensor, local_max: Te
         rescale = torch.exp(2 * (torch.where(has_mass, local_max, row_max) - row_max))
         squares = torch.where(has_mass, squares * rescale, torch.zeros_like(squares))
     if tp_world_size > 1:
-        gathered = gather_ranks(torch.cat([t.unsqueeze(1) if t.dim() == 1 else t for t in (squares, token_logits,
-                                                                                         top_values) if t is not None], 1),
-                                tp_group, tp_world_size)
+        gathered = gather_ranks(
+            torch.cat(
+                [t.unsqueeze(1) if t.dim() == 1 else t for t in (squares, token_logits, top_values) if t is not None], 1
+            ),
+            tp_group,
+            tp_world_size,
+        )
         widths = [1 if t.dim() == 1 else t.shape[1] for t in (squares, token_logits, top_values) if t is not None]
         pieces = list(gathered.split(widths, dim=2))
         if squares is not None:

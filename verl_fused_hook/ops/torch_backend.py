@@ -111,7 +111,10 @@ class PortablePasses:
         for span in self.spans:
             rows = active[span]
             yield RowBlock(
-                span, rows, self.gemms.rows(self.p.hidden, rows), label_columns(self.p, rows),
+                span,
+                rows,
+                self.gemms.rows(self.p.hidden, rows),
+                label_columns(self.p, rows),
                 inverse_temperature(self.p.temperature, rows),
             )
 
@@ -129,8 +132,9 @@ class PortablePasses:
         partials = partial_statistics(raw, label_col, inv_temp, entropy=self.p.calculate_entropy, keep_raw=self.keep)
         return Partials(*(t[:rows] for t in partials))
 
-    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
-                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+    def gradients(
+        self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool, weight_sum: WeightGradientSum | None
+    ) -> Tensor | None:
         raw = self.kept_logits if self.keep else self.gemms.raw_logits(block.hidden)
         self.kept_logits = None
         grad = grad_logits(raw, block.label_col, block.inv_temp, inputs)
@@ -144,10 +148,18 @@ class PortablePasses:
         and how to rebuild these passes from them."""
         p = self.p
         temperature = p.temperature if isinstance(p.temperature, Tensor) else None
-        stub = replace(p, hidden=None, weight=None, labels=None, active_rows=None, label_is_max=None,
-                       temperature=None if temperature is not None else p.temperature)
-        return SavedPasses((p.hidden, p.weight, p.labels, p.active_rows, temperature),
-                           functools.partial(_rebuilt, stub, type(self)))
+        stub = replace(
+            p,
+            hidden=None,
+            weight=None,
+            labels=None,
+            active_rows=None,
+            label_is_max=None,
+            temperature=None if temperature is not None else p.temperature,
+        )
+        return SavedPasses(
+            (p.hidden, p.weight, p.labels, p.active_rows, temperature), functools.partial(_rebuilt, stub, type(self))
+        )
 
 
 def _rebuilt(stub: LogProbProblem, passes_class, hidden, weight, labels, active_rows, temperature) -> PortablePasses:
@@ -186,8 +198,14 @@ class SelectedTokenPasses(PortablePasses):
         partials = partial_statistics(z, label_col, ones, entropy=self.p.calculate_entropy, keep_raw=False)
         return Partials(*(part[:count] for part in partials)), TokenPartials(token_logits, squares, top_values, top_ids)
 
-    def token_gradients(self, block: RowBlock, inputs: LogitGradientInputs, sparse: SparseLogitGradient,
-                        want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+    def token_gradients(
+        self,
+        block: RowBlock,
+        inputs: LogitGradientInputs,
+        sparse: SparseLogitGradient,
+        want_hidden: bool,
+        weight_sum: WeightGradientSum | None,
+    ) -> Tensor | None:
         """d_hidden of the block's rows (or None) and their share of d_weight: the dense part as the label gradient's
         (`inputs`, with the label itself among `sparse`), plus `sparse`."""
         raw = self.gemms.raw_logits(block.hidden)

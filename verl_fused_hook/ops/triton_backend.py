@@ -135,7 +135,7 @@ def descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -192,8 +192,9 @@ def stored_layout(columns: int, tile_columns: int) -> tuple[int, int]:
     return -(-columns // 8) * 8, -(-columns // tile_columns)
 
 
-def kept_rows_buffer(budget: int, rows: int, columns: int, row_block: int, tile_columns: int,
-                     device: torch.device) -> StoredLogits | None:
+def kept_rows_buffer(
+    budget: int, rows: int, columns: int, row_block: int, tile_columns: int, device: torch.device
+) -> StoredLogits | None:
     """Room for the logits of the first K of `rows` scored rows, K as many as `budget` bytes hold (whole
     `row_block`s unless every row fits); None when none fit, or when the allocator refuses (logged)."""
     pitch, tiles = stored_layout(columns, tile_columns)
@@ -206,9 +207,14 @@ def kept_rows_buffer(budget: int, rows: int, columns: int, row_block: int, tile_
         return StoredLogits(shifted, torch.empty(kept, tiles, dtype=torch.float32, device=device), tile_columns)
     except torch.OutOfMemoryError as error:
         reason = " ".join(str(error).split())[:240]
-        log_once(logger, f"log_probs_and_entropy: keep_logits_bytes: {kept} rows of kept logits could not be allocated "
-                 f"({reason}); this call recomputes every row's logits in its backward", logging.WARNING,
-                 key="kept logits refused", later=logging.DEBUG)
+        log_once(
+            logger,
+            f"log_probs_and_entropy: keep_logits_bytes: {kept} rows of kept logits could not be allocated "
+            f"({reason}); this call recomputes every row's logits in its backward",
+            logging.WARNING,
+            key="kept logits refused",
+            later=logging.DEBUG,
+        )
         return None
 
 
@@ -226,8 +232,11 @@ def tiles_per_split(col_tiles: int, slots: int) -> int:
     give a row other bits in another batch (batch invariance: the old log-probs and the update's forward then
     differ in the last bits). Of the layouts with at least MIN_SPLITS splits (L2 locality) and no empty last split,
     the one whose modelled time is on average closest to the best layout at each of REFERENCE_ROWS."""
-    candidates = [per for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1)
-                  if -(-col_tiles // per) * per - col_tiles < per]
+    candidates = [
+        per
+        for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1)
+        if -(-col_tiles // per) * per - col_tiles < per
+    ]
     row_blocks = [-(-rows // FORWARD_CONFIG.block_m) for rows in REFERENCE_ROWS]
     best = [min(_modelled_time(per, blocks, col_tiles, slots) for per in candidates) for blocks in row_blocks]
 
@@ -240,11 +249,14 @@ def tiles_per_split(col_tiles: int, slots: int) -> int:
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
     """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
     hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
-    return RowBlock(span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows))
+    return RowBlock(
+        span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows)
+    )
 
 
-def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp,
-                     store: StoredLogits | None = None) -> Partials:
+def local_statistics(
+    p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None
+) -> Partials:
     """This rank's partials per row of `hidden` (the scored rows, compacted), from the forward kernel; with `store`,
     the kernel also writes the logits there."""
     from . import triton_kernels as kernels
@@ -261,12 +273,28 @@ def local_statistics(p: LogProbProblem, hidden, weight, label_col, inv_temp,
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
         descriptor(hidden, [c.block_m, c.block_k]),
         descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
-        label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
+        label_col,
+        inv_temp,
+        parts[0],
+        parts[1],
+        parts[2],
+        parts[3],
         None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
-        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        n,
+        hidden.shape[1],
+        p.valid_columns,
+        col_tiles,
+        per,
+        splits,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        GROUP_M=c.group_m,
+        ENTROPY=p.calculate_entropy,
+        STORE=store is not None,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )
     if splits == 1:
         return Partials(parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0])
@@ -308,8 +336,9 @@ def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
     return _chunk_tile_range(valid_columns, block_n)[0] * block_n
 
 
-def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int,
-                    slots: int) -> BackwardTiling:
+def backward_tiling(
+    rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int, slots: int
+) -> BackwardTiling:
     """Chunk width and row tiles of the backward's walk. Of the widths in `_chunk_tile_range`, the one whose
     gradient-kernel launches (a row tile's blocks x a chunk's column tiles, `slots` programs at a time) take the
     fewest waves over the whole walk, then the narrowest. 32 tiles over 64 row blocks leave the last of 16 waves
@@ -330,18 +359,29 @@ def backward_tiling(rows: int, hidden_size: int, valid_columns: int, block_m: in
     return best
 
 
-def _vocabulary_outside_bytes(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool) -> int:
+def _vocabulary_outside_bytes(
+    rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool
+) -> int:
     """Working memory of one walk over the vocabulary for `rows` rows: the fp32 d_hidden accumulator, the d_logits
     tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles (at the nominal width)."""
     c = GRAD_CONFIG
     tiling = _row_tiling(rows, hidden_size, nominal_chunk_columns(valid_columns, c.block_n), c.block_m)
     several = len(tiling.tiles(rows)) > 1
-    return (4 * rows * hidden_size * want_hidden + 2 * tiling.rows * tiling.columns
-            + 4 * tiling.columns * hidden_size * (several and want_weight))
+    return (
+        4 * rows * hidden_size * want_hidden
+        + 2 * tiling.rows * tiling.columns
+        + 4 * tiling.columns * hidden_size * (several and want_weight)
+    )
 
 
-def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool,
-               weight_sum_in_place: bool = False) -> list[slice]:
+def row_groups(
+    rows: int,
+    hidden_size: int,
+    valid_columns: int,
+    want_hidden: bool,
+    want_weight: bool,
+    weight_sum_in_place: bool = False,
+) -> list[slice]:
     """The backward's groups of rows (slices of the scored rows): one of every row, unless equal groups of
     about ROW_GROUP_ROWS (whole row blocks) need GROUPS_MIN_SAVING_BYTES less memory: their fp32 d_weight sum
     (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring).
@@ -358,17 +398,26 @@ def row_groups(rows: int, hidden_size: int, valid_columns: int, want_hidden: boo
     size = equal_piece_rows(rows, group, block_m)
     if in_place:
         return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
-    grouped = (4 * valid_columns * hidden_size * want_weight
-               + _vocabulary_outside_bytes(size, hidden_size, valid_columns, want_hidden, False))
-    if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(rows, hidden_size, valid_columns, want_hidden,
-                                                                     want_weight):
+    grouped = 4 * valid_columns * hidden_size * want_weight + _vocabulary_outside_bytes(
+        size, hidden_size, valid_columns, want_hidden, False
+    )
+    if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(
+        rows, hidden_size, valid_columns, want_hidden, want_weight
+    ):
         return [slice(0, rows)]
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, inputs: LogitGradientInputs,
-                         want_hidden: bool, weight_sum: WeightGradientSum | None,
-                         kept: StoredLogits | None = None, add_sparse=None) -> Tensor | None:
+def recomputed_gradients(
+    block: RowBlock,
+    weight: Tensor,
+    valid_columns: int,
+    inputs: LogitGradientInputs,
+    want_hidden: bool,
+    weight_sum: WeightGradientSum | None,
+    kept: StoredLogits | None = None,
+    add_sparse=None,
+) -> Tensor | None:
     """fp32 d_hidden of the block (or None); its share of d_weight[:valid_columns] chunk by chunk through
     weight_sum. The block's first rows, when `kept` holds their logits, are one more row tile whose d_logits
     come from there. `inputs`: no gradient None. `add_sparse(dz, rows, chunk_start)` (token_log_probs): adds a
@@ -387,7 +436,12 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, in
     # Several row tiles of the only block add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
     # (Row groups add into the sum's own fp32 buffer.)
     dw_chunk = None
-    if weight_sum is not None and weight_sum.products == 1 and len(tiles) > 1 and weight_sum.total.dtype != torch.float32:
+    if (
+        weight_sum is not None
+        and weight_sum.products == 1
+        and len(tiles) > 1
+        and weight_sum.total.dtype != torch.float32
+    ):
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = descriptor(weight[:valid_columns], [c.block_n, c.block_k])
     row_args = (block.label_col, block.inv_temp, *inputs)
@@ -396,7 +450,9 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, in
         w_chunk = weight[start : start + cols]
         chunk_sum = None
         if weight_sum is not None:
-            chunk_sum = weight_sum.columns(start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols])
+            chunk_sum = weight_sum.columns(
+                start, start + cols, len(tiles), None if dw_chunk is None else dw_chunk[:cols]
+            )
         for first, count in tiles:
             rows = slice(first, first + count)
             if first < k:  # the kept rows: d_logits over their stored logits, in place
@@ -405,12 +461,21 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, in
                 dz = dz_buffer[:count, :cols]
                 programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
                 kernels.grad_logits_kernel[(programs,)](
-                    descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc,
+                    descriptor(hidden[rows], [c.block_m, c.block_k]),
+                    w_desc,
                     descriptor(dz, [c.block_m, c.block_n]),
                     *(t[rows] for t in row_args),
-                    count, h, start, cols, programs,
-                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                    num_warps=c.num_warps, num_stages=c.num_stages,
+                    count,
+                    h,
+                    start,
+                    cols,
+                    programs,
+                    BLOCK_M=c.block_m,
+                    BLOCK_N=c.block_n,
+                    BLOCK_K=c.block_k,
+                    GROUP_M=c.group_m,
+                    num_warps=c.num_warps,
+                    num_stages=c.num_stages,
                 )
                 if add_sparse is not None:
                     add_sparse(dz, rows, start)
@@ -423,8 +488,18 @@ def recomputed_gradients(block: RowBlock, weight: Tensor, valid_columns: int, in
     return d_hidden
 
 
-def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent,
-                       out_dtype: torch.dtype, columns: tuple[int, int] | None = None) -> torch.Tensor:
+def stored_grad_logits(
+    store,
+    label_col,
+    inv_temp,
+    row_max,
+    log_sum,
+    shifted_mean,
+    g_lp,
+    g_ent,
+    out_dtype: torch.dtype,
+    columns: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """d_logits [R, C] in out_dtype (2 bytes) of sum_i g_lp_i log p_i + g_ent_i H_i with respect to the raw
     logits, written over `store.shifted` (a StoredLogits) and returned
     as a view of it (same strides); only its `columns` [start, stop) when given (start on a tile boundary).
@@ -437,7 +512,11 @@ def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mea
         start, stop = columns
         if start % store.tile_columns:
             raise ValueError(f"columns: must start on a {store.tile_columns}-column tile boundary, got {start}")
-        shifted, tile_max, label_col = shifted[:, start:stop], tile_max[:, start // store.tile_columns :], label_col - start
+        shifted, tile_max, label_col = (
+            shifted[:, start:stop],
+            tile_max[:, start // store.tile_columns :],
+            label_col - start,
+        )
     if torch.empty((), dtype=out_dtype).element_size() != shifted.element_size():
         raise ValueError(f"out_dtype: must be a 2-byte float to overwrite the stored logits, got {out_dtype}")
     rows, width = shifted.shape
@@ -445,15 +524,29 @@ def stored_grad_logits(store, label_col, inv_temp, row_max, log_sum, shifted_mea
     if rows and width:
         vectors = [t.float().contiguous() for t in (inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)]
         kernels.stored_grad_logits_kernel[(rows, -(-width // GRAD_BLOCK))](
-            shifted, dz, shifted.stride(0), tile_max, tile_max.stride(0),
-            label_col.to(torch.int64).contiguous(), *vectors,
-            width, TILE_N=store.tile_columns, BLOCK=GRAD_BLOCK, num_warps=8,
+            shifted,
+            dz,
+            shifted.stride(0),
+            tile_max,
+            tile_max.stride(0),
+            label_col.to(torch.int64).contiguous(),
+            *vectors,
+            width,
+            TILE_N=store.tile_columns,
+            BLOCK=GRAD_BLOCK,
+            num_warps=8,
         )
     return dz
 
 
-def kept_gradients(store: StoredLogits, block: RowBlock, weight: Tensor, inputs: LogitGradientInputs,
-                   want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+def kept_gradients(
+    store: StoredLogits,
+    block: RowBlock,
+    weight: Tensor,
+    inputs: LogitGradientInputs,
+    want_hidden: bool,
+    weight_sum: WeightGradientSum | None,
+) -> Tensor | None:
     """The two-pass op's backward when every scored row's logits were kept (keep_logits_bytes): d_logits over all
     of them in place, then one GEMM for the block's d_weight (into weight_sum) and one for its d_hidden (the sum
     over the vocabulary in cuBLAS's fp32, rounded once: no accumulator, no chunks). `inputs`: no gradient None."""
@@ -473,8 +566,15 @@ class RecomputingPasses:
     The backward's passes walk `groups` of those rows as blocks of their own (`row_groups`).
     Saved for backward: the block (rows, int32 label column, 1/T), the weight, the kept logits."""
 
-    def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock,
-                 kept: StoredLogits | None = None, groups: list[slice] | None = None):
+    def __init__(
+        self,
+        p: LogProbProblem | None,
+        valid_columns: int,
+        weight: Tensor,
+        block: RowBlock,
+        kept: StoredLogits | None = None,
+        groups: list[slice] | None = None,
+    ):
         self.p, self.valid_columns, self.weight, self.block, self.kept = p, valid_columns, weight, block, kept
         self.groups = groups
 
@@ -494,16 +594,20 @@ class RecomputingPasses:
         if self.kept is None:
             return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp)
         k = self.kept.shifted.shape[0]
-        head = local_statistics(self.p, block.hidden[:k], self.weight, block.label_col[:k], block.inv_temp[:k], self.kept)
+        head = local_statistics(
+            self.p, block.hidden[:k], self.weight, block.label_col[:k], block.inv_temp[:k], self.kept
+        )
         if k == block.hidden.shape[0]:
             return head
         tail = local_statistics(self.p, block.hidden[k:], self.weight, block.label_col[k:], block.inv_temp[k:])
         return Partials(*(torch.cat(pair) for pair in zip(head, tail)))
 
-    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
-                  weight_sum: WeightGradientSum | None) -> Tensor | None:
-        inputs = inputs._replace(g_lp=_zeros_for_none(inputs.g_lp, inputs.row_max),
-                                 g_ent=_zeros_for_none(inputs.g_ent, inputs.row_max))
+    def gradients(
+        self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool, weight_sum: WeightGradientSum | None
+    ) -> Tensor | None:
+        inputs = inputs._replace(
+            g_lp=_zeros_for_none(inputs.g_lp, inputs.row_max), g_ent=_zeros_for_none(inputs.g_ent, inputs.row_max)
+        )
         if self.kept is not None and self.kept.shifted.shape[0] == block.hidden.shape[0]:
             return kept_gradients(self.kept, block, self.weight[: self.valid_columns], inputs, want_hidden, weight_sum)
         return recomputed_gradients(block, self.weight, self.valid_columns, inputs, want_hidden, weight_sum, self.kept)
@@ -515,17 +619,28 @@ class RecomputingPasses:
         kept = () if self.kept is None else (self.kept.shifted, self.kept.tile_max)
         groups = None
         if self.kept is None:
-            groups = row_groups(b.rows.numel(), b.hidden.shape[1], self.valid_columns, self.p.hidden.requires_grad,
-                                self.p.weight.requires_grad, self.p.main_grad_dtype == torch.float32)
-        return SavedPasses((b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept),
-                           functools.partial(_rebuilt_recomputing, self.valid_columns, groups))
+            groups = row_groups(
+                b.rows.numel(),
+                b.hidden.shape[1],
+                self.valid_columns,
+                self.p.hidden.requires_grad,
+                self.p.weight.requires_grad,
+                self.p.main_grad_dtype == torch.float32,
+            )
+        return SavedPasses(
+            (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept),
+            functools.partial(_rebuilt_recomputing, self.valid_columns, groups),
+        )
 
 
-def _rebuilt_recomputing(valid_columns: int, groups: list[slice] | None, hidden, weight, rows, label_col, inv_temp,
-                         *kept) -> RecomputingPasses:
+def _rebuilt_recomputing(
+    valid_columns: int, groups: list[slice] | None, hidden, weight, rows, label_col, inv_temp, *kept
+) -> RecomputingPasses:
     stored = StoredLogits(*kept, FORWARD_CONFIG.block_n) if kept else None
     block = RowBlock(slice(0, rows.numel()), rows, hidden, label_col, inv_temp)
-    return RecomputingPasses(None, valid_columns, weight, block, stored, None if groups is None or len(groups) == 1 else groups)
+    return RecomputingPasses(
+        None, valid_columns, weight, block, stored, None if groups is None or len(groups) == 1 else groups
+    )
 
 
 def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> RecomputingPasses:
@@ -534,8 +649,14 @@ def two_pass_passes(p: LogProbProblem, for_backward: bool = False) -> Recomputin
     block = _block(p, p.active_rows, slice(0, p.active_rows.numel()))
     kept = None
     if for_backward and p.keep_logits_bytes:
-        kept = kept_rows_buffer(p.keep_logits_bytes, block.rows.numel(), p.valid_columns, FORWARD_CONFIG.block_m,
-                                FORWARD_CONFIG.block_n, p.weight.device)
+        kept = kept_rows_buffer(
+            p.keep_logits_bytes,
+            block.rows.numel(),
+            p.valid_columns,
+            FORWARD_CONFIG.block_m,
+            FORWARD_CONFIG.block_n,
+            p.weight.device,
+        )
     return RecomputingPasses(p, p.valid_columns, tma_ready(p.weight), block, kept)
 
 
@@ -567,11 +688,14 @@ class StoredLogitsPasses:
     def statistics(self, block: RowBlock) -> Partials:
         count = block.rows.numel()
         if self.buffer is not None:
-            self.store = StoredLogits(self.buffer[:count, : self.columns], self.tile_max[:count], FORWARD_CONFIG.block_n)
+            self.store = StoredLogits(
+                self.buffer[:count, : self.columns], self.tile_max[:count], FORWARD_CONFIG.block_n
+            )
         return local_statistics(self.p, block.hidden, self.weight, block.label_col, block.inv_temp, self.store)
 
-    def gradients(self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool,
-                  weight_sum: WeightGradientSum | None) -> Tensor | None:
+    def gradients(
+        self, block: RowBlock, inputs: LogitGradientInputs, want_hidden: bool, weight_sum: WeightGradientSum | None
+    ) -> Tensor | None:
         """`inputs.g_lp` a tensor (the loss's), `inputs.g_ent` None without the entropy."""
         inputs = inputs._replace(g_ent=_zeros_for_none(inputs.g_ent, inputs.row_max))
         grad_logits = stored_grad_logits(self.store, block.label_col, block.inv_temp, *inputs, self.p.hidden.dtype)
@@ -591,8 +715,14 @@ def loss_inside_cost(p: LogProbProblem, keep: bool) -> ChunkCost | None:
     h, width = p.hidden.shape[1], p.hidden.element_size()
     weight_copy = 0 if p.weight.is_contiguous() and p.weight.data_ptr() % 16 == 0 else p.weight.numel() * width
     block = FORWARD_CONFIG.block_m
-    return ChunkCost(max(1, 2 * pitch + 4 * tiles), 2 * h * width + 16 * tiles + 64, weight_copy, block, block,
-                     STORED_CHUNK_BUDGET_BYTES)
+    return ChunkCost(
+        max(1, 2 * pitch + 4 * tiles),
+        2 * h * width + 16 * tiles + 64,
+        weight_copy,
+        block,
+        block,
+        STORED_CHUNK_BUDGET_BYTES,
+    )
 
 
 def loss_inside_passes(p: LogProbProblem, keep: bool, spans: list[slice]) -> StoredLogitsPasses:

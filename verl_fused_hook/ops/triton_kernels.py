@@ -54,15 +54,30 @@ def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def forward_statistics_kernel(
-    h_desc, w_desc,  # [rows, H], [valid_columns, H] tensor descriptors
+    h_desc,
+    w_desc,  # [rows, H], [valid_columns, H] tensor descriptors
     label_col_ptr,  # int32 [rows]: label's column in this shard, -1 if elsewhere
     inv_temp_ptr,  # fp32 [rows]: 1 / temperature
-    max_ptr, sum_ptr, dot_ptr, label_ptr,  # fp32 [num_splits, rows] partial statistics
-    store_desc, tile_max_ptr,  # STORE only: fp16 [rows, valid_columns] logits - tile max; fp32 [rows, num_col_tiles]
-    rows, H, valid_columns, num_col_tiles, tiles_per_split, num_splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, ENTROPY: tl.constexpr, STORE: tl.constexpr,
-    square_ptr=None, SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
+    max_ptr,
+    sum_ptr,
+    dot_ptr,
+    label_ptr,  # fp32 [num_splits, rows] partial statistics
+    store_desc,
+    tile_max_ptr,  # STORE only: fp16 [rows, valid_columns] logits - tile max; fp32 [rows, num_col_tiles]
+    rows,
+    H,
+    valid_columns,
+    num_col_tiles,
+    tiles_per_split,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    STORE: tl.constexpr,
+    square_ptr=None,
+    SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
@@ -132,12 +147,25 @@ def forward_statistics_kernel(
 
 @triton.jit
 def grad_logits_kernel(
-    h_desc, w_desc, dz_desc,  # [rows, H], [valid_columns, H], [rows, chunk] (output)
-    label_col_ptr, inv_temp_ptr,  # int32 [rows], fp32 [rows]
-    max_ptr, log_sum_ptr, shifted_mean_ptr,  # fp32 [rows], whole vocabulary: m, log sum e^(z-m), E[z] - m
-    grad_lp_ptr, grad_ent_ptr,  # fp32 [rows]: upstream gradients
-    rows, H, chunk_start, chunk_width, num_programs,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    h_desc,
+    w_desc,
+    dz_desc,  # [rows, H], [valid_columns, H], [rows, chunk] (output)
+    label_col_ptr,
+    inv_temp_ptr,  # int32 [rows], fp32 [rows]
+    max_ptr,
+    log_sum_ptr,
+    shifted_mean_ptr,  # fp32 [rows], whole vocabulary: m, log sum e^(z-m), E[z] - m
+    grad_lp_ptr,
+    grad_ent_ptr,  # fp32 [rows]: upstream gradients
+    rows,
+    H,
+    chunk_start,
+    chunk_width,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """d_logits for one chunk of columns, written in the input dtype:
     dz_j = (g_lp * ([j == y] - p_j) + g_H * p_j * (E[z] - z_j)) / T.
@@ -173,9 +201,21 @@ def grad_logits_kernel(
 
 @triton.jit
 def stored_grad_logits_kernel(
-    shifted_ptr, dz_ptr, stride_row, tile_max_ptr, tile_max_stride,
-    label_col_ptr, inv_temp_ptr, max_ptr, log_sum_ptr, shifted_mean_ptr, grad_lp_ptr, grad_ent_ptr,
-    columns, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
+    shifted_ptr,
+    dz_ptr,
+    stride_row,
+    tile_max_ptr,
+    tile_max_stride,
+    label_col_ptr,
+    inv_temp_ptr,
+    max_ptr,
+    log_sum_ptr,
+    shifted_mean_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    columns,
+    TILE_N: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per (row, block of columns): dz_j = (g_lp ([j == y] - p_j) + g_H p_j (E[z] - z_j)) / T,
     with z_j / T - max rebuilt as d_j / T + (tile max / T - max): the second term is exactly 0 in the tile
@@ -202,10 +242,17 @@ def stored_grad_logits_kernel(
 
 @triton.jit
 def token_logits_kernel(
-    h_ptr, h_stride, w_ptr, w_stride,  # [rows, H], [valid_columns, H]
-    columns_ptr, inv_temp_ptr, out_ptr,  # int64 [rows, entries] (-1: not on this shard), fp32 [rows], fp32 [rows, entries]
-    entries, H,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    h_ptr,
+    h_stride,
+    w_ptr,
+    w_stride,  # [rows, H], [valid_columns, H]
+    columns_ptr,
+    inv_temp_ptr,
+    out_ptr,  # int64 [rows, entries] (-1: not on this shard), fp32 [rows], fp32 [rows, entries]
+    entries,
+    H,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """One program: one row's `BLOCK_T` entries, z = h . W[column] / T in fp32 (0 where the column is -1). The sum
     over H runs in BLOCK_H pieces in order, each a fixed tree, so a logit depends on its row and column alone (no
@@ -220,8 +267,11 @@ def token_logits_kernel(
         k = start + tl.arange(0, BLOCK_H)
         k_ok = k < H
         h = tl.load(h_ptr + row * h_stride + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + column.to(tl.int64)[:, None] * w_stride + k[None, :],
-                    mask=present[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + column.to(tl.int64)[:, None] * w_stride + k[None, :],
+            mask=present[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         acc += tl.sum(w * h[None, :], axis=1)
     z = acc * tl.load(inv_temp_ptr + row)
     tl.store(out_ptr + row * entries + j, tl.where(present, z, 0.0), mask=ok)
@@ -229,9 +279,14 @@ def token_logits_kernel(
 
 @triton.jit
 def add_sparse_gradient_kernel(
-    dz_ptr, dz_stride,  # [rows, chunk_width] d_logits of one vocabulary chunk (the input dtype)
-    columns_ptr, coefficients_ptr, inv_temp_ptr,  # int64 / fp32 [rows, entries], fp32 [rows]
-    entries, chunk_start, chunk_width,
+    dz_ptr,
+    dz_stride,  # [rows, chunk_width] d_logits of one vocabulary chunk (the input dtype)
+    columns_ptr,
+    coefficients_ptr,
+    inv_temp_ptr,  # int64 / fp32 [rows, entries], fp32 [rows]
+    entries,
+    chunk_start,
+    chunk_width,
     BLOCK: tl.constexpr,
 ):
     """One program per row: dz[column - chunk_start] += coefficient / T for the row's columns inside the chunk. The

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from . import triton_backend as backend  # its tile configurations read at call time
 from .arguments import LogProbProblem
 from .backends import RowBlock, SavedPasses
 from .softmax_math import LogitGradientInputs, Partials, merge_partials
@@ -34,7 +35,6 @@ from .token_math import (
     pad_candidates,
     select_top,
 )
-from . import triton_backend as backend  # its tile configurations read at call time
 from .triton_backend import (
     StoredLogits,
     descriptor,
@@ -68,8 +68,15 @@ def _top_k_chunk_rows(columns: int, top_k: int) -> int | None:
     return max(block_m, TOP_K_CHUNK_BYTES // per_row // block_m * block_m)
 
 
-def statistics_with_squares(p: LogProbProblem, hidden: Tensor, weight: Tensor, label_col: Tensor, inv_temp: Tensor,
-                            squares: bool, store: StoredLogits | None) -> tuple[Partials, Tensor | None]:
+def statistics_with_squares(
+    p: LogProbProblem,
+    hidden: Tensor,
+    weight: Tensor,
+    label_col: Tensor,
+    inv_temp: Tensor,
+    squares: bool,
+    store: StoredLogits | None,
+) -> tuple[Partials, Tensor | None]:
     """This rank's partials of `hidden`'s rows and, with `squares`, their square sums relative to the row max: the
     launch of triton_backend.local_statistics with the kernel's SQUARES flag, its splits chosen and merged the same
     way."""
@@ -85,13 +92,30 @@ def statistics_with_squares(p: LogProbProblem, hidden: Tensor, weight: Tensor, l
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
         descriptor(hidden, [c.block_m, c.block_k]),
         descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
-        label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
+        label_col,
+        inv_temp,
+        parts[0],
+        parts[1],
+        parts[2],
+        parts[3],
         None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
-        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
-        square_ptr=parts[4] if squares else None, SQUARES=squares,
+        n,
+        hidden.shape[1],
+        p.valid_columns,
+        col_tiles,
+        per,
+        splits,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        GROUP_M=c.group_m,
+        ENTROPY=p.calculate_entropy,
+        STORE=store is not None,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+        square_ptr=parts[4] if squares else None,
+        SQUARES=squares,
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
@@ -107,14 +131,24 @@ def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tens
     out = torch.empty(rows, entries, dtype=torch.float32, device=hidden.device)
     if rows and entries:
         kernels.token_logits_kernel[(rows, -(-entries // TOKEN_BLOCK))](
-            hidden, hidden.stride(0), weight, weight.stride(0), columns.contiguous(), inv_temp.contiguous(), out,
-            entries, hidden.shape[1], BLOCK_T=TOKEN_BLOCK, BLOCK_H=HIDDEN_BLOCK,
+            hidden,
+            hidden.stride(0),
+            weight,
+            weight.stride(0),
+            columns.contiguous(),
+            inv_temp.contiguous(),
+            out,
+            entries,
+            hidden.shape[1],
+            BLOCK_T=TOKEN_BLOCK,
+            BLOCK_H=HIDDEN_BLOCK,
         )
     return out
 
 
-def top_candidates(store: StoredLogits, hidden: Tensor, weight: Tensor, inv_temp: Tensor, top_k: int,
-                   vocab_start: int) -> tuple[Tensor, Tensor]:
+def top_candidates(
+    store: StoredLogits, hidden: Tensor, weight: Tensor, inv_temp: Tensor, top_k: int, vocab_start: int
+) -> tuple[Tensor, Tensor]:
     """The shard's top_k (exact fp32 logits, global ids; -inf / -1 padding) of the rows whose logits `store` kept."""
     rows, columns = store.shifted.shape
     width = store.tile_columns
@@ -135,8 +169,15 @@ class TritonTokenPasses:
     """The scored rows compacted into one block; the forward walks it in chunks under top_k (`spans`), the backward
     in the groups of `row_groups`."""
 
-    def __init__(self, p: LogProbProblem | None, valid_columns: int, weight: Tensor, block: RowBlock,
-                 request: TokenRequest | None, spans: list[slice]):
+    def __init__(
+        self,
+        p: LogProbProblem | None,
+        valid_columns: int,
+        weight: Tensor,
+        block: RowBlock,
+        request: TokenRequest | None,
+        spans: list[slice],
+    ):
         self.p, self.valid_columns, self.weight, self.block, self.request = p, valid_columns, weight, block, request
         self.spans = spans
         self.block_count = len(spans)
@@ -146,7 +187,9 @@ class TritonTokenPasses:
             pitch, tiles = stored_layout(valid_columns, backend.FORWARD_CONFIG.block_n)
             self.store = StoredLogits(
                 torch.empty(chunk, pitch, dtype=torch.float16, device=weight.device)[:, :valid_columns],
-                torch.empty(chunk, tiles, dtype=torch.float32, device=weight.device), backend.FORWARD_CONFIG.block_n)
+                torch.empty(chunk, tiles, dtype=torch.float32, device=weight.device),
+                backend.FORWARD_CONFIG.block_n,
+            )
 
     def blocks(self) -> Iterator[RowBlock]:
         b = self.block
@@ -158,22 +201,31 @@ class TritonTokenPasses:
         store = None
         if self.store is not None:
             store = StoredLogits(self.store.shifted[:count], self.store.tile_max[:count], self.store.tile_columns)
-        partials, squares = statistics_with_squares(p, block.hidden, self.weight, block.label_col, block.inv_temp,
-                                                    request.sum_squares, store)
+        partials, squares = statistics_with_squares(
+            p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, store
+        )
         logits = top_values = top_ids = None
         if request.token_columns is not None:
             logits = token_logits(block.hidden, self.weight, request.token_columns[block.span], block.inv_temp)
         if store is not None:
-            top_values, top_ids = top_candidates(store, block.hidden, self.weight, block.inv_temp, request.top_k,
-                                                 p.vocab_start)
+            top_values, top_ids = top_candidates(
+                store, block.hidden, self.weight, block.inv_temp, request.top_k, p.vocab_start
+            )
         return partials, TokenPartials(logits, squares, top_values, top_ids)
 
-    def token_gradients(self, block: RowBlock, inputs: LogitGradientInputs, sparse: SparseLogitGradient,
-                        want_hidden: bool, weight_sum: WeightGradientSum | None) -> Tensor | None:
+    def token_gradients(
+        self,
+        block: RowBlock,
+        inputs: LogitGradientInputs,
+        sparse: SparseLogitGradient,
+        want_hidden: bool,
+        weight_sum: WeightGradientSum | None,
+    ) -> Tensor | None:
         """The two-pass op's recomputing walk with the label's spike left to `sparse`, added per d_logits tile."""
         zeros = torch.zeros(block.rows.numel(), dtype=torch.float32, device=block.hidden.device)
-        inputs = inputs._replace(g_lp=zeros if inputs.g_lp is None else inputs.g_lp,
-                                 g_ent=zeros if inputs.g_ent is None else inputs.g_ent)
+        inputs = inputs._replace(
+            g_lp=zeros if inputs.g_lp is None else inputs.g_lp, g_ent=zeros if inputs.g_ent is None else inputs.g_ent
+        )
         no_label = replace(block, label_col=torch.full_like(block.label_col, -1))
         columns, coefficients = sparse.columns.contiguous(), sparse.coefficients.contiguous()
 
@@ -184,19 +236,30 @@ class TritonTokenPasses:
             if not entries or dz.shape[0] == 0:
                 return
             kernels.add_sparse_gradient_kernel[(dz.shape[0],)](
-                dz, dz.stride(0), columns[rows], coefficients[rows], block.inv_temp[rows],
-                entries, chunk_start, dz.shape[1], BLOCK=max(16, 1 << (entries - 1).bit_length()),
+                dz,
+                dz.stride(0),
+                columns[rows],
+                coefficients[rows],
+                block.inv_temp[rows],
+                entries,
+                chunk_start,
+                dz.shape[1],
+                BLOCK=max(16, 1 << (entries - 1).bit_length()),
             )
 
-        return recomputed_gradients(no_label, self.weight, self.valid_columns, inputs, want_hidden, weight_sum,
-                                    add_sparse=add_sparse)
+        return recomputed_gradients(
+            no_label, self.weight, self.valid_columns, inputs, want_hidden, weight_sum, add_sparse=add_sparse
+        )
 
     def for_backward(self) -> SavedPasses:
         b, p = self.block, self.p
-        groups = row_groups(b.rows.numel(), b.hidden.shape[1], self.valid_columns, p.hidden.requires_grad,
-                            p.weight.requires_grad)
-        return SavedPasses((b.hidden, self.weight, b.rows, b.label_col, b.inv_temp),
-                           functools.partial(_rebuilt, self.valid_columns, groups))
+        groups = row_groups(
+            b.rows.numel(), b.hidden.shape[1], self.valid_columns, p.hidden.requires_grad, p.weight.requires_grad
+        )
+        return SavedPasses(
+            (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp),
+            functools.partial(_rebuilt, self.valid_columns, groups),
+        )
 
 
 def _rebuilt(valid_columns: int, groups: list[slice], hidden, weight, rows, label_col, inv_temp) -> TritonTokenPasses:
@@ -211,4 +274,3 @@ def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> TritonTok
     chunk = _top_k_chunk_rows(p.valid_columns, request.top_k) or max(active, 1)
     spans = [slice(start, min(start + chunk, active)) for start in range(0, active, chunk)]
     return TritonTokenPasses(p, p.valid_columns, tma_ready(p.weight), block, request, spans)
-

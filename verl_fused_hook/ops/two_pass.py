@@ -135,9 +135,13 @@ def log_probs_and_entropy(
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         chosen = resolve_backend(backend, problem)
         if keep_logits_bytes and not chosen.capabilities.keep_logits:
-            log_once(logger, f"log_probs_and_entropy: keep_logits_bytes={keep_logits_bytes} ignored: backend "
-                     f"{chosen.name!r} recomputes every row's logits (only 'triton' keeps them)", key=chosen.name,
-                     every_rank=True)
+            log_once(
+                logger,
+                f"log_probs_and_entropy: keep_logits_bytes={keep_logits_bytes} ignored: backend "
+                f"{chosen.name!r} recomputes every row's logits (only 'triton' keeps them)",
+                key=chosen.name,
+                every_rank=True,
+            )
         module = chosen.load()
         if problem.main_grad_dtype is not None and chosen.whole_problem:
             raise ValueError(
@@ -238,8 +242,13 @@ class _TwoPass(torch.autograd.Function):
         every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
         for block in passes.blocks():
             span = block.span
-            inputs = LogitGradientInputs(row_max[span], log_sum[span], shifted_mean[span],
-                                         _scored(grad_log_probs, block.rows), _scored(grad_entropy, block.rows))
+            inputs = LogitGradientInputs(
+                row_max[span],
+                log_sum[span],
+                shifted_mean[span],
+                _scored(grad_log_probs, block.rows),
+                _scored(grad_entropy, block.rows),
+            )
             d_hidden = passes.gradients(block, inputs, grad_hidden is not None, weight_sum)
             if d_hidden is not None and every_row_scored:
                 grad_hidden[span].copy_(d_hidden)

@@ -116,7 +116,8 @@ def check_main_grad(weight: torch.Tensor) -> torch.dtype:
     if main_grad.shape != weight.shape or main_grad.device != weight.device or main_grad.dtype not in MAIN_GRAD_DTYPES:
         raise ValueError(
             f"{where}: it must be shaped like the weight {tuple(weight.shape)} on {weight.device} in one of "
-            f"{[str(d) for d in MAIN_GRAD_DTYPES]}, got {tuple(main_grad.shape)} on {main_grad.device} in {main_grad.dtype}"
+            f"{[str(d) for d in MAIN_GRAD_DTYPES]}, got {tuple(main_grad.shape)} on {main_grad.device} in "
+            f"{main_grad.dtype}"
         )
     return main_grad.dtype
 

@@ -60,7 +60,9 @@ def install() -> None:
         parse_env()
     except ValueError as error:
         # verl's plugin loader swallows exceptions, so say it now; the engine build raises it again.
-        log_once(logger, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)", logging.ERROR)
+        log_once(
+            logger, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)", logging.ERROR
+        )
     when_imported("verl.workers.engine.megatron.transformer_impl", _on_engine_import)
     when_imported("mbridge.core.util", _on_mbridge_import)
     install_ray_env_forwarding()

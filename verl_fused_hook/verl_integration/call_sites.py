@@ -15,17 +15,17 @@ import functools
 import importlib
 import logging
 
-from ..probe import require_output_processor_support, unwrap_to_gpt
-from ..ops import backend_unavailable_at_build
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
 from ..log_once import note
+from ..ops import backend_unavailable_at_build
+from ..probe import require_output_processor_support, unwrap_to_gpt
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
 from .engine_forward import make_engine_forward
+from .forward_step import make_forward_step, make_resolve_fused_temperature
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
-from .parallel_checks import refuse_unsupported_parallelism
 from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_process_mtp_loss
+from .parallel_checks import refuse_unsupported_parallelism
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
-from .forward_step import make_forward_step, make_resolve_fused_temperature
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ def verl_disabling_reasons(engine) -> list[str]:
 def reasons_hook_mode_lifts(reasons: list[str]) -> frozenset[str]:
     """verl's disabling reasons that do not hold in hook mode: the one place such decisions are made.
 
-    Padded batches: the engine forward runs the hook on verl's BSHD layout (layouts.PaddedLayout). MTP: the MTP loss goes through the op
+    Padded batches: the engine forward runs the hook on verl's BSHD layout (layouts.PaddedLayout). MTP: the MTP loss
+    goes through the op
     (mtp.py) on packed (THD) batches; an MTP engine on the padded layout as well keeps verl's disable.
     """
     if REMOVE_PADDING_OFF in reasons:
@@ -141,7 +142,8 @@ def _make_build_gate(verl_enable):
         install_call_sites()
         if not self.engine_config.use_fused_kernels:
             logger.warning(
-                "%s; but actor_rollout_ref.model.use_fused_kernels is False, so the switch has no effect", plan.log_line(name)
+                "%s; but actor_rollout_ref.model.use_fused_kernels is False, so the switch has no effect",
+                plan.log_line(name),
             )
             return verl_enable(self)
         if plan.mode == HOOK:

@@ -25,7 +25,7 @@ for collective-free losses).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -16,15 +16,15 @@ import logging
 import torch
 
 from ..hook import FusedOutputProcessorContext, fused_output_processor
-from ..probe import unwrap_to_gpt
-from ..ops import backend_capabilities
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
 from ..log_once import log_once
+from ..ops import backend_capabilities
+from ..probe import unwrap_to_gpt
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
+from .cp_loss import context_parallel_options
 from .forward_step import HookStep, current_step, sample_temperatures
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
-from .model_plan import counts_of, plan_of
-from .cp_loss import context_parallel_options
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
+from .model_plan import counts_of, plan_of
 from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ def check_backend_accepts(backend: str, temperature, score_rows) -> None:
             "one float); choose another output_processor_backend, e.g. auto"
         )
     if score_rows is not None and not capabilities.row_selection:
-        raise ValueError(f"score rows given with {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend}, which scores every row")
+        raise ValueError(
+            f"score rows given with {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend}, which scores every row"
+        )
 
 
 def _fused_loss_options(step: HookStep, layout: PackedLayout, labels: torch.Tensor) -> dict:
@@ -122,7 +124,10 @@ def make_engine_forward(vision_model: bool):
             score_mask = layout.score_mask(step.score_rows)
         else:
             if step.layout == BSHD:
-                log_once(logger, f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included")
+                log_once(
+                    logger,
+                    f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included",
+                )
             score_mask = None
         context = FusedOutputProcessorContext(
             temperature=layout.token_temperature(temperature),

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import is_number
+from ..log_once import log_once
 from ..ops import backend_capabilities
 from ..switch import CONFIG_SCORE_MASK_KEY, HOOK
-from ..log_once import log_once
-from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .layouts import BSHD, THD
+from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
 
@@ -118,7 +118,9 @@ def make_forward_step(original):
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
         if not backend_capabilities(plan.backend).row_selection:
-            log_once(logger, f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row")
+            log_once(
+                logger, f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row"
+            )
             rows = None
         elif not plan.score_mask:
             log_once(logger, f"verl_fused_hook: score_mask off, {CONFIG_SCORE_MASK_KEY}=false")
@@ -128,14 +130,19 @@ def make_forward_step(original):
         layout = _layout_of(self, batch)
         fused = None
         if plan.fused_loss and layout["layout"] == BSHD:
-            log_once(logger, "verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path")
+            log_once(
+                logger,
+                "verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path",
+            )
         elif plan.fused_loss:
             # only verl's own postprocess partial says whether this is a training step
             forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
             fused = fused_loss_request(self, batch, logits_processor_func, forward_only, plan.fused_loss_chunk_bytes)
         if fused is not None:
             batch = fused.data
-            postprocess_micro_batch_func = functools.partial(postprocess_micro_batch_func, loss_function=fused_result_loss)
+            postprocess_micro_batch_func = functools.partial(
+                postprocess_micro_batch_func, loss_function=fused_result_loss
+            )
         mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
         token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, **layout))
         try:

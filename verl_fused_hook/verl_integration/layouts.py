@@ -35,8 +35,19 @@ class PackedLayout:
     mtp: the step's MtpStepInputs when the model trains its MTP layers (they embed the input ids on the last
     stage and read the loss mask and position ids there)."""
 
-    def __init__(self, gpt, input_ids, labels, *, vision_model: bool, pad_token_id: int, cp_layout: str,
-                 local_cp_size, pad_to_length_bucket, mtp):
+    def __init__(
+        self,
+        gpt,
+        input_ids,
+        labels,
+        *,
+        vision_model: bool,
+        pad_token_id: int,
+        cp_layout: str,
+        local_cp_size,
+        pad_to_length_bucket,
+        mtp,
+    ):
         from verl.models.mcore.util import build_vlm_attn_mask_thd, postprocess_thd_engine, preprocess_thd_engine
 
         config = gpt.config
@@ -45,7 +56,9 @@ class PackedLayout:
         self._options = dict(
             use_fp8_padding=config.fp8 in ("e4m3", "hybrid"),
             min_local_rows=(
-                config.csa_window_size if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid" else None
+                config.csa_window_size
+                if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"
+                else None
             ),
             pad_to_length_bucket=pad_to_length_bucket,
             cp_layout=cp_layout,

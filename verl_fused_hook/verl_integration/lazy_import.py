@@ -13,13 +13,13 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _lock = threading.Lock()
 
 
 class _AfterImportLoader(importlib.abc.Loader):
-    def __init__(self, loader, finder: "_AfterImportFinder"):
+    def __init__(self, loader, finder: _AfterImportFinder):
         self._loader = loader
         self._finder = finder
 
@@ -67,7 +67,9 @@ def when_imported(name: str, callback: Callable) -> None:
     with _lock:
         module = sys.modules.get(name)
         if module is None:
-            if any(isinstance(f, _AfterImportFinder) and f.name == name and f.callback is callback for f in sys.meta_path):
+            if any(
+                isinstance(f, _AfterImportFinder) and f.name == name and f.callback is callback for f in sys.meta_path
+            ):
                 return
             sys.meta_path.insert(0, _AfterImportFinder(name, callback))
             return

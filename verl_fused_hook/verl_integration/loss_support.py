@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -55,8 +56,27 @@ NOT_SEPARABLE = {
     "kl_cov": "penalizes tokens chosen from whole-batch covariance statistics",
 }
 SUPPORTED_POLICY_LOSS_MODES = (*POLICY_LOSS_SEPARABILITY, "bypass_mode")
-SUPPORTED_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-SUPPORTED_KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
+SUPPORTED_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+SUPPORTED_KL_LOSS_TYPES = (
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "low_var_kl+",
+    "k3+",
+)
 
 
 def policy_loss_mode(config) -> str:
@@ -139,7 +159,9 @@ def _separability_of(loss_function) -> tuple[str | None, Any, str]:
     return kind, config, ppo_loss_name(config) if kind is not None else f"{reason} is not separable"
 
 
-def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_bytes: int | None = None) -> FusedLossRequest | None:
+def fused_loss_request(
+    engine, batch, loss_function, forward_only: bool, chunk_bytes: int | None = None
+) -> FusedLossRequest | None:
     """The step's request to fuse `loss_function`, or None for verl's two-pass path (logged once per reason;
     a forward-only step has no loss to fuse and is not logged)."""
     if forward_only or loss_function is None or not torch.is_grad_enabled():
@@ -150,13 +172,16 @@ def fused_loss_request(engine, batch, loss_function, forward_only: bool, chunk_b
         return None
     cp_rank = None
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
-        log_once(logger, "verl_fused_hook: output_processor_fused_loss: dynamic context parallelism not fused; two-pass path")
+        log_once(
+            logger, "verl_fused_hook: output_processor_fused_loss: dynamic context parallelism not fused; two-pass path"
+        )
         return None
     if engine.engine_config.context_parallel_size > 1:
         if kind == SEQUENCE:  # its row gradients need whole sequences, whose rows every CP rank shares
-            log_once(logger,
+            log_once(
+                logger,
                 f"verl_fused_hook: output_processor_fused_loss: {name} is sequence-level, and context parallelism "
-                "splits every sequence over the CP ranks; two-pass path"
+                "splits every sequence over the CP ranks; two-pass path",
             )
             return None
         from megatron.core import parallel_state

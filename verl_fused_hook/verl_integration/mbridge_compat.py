@@ -47,7 +47,8 @@ def apply(util_module) -> bool:
     enum_type = util_module.ModelType
     members = {member.name: member for member in enum_type}
     util_module.ModelType = types.SimpleNamespace(**members, **{REMOVED_MEMBER: _NeverEqual()})
-    note(logger,
+    note(
+        logger,
         "verl_fused_hook: mbridge.core.util.ModelType lacks %s on this megatron-core; "
         "gave mbridge's get_model a stand-in so decoder-only models build",
         REMOVED_MEMBER,

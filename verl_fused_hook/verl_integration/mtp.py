@@ -28,11 +28,11 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ..mtp_loss import fused_process_mtp_loss
-from ..probe import unwrap_to_gpt
-from ..ops import backend_capabilities
-from ..switch import HOOK
 from ..log_once import log_once, note
+from ..mtp_loss import fused_process_mtp_loss
+from ..ops import backend_capabilities
+from ..probe import unwrap_to_gpt
+from ..switch import HOOK
 from .model_plan import in_hook_mode, plan_of
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,11 @@ def mtp_training_of(model) -> bool:
 def mtp_loss_backend(backend: str) -> str:
     """The op backend for the MTP loss: the plan's, unless it has no label-is-max output (acceptance counts)."""
     if not backend_capabilities(backend).label_is_max:
-        log_once(logger, f"verl_fused_hook: output_processor_backend={backend} has no label-is-max output; the MTP loss uses "
-                  "backend auto")
+        log_once(
+            logger,
+            f"verl_fused_hook: output_processor_backend={backend} has no label-is-max output; the MTP loss uses "
+            "backend auto",
+        )
         return "auto"
     return backend
 
@@ -104,7 +107,8 @@ def keep_fused_kernels_with_mtp(engine, plan):
     train = bool(real.mtp.enable_train)
     for model in engine.module:
         set_mtp_training(model, train)
-    note(logger,
+    note(
+        logger,
         "verl_fused_hook: hook mode keeps fused kernels on with MTP (actor_rollout_ref.model.mtp.enable=True); %s",
         "mtp.enable_train=True: the MTP loss of every MTP layer goes through the op, no MTP logits"
         if train

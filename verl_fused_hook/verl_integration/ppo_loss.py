@@ -13,7 +13,7 @@ Which losses qualify is loss_support.py's table.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,8 +35,14 @@ def ppo_loss_of_rows(loss_function, data, to_nested: Callable[[torch.Tensor], to
     return loss_fn
 
 
-def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor], torch.Tensor], row_shape: torch.Size,
-                     device, dp_group=None):
+def ppo_loss_on_host(
+    loss_function,
+    host_data,
+    to_nested: Callable[[torch.Tensor], torch.Tensor],
+    row_shape: torch.Size,
+    device,
+    dp_group=None,
+):
     """The op's host_loss_fn: `ppo_loss_of_rows` on host tensors, with `host_data` the micro-batch on the host;
     None (the op then evaluates on the device, logged once) if verl's unpacking is not a plain jagged tensor.
 
@@ -45,9 +51,10 @@ def ppo_loss_on_host(loss_function, host_data, to_nested: Callable[[torch.Tensor
     """
     ids = to_nested(torch.arange(row_shape.numel(), dtype=torch.float64, device=device).view(row_shape))
     if getattr(ids, "_lengths", None) is not None:
-        log_once(logger,
+        log_once(
+            logger,
             "verl_fused_hook: output_processor_fused_loss: verl's unpacking gave a jagged tensor with holes; "
-            "ppo_loss's final evaluation stays on the device (slower, same values)"
+            "ppo_loss's final evaluation stays on the device (slower, same values)",
         )
         return None
     value_rows = ids.values().round().long().cpu()
@@ -161,7 +168,9 @@ def ppo_row_gradients(config, data, to_nested: Callable[[torch.Tensor], torch.Te
             if rollout_weights is not None:
                 token_loss = token_loss * rollout_weights.index_select(0, at)
             if config.use_kl_loss:
-                kl = kl_penalty(logprob=lp, ref_logprob=ref_log_prob.index_select(0, at), kl_penalty=config.kl_loss_type)
+                kl = kl_penalty(
+                    logprob=lp, ref_logprob=ref_log_prob.index_select(0, at), kl_penalty=config.kl_loss_type
+                )
                 token_loss = token_loss + config.kl_loss_coef * kl
             (g_lp,) = torch.autograd.grad((token_loss * weight).sum(), lp)
         g_ent = None if entropy is None else -config.entropy_coeff * weight

@@ -119,7 +119,9 @@ def _hook_probe_in_this_process() -> Finding:
     error = (output.log_probs.double() - expected).abs().max().item()
     if error > HOOK_PROBE_TOLERANCE:
         return Finding("hook probe", FAIL, f"the hook's log-probs differ from the model's logits by {error:.2e}")
-    return Finding("hook probe", OK, f"GPTModel.forward calls fused_output_processor; log-probs match its logits ({error:.1e})")
+    return Finding(
+        "hook probe", OK, f"GPTModel.forward calls fused_output_processor; log-probs match its logits ({error:.1e})"
+    )
 
 
 def check_hook_probe() -> Finding:
@@ -146,16 +148,23 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
     others = "; ".join(f"{name}: {'runs' if reason is None else reason}" for name, reason in reasons.items())
     return [
         Finding("device", OK, where),
-        Finding("backends", OK, f"auto picks {picked} for {str(dtype).removeprefix('torch.')} H={hidden_size} "
-                                f"on {device.type}; {others}"),
+        Finding(
+            "backends",
+            OK,
+            f"auto picks {picked} for {str(dtype).removeprefix('torch.')} H={hidden_size} on {device.type}; {others}",
+        ),
     ]
 
 
 def check_entry_point() -> Finding:
     entries = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
     if not entries:
-        return Finding("entry point", FAIL, f"no {ENTRY_POINT_GROUP} entry {ENTRY_POINT_NAME!r}: `import verl` will not load "
-                                            "the plugin (pip install the package into verl's environment)")
+        return Finding(
+            "entry point",
+            FAIL,
+            f"no {ENTRY_POINT_GROUP} entry {ENTRY_POINT_NAME!r}: `import verl` will not load "
+            "the plugin (pip install the package into verl's environment)",
+        )
     try:
         entries[0].load()
     except Exception as error:  # verl's loader would log this at DEBUG and go on without the plugin
@@ -163,19 +172,26 @@ def check_entry_point() -> Finding:
     policy = os.environ.get(PLUGIN_POLICY_ENV, "auto").strip().lower()
     allowed = policy == "auto" or ENTRY_POINT_NAME in {p.strip() for p in policy.split(",")}
     if not allowed:
-        return Finding("entry point", WARN, f"{PLUGIN_POLICY_ENV}={policy}: verl skips {ENTRY_POINT_NAME}; load it with "
-                                            "actor_rollout_ref.model.external_lib=verl_fused_hook instead")
-    return Finding("entry point", OK, f"{ENTRY_POINT_GROUP}: {ENTRY_POINT_NAME} = {entries[0].value} imports; "
-                                      f"{PLUGIN_POLICY_ENV}={policy}: verl loads it in every process")
+        return Finding(
+            "entry point",
+            WARN,
+            f"{PLUGIN_POLICY_ENV}={policy}: verl skips {ENTRY_POINT_NAME}; load it with "
+            "actor_rollout_ref.model.external_lib=verl_fused_hook instead",
+        )
+    return Finding(
+        "entry point",
+        OK,
+        f"{ENTRY_POINT_GROUP}: {ENTRY_POINT_NAME} = {entries[0].value} imports; "
+        f"{PLUGIN_POLICY_ENV}={policy}: verl loads it in every process",
+    )
 
 
 def _fused_kernel_options(config_name: str | None, overrides: list[str]):
     """verl's trainer config composed as `python -m verl.trainer.main_ppo` composes it, or None without one."""
     if config_name is None and not overrides:
         return None
-    from hydra import compose, initialize_config_dir
-
     import verl.trainer.main_ppo as main_ppo
+    from hydra import compose, initialize_config_dir
 
     config_dir = os.path.join(os.path.dirname(main_ppo.__file__), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
@@ -190,7 +206,9 @@ def check_plan(config_name: str | None, overrides: list[str]) -> Finding:
     except Exception as error:  # exactly what the engine build would raise
         return Finding("plan", FAIL, f"{type(error).__name__}: {error}")
     source = "the environment" if options is None else f"the environment and {CONFIG_PREFIX} of the composed config"
-    return Finding("plan", OK, f"from {source} ({ENV_VAR}={os.environ.get(ENV_VAR, 'unset')}): {plan.log_line('MegatronEngine')}")
+    return Finding(
+        "plan", OK, f"from {source} ({ENV_VAR}={os.environ.get(ENV_VAR, 'unset')}): {plan.log_line('MegatronEngine')}"
+    )
 
 
 def check_op(dtype: torch.dtype) -> Finding:
@@ -199,20 +217,30 @@ def check_op(dtype: torch.dtype) -> Finding:
     shape = SELF_CHECK
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(shape["rows"], shape["hidden"], generator=generator).to(device, dtype)
-    weight = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) / shape["hidden"] ** 0.5).to(device, dtype)
+    weight = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) / shape["hidden"] ** 0.5).to(
+        device, dtype
+    )
     labels = torch.randint(0, shape["vocab"], (shape["rows"],), generator=generator).to(device)
     g_lp, g_ent = (torch.randn(shape["rows"], generator=generator).to(device) for _ in range(2))
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     log_probs, entropy = log_probs_and_entropy(h, w, labels, temperature=shape["temperature"])
     torch.autograd.backward((log_probs, entropy), (g_lp, g_ent))
     ref_lp, ref_ent, ref_dh, ref_dw = reference_log_probs_entropy(
-        hidden.cpu(), weight.cpu(), labels.cpu(), temperature=shape["temperature"], grad_outputs=(g_lp.cpu(), g_ent.cpu())
+        hidden.cpu(),
+        weight.cpu(),
+        labels.cpu(),
+        temperature=shape["temperature"],
+        grad_outputs=(g_lp.cpu(), g_ent.cpu()),
     )
-    value_error = max((log_probs.cpu().double() - ref_lp).abs().max().item(), (entropy.cpu().double() - ref_ent).abs().max().item())
+    value_error = max(
+        (log_probs.cpu().double() - ref_lp).abs().max().item(), (entropy.cpu().double() - ref_ent).abs().max().item()
+    )
     grad_error = max(relative_error(h.grad.cpu(), ref_dh), relative_error(w.grad.cpu(), ref_dw))
     value_tol, grad_tol = TOLERANCES[dtype]
-    text = (f"{device} {str(dtype).removeprefix('torch.')} {shape['rows']}x{shape['hidden']}x{shape['vocab']}, T=0.7: "
-            f"log-prob/entropy max error {value_error:.1e} (<= {value_tol:g}), gradients {grad_error:.1e} (<= {grad_tol:g})")
+    text = (
+        f"{device} {str(dtype).removeprefix('torch.')} {shape['rows']}x{shape['hidden']}x{shape['vocab']}, T=0.7: "
+        f"log-prob/entropy max error {value_error:.1e} (<= {value_tol:g}), gradients {grad_error:.1e} (<= {grad_tol:g})"
+    )
     return Finding("op self-check", OK if value_error <= value_tol and grad_error <= grad_tol else FAIL, text)
 
 
@@ -220,10 +248,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=4096, help="the model's hidden size, for the backend pick")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the model's dtype (default bf16)")
-    parser.add_argument("--config-name", default=None, help="verl trainer config to compose (default ppo_trainer "
-                                                            "when overrides are given)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides as on verl's command line, e.g. "
-                                                     "+actor_rollout_ref.model.fused_kernel_options.output_processor_fused_loss=true")
+    parser.add_argument(
+        "--config-name",
+        default=None,
+        help="verl trainer config to compose (default ppo_trainer when overrides are given)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides as on verl's command line, e.g. "
+        "+actor_rollout_ref.model.fused_kernel_options.output_processor_fused_loss=true",
+    )
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     if args.hidden_size < 1:
@@ -239,6 +274,8 @@ def main(argv=None) -> int:
     for finding in findings:
         print(finding.line(), flush=True)
     failed = [f.topic for f in findings if f.status == FAIL]
-    print(f"doctor: {'FAIL: ' + ', '.join(failed) if failed else 'OK'} ({len(findings)} checks, "
-          f"{sum(f.status == WARN for f in findings)} warnings)")
+    print(
+        f"doctor: {'FAIL: ' + ', '.join(failed) if failed else 'OK'} ({len(findings)} checks, "
+        f"{sum(f.status == WARN for f in findings)} warnings)"
+    )
     return 1 if failed else 0

@@ -48,19 +48,29 @@ class PaddedDotProductAttention(PackedDotProductAttention):
     def __init__(self, config, *args, **kwargs):
         # megatron's local attention refuses context parallelism; this one takes it for padded batches
         # (cp_attention.py), so the parent is built from a CP=1 view of the config.
-        super().__init__(dataclasses.replace(config, context_parallel_size=1) if config.context_parallel_size > 1 else config,
-                         *args, **kwargs)
+        super().__init__(
+            dataclasses.replace(config, context_parallel_size=1) if config.context_parallel_size > 1 else config,
+            *args,
+            **kwargs,
+        )
         self.config = config
         self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None and self.cp_group is not None:
             if attention_bias is not None:
                 raise ValueError("attention_bias: not supported with packed sequences by PaddedDotProductAttention")
             cu_seqlens = packed_seq_params.cu_seqlens_q_padded
             return context_parallel_packed_attention(
-                query, key, value, cu_seqlens if cu_seqlens is not None else packed_seq_params.cu_seqlens_q,
-                self.cp_group, self.softmax_scale, self.attention_dropout.p if self.training else 0.0,
+                query,
+                key,
+                value,
+                cu_seqlens if cu_seqlens is not None else packed_seq_params.cu_seqlens_q,
+                self.cp_group,
+                self.softmax_scale,
+                self.attention_dropout.p if self.training else 0.0,
             )
         if packed_seq_params is not None or not is_padding_mask(attention_mask, query):
             if self.cp_group is not None:
@@ -91,8 +101,12 @@ class PaddedDotProductAttention(PackedDotProductAttention):
                 start, end = run
                 if end > start:
                     out[:, :, start:end] = F.scaled_dot_product_attention(
-                        q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                        dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
+                        q[:, :, start:end],
+                        k[:, :, start:end],
+                        v[:, :, start:end],
+                        dropout_p=dropout,
+                        is_causal=True,
+                        scale=self.softmax_scale,
                     )
             else:
                 if causal is None:

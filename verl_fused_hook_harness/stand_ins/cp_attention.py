@@ -46,7 +46,8 @@ def zigzag_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torc
 
 
 def context_parallel_attention(query, key, value, real, group, softmax_scale, dropout: float) -> torch.Tensor:
-    """query [s_local, b, heads, d], key/value [s_local, b, groups, d], real [b, s_local] bool -> [s_local, b, heads*d]."""
+    """query [s_local, b, heads, d], key/value [s_local, b, groups, d], real [b, s_local] bool -> [s_local, b,
+    heads*d]."""
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     local_len, batch = query.shape[0], query.shape[1]
     keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
@@ -71,7 +72,9 @@ def context_parallel_attention(query, key, value, real, group, softmax_scale, dr
     return torch.stack(outputs, dim=1).reshape(local_len, batch, -1)
 
 
-def packed_zigzag_layout(cu_seqlens_padded: list[int], cp_rank: int, cp_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_zigzag_layout(
+    cu_seqlens_padded: list[int], cp_rank: int, cp_size: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence index, position in its sequence) of a CP rank's local THD rows."""
     sequence, position = [], []
     for index, (start, end) in enumerate(zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:])):
@@ -87,7 +90,9 @@ def context_parallel_packed_attention(query, key, value, cu_seqlens_padded, grou
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     bounds = [int(b) for b in cu_seqlens_padded.tolist()]
     if any((end - start) % (2 * cp_size) for start, end in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens_q_padded: every length must be a multiple of 2 * cp ({2 * cp_size}), got {bounds}")
+        raise ValueError(
+            f"cu_seqlens_q_padded: every length must be a multiple of 2 * cp ({2 * cp_size}), got {bounds}"
+        )
     keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
     layouts = [packed_zigzag_layout(bounds, r, cp_size, query.device) for r in range(cp_size)]
     key_sequence = torch.cat([sequence for sequence, _ in layouts])
@@ -98,5 +103,7 @@ def context_parallel_packed_attention(query, key, value, cu_seqlens_padded, grou
     q, k, v = query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, t, d]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, dropout_p=dropout, scale=softmax_scale)[0]
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=allowed, dropout_p=dropout, scale=softmax_scale
+    )[0]
     return out.transpose(0, 1).reshape(query.shape[0], -1)

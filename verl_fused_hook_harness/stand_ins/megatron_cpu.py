@@ -103,7 +103,13 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 
 def init_model_parallel(
-    tp_size: int = 1, seed: int = 1234, cp_size: int = 1, *, pp_size: int = 1, vpp_size: int | None = None, ep_size: int = 1
+    tp_size: int = 1,
+    seed: int = 1234,
+    cp_size: int = 1,
+    *,
+    pp_size: int = 1,
+    vpp_size: int | None = None,
+    ep_size: int = 1,
 ) -> None:
     """Set up megatron's parallel state on an already initialized gloo group (or a one-process one)."""
     enable_cpu_megatron()
@@ -231,4 +237,3 @@ def build_cpu_gpt(
         position_embedding_type="rope",
         mtp_block_spec=cpu_mtp_block_spec(config),
     )
-

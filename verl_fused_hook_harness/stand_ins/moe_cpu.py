@@ -120,5 +120,7 @@ def enable_cpu_moe() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     if not getattr(mappings, "_verl_fused_hook_uneven_on_gloo", False):
         mappings._gather_along_first_dim = _gather_uneven_on_gloo(mappings._gather_along_first_dim)
-        mappings._reduce_scatter_along_first_dim = _reduce_scatter_uneven_on_gloo(mappings._reduce_scatter_along_first_dim)
+        mappings._reduce_scatter_along_first_dim = _reduce_scatter_uneven_on_gloo(
+            mappings._reduce_scatter_along_first_dim
+        )
         mappings._verl_fused_hook_uneven_on_gloo = True

@@ -17,7 +17,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class PackedDotProductAttention(DotProductAttention):
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is None:
             if attention_mask is None:
                 size = (query.shape[0], key.shape[0])

@@ -14,7 +14,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is there, else cpu"
+    )
 
 
 def resolve_device(parser: argparse.ArgumentParser, device: str | None) -> str:

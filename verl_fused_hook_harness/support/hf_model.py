@@ -140,4 +140,6 @@ def word_level_tokenizer(vocab_size: int, pad_token_id: int = 0):
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=f"t{pad_token_id}"))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=f"t{pad_token_id}", unk_token=f"t{pad_token_id}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token=f"t{pad_token_id}", unk_token=f"t{pad_token_id}"
+    )

@@ -66,7 +66,9 @@ def engine_inputs(prompts, responses, device: str):
     from verl.utils import tensordict_utils as tu
 
     input_ids = jagged([torch.cat(pair) for pair in zip(prompts, responses)], device)
-    data = tu.get_tensordict({"input_ids": input_ids, "prompts": jagged(prompts, device), "responses": jagged(responses, device)})
+    data = tu.get_tensordict(
+        {"input_ids": input_ids, "prompts": jagged(prompts, device), "responses": jagged(responses, device)}
+    )
     return input_ids, data
 
 
@@ -76,7 +78,9 @@ def forward_step_batch(input_ids, prompts, responses, temperature: float, *, ext
     entropy requested besides the `non_tensor` entries."""
     from verl.utils import tensordict_utils as tu
 
-    loss_mask = [torch.cat([torch.zeros_like(p), torch.ones_like(r)]) for p, r in zip(prompts.unbind(), responses.unbind())]
+    loss_mask = [
+        torch.cat([torch.zeros_like(p), torch.ones_like(r)]) for p, r in zip(prompts.unbind(), responses.unbind())
+    ]
     fields = {
         "input_ids": input_ids,
         "prompts": prompts,

@@ -25,9 +25,9 @@ import json
 import os
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -228,7 +228,9 @@ def gradients(engine) -> dict[str, torch.Tensor]:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
-                grads[global_name(name.replace("module.", ""), offset, expert_offset, tied)] = grad.detach().cpu().clone()
+                grads[global_name(name.replace("module.", ""), offset, expert_offset, tied)] = (
+                    grad.detach().cpu().clone()
+                )
     return grads
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_log_probs_entropy(hidden, weight, labels, *, temperature=1.0, vocab_size=None, active=None, grad_outputs=None):
+def reference_log_probs_entropy(
+    hidden, weight, labels, *, temperature=1.0, vocab_size=None, active=None, grad_outputs=None
+):
     """fp64 log-probs/entropy of softmax(hidden @ weight[:vocab].T / T) and, given
     (g_log_probs, g_entropy), the gradients of sum(g_lp * lp + g_H * H) w.r.t. hidden and weight.
 

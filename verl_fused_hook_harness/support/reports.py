@@ -5,8 +5,8 @@ and the units in their tables. One writer, so every command's files look alike a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -107,7 +107,9 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     optimizer_config = McoreOptimizerConfig(
         lr=setup.lr, clip_grad=1.0, total_training_steps=setup.total_steps, use_checkpoint_opt_param_scheduler=True
     )
-    checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])
+    checkpoint_config = CheckpointConfig(
+        save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"]
+    )
     engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
     from ..stand_ins.local_spec_build import use_local_spec_build
 
@@ -165,7 +167,13 @@ def fused_loss_forwards(engine) -> int:
 
 
 # What verl's `register_megatron_training_hooks` sets on each model chunk's TransformerConfig (all default None).
-TRAINING_HOOK_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+TRAINING_HOOK_FIELDS = (
+    "grad_scale_func",
+    "finalize_model_grads_func",
+    "no_sync_func",
+    "grad_sync_func",
+    "param_sync_func",
+)
 
 
 def release_engines(*engines) -> None:

@@ -30,12 +30,19 @@ KNOWN = (
     ("verl optional engines missing", r"engine is not available: ModuleNotFoundError"),
     ("verl accelerator probe", r"No supported accelerator detected|\(PlatformCUDA\) is registered but not available"),
     ("torch no-CUDA notice", r"No CUDA runtime is found"),
-    ("torch deprecations", r"`torch\.distributed\.\w+` is deprecated|is_fx_tracing will return true|deprecating "
-     r"ShardedTensor|TypedStorage is deprecated|argument order of load has been changed|torch\.distributed is "
-     r"disabled, unavailable or uninitialized|\.grad attribute of a Tensor that is not a leaf"),
-    ("megatron config notices", r"full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS|set sequence "
-     r"parallel to false as TP size is 1|full_param_layout not provided|MimoModelConfig is experimental|async save is "
-     r"deprecated"),
+    (
+        "torch deprecations",
+        r"`torch\.distributed\.\w+` is deprecated|is_fx_tracing will return true|deprecating "
+        r"ShardedTensor|TypedStorage is deprecated|argument order of load has been changed|torch\.distributed is "
+        r"disabled, unavailable or uninitialized|\.grad attribute of a Tensor that is not a leaf",
+    ),
+    (
+        "megatron config notices",
+        r"full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS|set sequence "
+        r"parallel to false as TP size is 1|full_param_layout not provided|MimoModelConfig is experimental|async save "
+        r"is "
+        r"deprecated",
+    ),
     ("verl MTP patch", r"Applying mtp patch"),
     ("verl fused kernels off (MTP, padding)", r"Fused kernels require remove-padding"),
     ("verl legacy mbridge deprecation", r"legacy mbridge backend selected by `vanilla_mbridge=True` is deprecated"),
@@ -54,8 +61,8 @@ WARNING_HEADER = re.compile(r"^\S.*:\d+: \w*Warning: ")
 
 class UpstreamNotices:
     """Within the block, known upstream notices on this process's stdout and stderr (its workers' included)
-    are counted, not printed; on exit one summary line goes to stderr (none when nothing was hidden). Of this
-package's own INFO lines each message is printed once. Nothing changes when `verbose`."""
+        are counted, not printed; on exit one summary line goes to stderr (none when nothing was hidden). Of this
+    package's own INFO lines each message is printed once. Nothing changes when `verbose`."""
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
@@ -170,11 +177,14 @@ package's own INFO lines each message is printed once. Nothing changes when `ver
 
 
 def add_verbose_argument(parser) -> None:
-    parser.add_argument("--verbose", action="store_true",
-                        help="print upstream warnings and log lines (megatron-core, verl, mbridge, torch) as they come "
-                        "instead of one summary line")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print upstream warnings and log lines (megatron-core, verl, mbridge, torch) as they come "
+        "instead of one summary line",
+    )
 
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]

@@ -49,9 +49,8 @@ def megatron_engine(
     """A MegatronEngineWithLMHead over `models` (a list of model chunks), ready for
     `_maybe_enable_fused_kernels()` and `forward_step(...)`."""
     from verl.workers.config import HFModelConfig, McoreEngineConfig
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
-
     from verl.workers.config.model import MtpConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     model_config = HFModelConfig(
         path=str(model_path),

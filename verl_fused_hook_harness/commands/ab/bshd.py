@@ -21,7 +21,18 @@ import torch
 from ...support.memory import PeakMemory
 from ...support.micro_batches import TEMPERATURE, ab_rollout, forward_step_batch, grpo_loss, jagged, response_values
 from ...support.verl_engine import UNFUSED, build_step, megatron_engine
-from .scenarios import ENV_VALUES, TABLE_HEADER, Scenario, Setup, build_model, compare_runs, comparison_row, gradients_of, peak_table, within
+from .scenarios import (
+    ENV_VALUES,
+    TABLE_HEADER,
+    Scenario,
+    Setup,
+    build_model,
+    compare_runs,
+    comparison_row,
+    gradients_of,
+    peak_table,
+    within,
+)
 
 REFERENCE = "verl"  # the switch unset: verl turns fused kernels off and runs its unfused BSHD forward
 RESOLVED = {"legacy": UNFUSED, "hook": "hook"}  # keys: the A/B script's modes
@@ -59,8 +70,15 @@ def run_bshd(scenario: Scenario, mode: str, setup: Setup) -> dict:
 def evaluate_bshd(scenario: Scenario, runs: dict, rtol: float) -> dict:
     """Hook vs verl's unfused BSHD forward, relative to verl's largest magnitudes, within `rtol`."""
     name = scenario.name
-    entry = {"scenario": {"tp": scenario.tp, "sequence_parallel": scenario.sequence_parallel, "tied": scenario.tied,
-                          "name": name, "layout": "bshd"}}
+    entry = {
+        "scenario": {
+            "tp": scenario.tp,
+            "sequence_parallel": scenario.sequence_parallel,
+            "tied": scenario.tied,
+            "name": name,
+            "layout": "bshd",
+        }
+    }
     entry["modes_resolved"] = {mode: runs[mode][0][name]["mode"] for mode in RESOLVED}
     entry["peak_bytes"] = {mode: max(r[name]["peak_bytes"] for r in runs[mode]) for mode in RESOLVED}
     entry["compared_against"] = f"{REFERENCE} (unfused BSHD)"
@@ -74,12 +92,18 @@ def print_bshd_report(report: dict) -> None:
     print(TABLE_HEADER)
     for entry in report["scenarios"]:
         mismatch = "" if entry["match"] else "   MISMATCH"
-        print(comparison_row(entry["scenario"]["name"], "hook vs verl unfused (rel)", entry["vs_unfused_rel"]["hook"], mismatch))
+        print(
+            comparison_row(
+                entry["scenario"]["name"], "hook vs verl unfused (rel)", entry["vs_unfused_rel"]["hook"], mismatch
+            )
+        )
     print()
     print("\n".join(peak_table(report, REFERENCE)))
     print()
     if report["match"]:
-        print(f"PASS: BSHD hook mode (fused kernels kept on) within {report['unfused_rtol']:g} of verl's unfused BSHD "
-              "forward (verl as it ships turns fused kernels off there)")
+        print(
+            f"PASS: BSHD hook mode (fused kernels kept on) within {report['unfused_rtol']:g} of verl's unfused BSHD "
+            "forward (verl as it ships turns fused kernels off there)"
+        )
     else:
         print("FAIL: mismatches above")

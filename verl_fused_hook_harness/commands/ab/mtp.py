@@ -92,27 +92,41 @@ def metric_rows(verl_runs, hook_runs, name: str, device: str) -> tuple[dict, boo
         loss_error = max(loss_error, error(want["loss_values"], got["loss_values"], relative=True))
         gap = (got["correct_values"] - want["correct_values"]).abs().max().item()
         count_gap = max(count_gap, gap)
-        slack = 0 if device == "cpu" else max(CUDA_ACCEPTANCE_MIN_SLACK, CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item())
+        slack = (
+            0
+            if device == "cpu"
+            else max(CUDA_ACCEPTANCE_MIN_SLACK, CUDA_ACCEPTANCE_SLACK * want["total_values"].max().item())
+        )
         ok = ok and gap <= slack and torch.equal(got["total_values"], want["total_values"])
     return {"mtp_loss": loss_error, "acceptance_gap": count_gap}, ok
 
 
 def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: str | None) -> int:
     world_size = world_size_for(setup.device, scenarios)
-    print(f"A/B parity with {mtp_layers} MTP layer(s) on {setup.device} ({world_size} processes per side): "
-          f"verl as it ships (fused off with MTP) vs hook mode (backend={setup.backend}, MTP loss through the op)",
-          flush=True)
+    print(
+        f"A/B parity with {mtp_layers} MTP layer(s) on {setup.device} ({world_size} processes per side): "
+        f"verl as it ships (fused off with MTP) vs hook mode (backend={setup.backend}, MTP loss through the op)",
+        flush=True,
+    )
     started = time.time()
     backend = backend_for(setup.device)
     if world_size == 1:
         ranks = run_in_processes(both_sides_worker, 1, scenarios, setup, mtp_layers, backend=backend)
         runs = {side: [rank[side] for rank in ranks] for side in SIDES}
     else:
-        runs = {side: run_in_processes(side_worker, world_size, side, scenarios, setup, mtp_layers, backend=backend)
-                for side in SIDES}
+        runs = {
+            side: run_in_processes(side_worker, world_size, side, scenarios, setup, mtp_layers, backend=backend)
+            for side in SIDES
+        }
     print(f"both sides ran in {time.time() - started:.1f}s (process start-ups included)", flush=True)
-    report = {"device": setup.device, "backend": setup.backend, "dtype": setup.dtype, "mtp_layers": mtp_layers,
-              "rtol": rtol, "scenarios": []}
+    report = {
+        "device": setup.device,
+        "backend": setup.backend,
+        "dtype": setup.dtype,
+        "mtp_layers": mtp_layers,
+        "rtol": rtol,
+        "scenarios": [],
+    }
     print(f"\n{TABLE_HEADER}")
     for scenario in scenarios:
         name = scenario.name
@@ -128,15 +142,22 @@ def run_mtp_parity(scenarios, setup, mtp_layers: int, rtol: float, json_path: st
             and mtp_grads
         )
         peaks = {side: max(r[name]["peak_bytes"] for r in runs[side]) for side in SIDES}
-        report["scenarios"].append({"scenario": name, "fused": fused, "vs_verl_rel": rows, "mtp": metrics,
-                                    "peak_bytes": peaks, "match": match})
+        report["scenarios"].append(
+            {"scenario": name, "fused": fused, "vs_verl_rel": rows, "mtp": metrics, "peak_bytes": peaks, "match": match}
+        )
         print(comparison_row(name, "hook vs verl's MTP path (rel)", rows, "" if match else "   MISMATCH"))
-        print(f"{'':<18} {'MTP loss (rel), acceptance':<28} {metrics['mtp_loss']:>10.3g} {metrics['acceptance_gap']:>10.3g}"
-              f"   fused kernels: verl {fused['verl']}, hook {fused['hook']}")
+        print(
+            f"{'':<18} {'MTP loss (rel), acceptance':<28} {metrics['mtp_loss']:>10.3g} "
+            f"{metrics['acceptance_gap']:>10.3g}"
+            f"   fused kernels: verl {fused['verl']}, hook {fused['hook']}"
+        )
     report["match"] = all(entry["match"] for entry in report["scenarios"])
     print()
-    print(f"PASS: hook mode's fused MTP loss within {rtol:g} of verl's MTP path" if report["match"]
-          else "FAIL: mismatches above")
+    print(
+        f"PASS: hook mode's fused MTP loss within {rtol:g} of verl's MTP path"
+        if report["match"]
+        else "FAIL: mismatches above"
+    )
     if json_path:
         write_json(report, json_path)
     return 0 if report["match"] else 1

@@ -44,12 +44,16 @@ def check_parallel_args(parser, args, hf_path: str | None) -> None:
     if args.ep > 1 and not args.moe_experts and hf_path is None:
         parser.error("--ep: expert parallelism needs an MoE model: --moe-experts N, or an MoE --hf-config")
     if args.layout == "bshd" or args.mtp_layers:
-        parser.error("--pp/--vpp/--ep/--moe-experts compare on the packed layout without MTP (the padded layout and "
-                     "MTP under PP and EP: tests/test_pipeline_parallel.py, tests/test_moe.py)")
+        parser.error(
+            "--pp/--vpp/--ep/--moe-experts compare on the packed layout without MTP (the padded layout and "
+            "MTP under PP and EP: tests/test_pipeline_parallel.py, tests/test_moe.py)"
+        )
     if hf_path is not None:
         layers = json.loads((Path(hf_path) / "config.json").read_text())["num_hidden_layers"]
         if layers % (args.pp * (args.vpp or 1)):
-            parser.error(f"--pp/--vpp: the model's {layers} layers do not split into {args.pp * (args.vpp or 1)} chunks")
+            parser.error(
+                f"--pp/--vpp: the model's {layers} layers do not split into {args.pp * (args.vpp or 1)} chunks"
+            )
 
 
 def parallel_case(args, hf_path: str | None, backend: str) -> ParallelCase:
@@ -89,7 +93,9 @@ def evaluate(per_rank: list[dict], one_kernel: bool, repeatable: bool, device: s
             bound, ok = "0 (one kernel)", all(value == 0.0 for value in worst.values())
         elif label == "hook vs legacy" and not one_kernel:
             bound = f"values {TWO_KERNEL_VALUE_TOL:g}, grads {TWO_KERNEL_GRAD_RTOL:g}"
-            ok = worst["grads"] <= TWO_KERNEL_GRAD_RTOL and all(worst[k] <= TWO_KERNEL_VALUE_TOL for k in QUANTITIES[:4])
+            ok = worst["grads"] <= TWO_KERNEL_GRAD_RTOL and all(
+                worst[k] <= TWO_KERNEL_VALUE_TOL for k in QUANTITIES[:4]
+            )
         else:
             tolerance = split_rtol if part else unfused_rtol
             bound, ok = f"{tolerance:g}", all(value <= tolerance for value in worst.values())
@@ -99,13 +105,18 @@ def evaluate(per_rank: list[dict], one_kernel: bool, repeatable: bool, device: s
 
 def run_parallel_parity(case: ParallelCase, device: str, one_kernel: bool, json_path: str | None) -> int:
     """Every side of the case in one set of processes, the table, the verdict; exit status."""
-    kernel = "the portable op on both sides" if device == "cpu" else f"legacy: verl's kernel, hook: backend={case.backend}"
+    kernel = (
+        "the portable op on both sides" if device == "cpu" else f"legacy: verl's kernel, hook: backend={case.backend}"
+    )
     print(f"A/B parity, {case.name} on {device} ({case.world} processes, DP={case.dp}), fp32; {kernel}", flush=True)
     per_rank = run_launch([CaseRun(case, (LEGACY, HOOK, UNFUSED))], device=device)
     repeatable = device == "cpu" or not case.moe  # support/parallel_engine.repeatable_on_cuda
     if not repeatable:
-        print("MoE on CUDA: megatron's token unpermutation adds with atomics, so the steps are not bitwise "
-              "repeatable; hook vs legacy is held to the unfused tolerance", flush=True)
+        print(
+            "MoE on CUDA: megatron's token unpermutation adds with atomics, so the steps are not bitwise "
+            "repeatable; hook vs legacy is held to the unfused tolerance",
+            flush=True,
+        )
     rows = evaluate([rank[case.name] for rank in per_rank], one_kernel, repeatable, device)
     print(f"\n{'compared':<30}" + "".join(f"{name:>11}" for name in QUANTITIES) + "   bound")
     for label, row in rows.items():

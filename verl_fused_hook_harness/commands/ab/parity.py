@@ -107,10 +107,19 @@ def run_mode(mode: str, scenarios, setup: Setup):
     """Every scenario in `mode`, in the processes of one run (gloo on the CPU, NCCL on GPUs); results by rank."""
     world_size = world_size_for(setup.device, scenarios)
     started = time.time()
-    runs = run_in_processes(mode_worker, world_size, mode, scenarios, setup,
-                            backend=backend_for(setup.device), env={ENV_VAR: ENV_VALUES[mode]})
-    print(f"[{mode}] {len(scenarios)} scenario(s) done in {time.time() - started:.1f}s (process start-up included)",
-          flush=True)
+    runs = run_in_processes(
+        mode_worker,
+        world_size,
+        mode,
+        scenarios,
+        setup,
+        backend=backend_for(setup.device),
+        env={ENV_VAR: ENV_VALUES[mode]},
+    )
+    print(
+        f"[{mode}] {len(scenarios)} scenario(s) done in {time.time() - started:.1f}s (process start-up included)",
+        flush=True,
+    )
     return runs
 
 
@@ -118,28 +127,59 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: the shipped tiny Qwen2)")
     parser.add_argument(
-        "--backend", default=None, help="the hook's op backend (default: verl on CUDA, torch on CPU: legacy's own kernel)"
+        "--backend",
+        default=None,
+        help="the hook's op backend (default: verl on CUDA, torch on CPU: legacy's own kernel)",
     )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: bf16 with --backend triton, else fp32)")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="model dtype (default: bf16 with --backend triton, else fp32)",
+    )
     add_device_argument(parser)
-    parser.add_argument("--tp", type=int, choices=(1, 2, 4), default=None, help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. verl_fused_hook_harness/configs/tiny_qwen2_kv4)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        choices=(1, 2, 4),
+        default=None,
+        help="only the scenarios of this TP size (4: also pass a model whose KV heads divide by 4, e.g. "
+        "verl_fused_hook_harness/configs/tiny_qwen2_kv4)",
+    )
     parser.add_argument("--scenarios", default=None, help="comma-separated names, e.g. tp1/nosp/untied (default: all)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
-        "--layout", choices=("thd", "bshd"), default="thd",
+        "--layout",
+        choices=("thd", "bshd"),
+        default="thd",
         help="thd (default): legacy vs hook on packed batches; bshd: verl's padded layout (use_remove_padding=False), "
         "hook vs verl as it ships there (fused kernels off: its unfused forward)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (- for stdout)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: verl's train_batch through "
-                        "megatron's schedule, legacy vs hook vs verl's unfused path vs the unsplit model (ab/parallel.py)")
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel size: verl's train_batch through "
+        "megatron's schedule, legacy vs hook vs verl's unfused path vs the unsplit model (ab/parallel.py)",
+    )
     parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline stage (interleaved schedule)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (data-parallel ranks = EP)")
-    parser.add_argument("--moe-experts", type=int, default=0, metavar="N",
-                        help="an MoE model with N experts, top-2 (default config: the shipped tiny Qwen3-MoE)")
-    parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
-                        help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
-                             "(ab/mtp.py); 0 (default): the legacy/hook comparison")
+    parser.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="an MoE model with N experts, top-2 (default config: the shipped tiny Qwen3-MoE)",
+    )
+    parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
+        "(ab/mtp.py); 0 (default): the legacy/hook comparison",
+    )
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     with UpstreamNotices(verbose=args.verbose):
@@ -178,15 +218,24 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     world_size = world_size_for(device, scenarios)
     too_big = [s.name for s in scenarios if s.tp > world_size]
     if too_big and (args.scenarios or args.tp):
-        parser.error(f"{', '.join(too_big)}: need {max(s.tp for s in scenarios)} processes, {device} gives {world_size}")
+        parser.error(
+            f"{', '.join(too_big)}: need {max(s.tp for s in scenarios)} processes, {device} gives {world_size}"
+        )
     if too_big:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     if parallel.parallel_flags_given(args):
         return run_parallel(parser, args, device, backend, hf_path if args.hf_config else None)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
-    setup = Setup(hf_path=hf_path, backend=backend, device=device, dtype=dtype, seed=args.seed, layout=args.layout,
-                  verbose=args.verbose)
+    setup = Setup(
+        hf_path=hf_path,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        seed=args.seed,
+        layout=args.layout,
+        verbose=args.verbose,
+    )
     if args.mtp_layers:
         return run_mtp_parity(scenarios, setup, args.mtp_layers, rtol, args.json)
     return run_parity(scenarios, setup, world_size, rtol, args.json)
@@ -207,19 +256,31 @@ def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path:
     """Both modes' runs of every scenario, the report (printed, and as JSON where asked); exit status."""
     device, backend, hf_path, dtype = setup.device, setup.backend, setup.hf_path, setup.dtype
     kernel_note = (
-        "both modes use the portable op (backend=%s); verl's Triton kernel needs CUDA, so the legacy forward's "
-        "kernel was swapped for it" % backend
+        f"both modes use the portable op (backend={backend}); verl's Triton kernel needs CUDA, so the legacy "
+        "forward's kernel was swapped for it"
         if device == "cpu"
         else f"legacy uses verl's Triton kernel; hook uses backend={backend}"
     )
     if setup.layout == "bshd":
-        kernel_note = f"padded (BSHD) layout: verl as it ships (fused kernels off, unfused forward) vs hook backend={backend}"
-    print(f"A/B parity on {device} ({world_size} processes per mode), model {hf_path} in {dtype}; {kernel_note}",
-          flush=True)
+        kernel_note = (
+            f"padded (BSHD) layout: verl as it ships (fused kernels off, unfused forward) vs hook backend={backend}"
+        )
+    print(
+        f"A/B parity on {device} ({world_size} processes per mode), model {hf_path} in {dtype}; {kernel_note}",
+        flush=True,
+    )
     runs = {mode: run_mode(mode, scenarios, setup) for mode in ENV_VALUES}
 
-    report = {"device": device, "backend": backend, "dtype": dtype, "one_kernel": setup.one_kernel,
-              "hf_config": hf_path, "kernel_note": kernel_note, "unfused_rtol": rtol, "layout": setup.layout}
+    report = {
+        "device": device,
+        "backend": backend,
+        "dtype": dtype,
+        "one_kernel": setup.one_kernel,
+        "hf_config": hf_path,
+        "kernel_note": kernel_note,
+        "unfused_rtol": rtol,
+        "layout": setup.layout,
+    }
     if setup.layout == "bshd":
         report["scenarios"] = [bshd.evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]
         report["match"] = all(entry["match"] for entry in report["scenarios"])

@@ -116,8 +116,10 @@ def gradients_of(model) -> dict[str, torch.Tensor]:
 def compare_runs(runs_a, key_a: str, runs_b, key_b: str, *, relative: bool = False) -> dict:
     """Largest error per tensor over all ranks (absolute, or relative to run a's largest magnitude);
     for gradients the worst parameter too."""
-    rows = {name: max(error(a[key_a][name], b[key_b][name], relative=relative) for a, b in zip(runs_a, runs_b))
-            for name in VALUES}
+    rows = {
+        name: max(error(a[key_a][name], b[key_b][name], relative=relative) for a, b in zip(runs_a, runs_b))
+        for name in VALUES
+    }
     worst, worst_name = 0.0, None
     for a, b in zip(runs_a, runs_b):
         grads_a, grads_b = a[key_a]["grads"], b[key_b]["grads"]
@@ -138,7 +140,9 @@ def within(rows: dict, tolerance: float) -> bool:
     return all(rows[k] <= tolerance for k in COMPARED)
 
 
-TABLE_HEADER = f"{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad"
+TABLE_HEADER = (
+    f"{'scenario':<18} {'compared':<28} {'log_probs':>10} {'entropy':>10} {'loss':>10} {'grads':>10}  worst grad"
+)
 
 
 def comparison_row(scenario: str, label: str, rows: dict, comment: str = "") -> str:
@@ -151,8 +155,10 @@ def comparison_row(scenario: str, label: str, rows: dict, comment: str = "") -> 
 
 def peak_table(report: dict, reference_label: str) -> list[str]:
     """The peak-memory lines: per scenario the reference side's peak and hook mode's."""
-    lines = [f"{'scenario':<18} {'peak ' + reference_label:>14} {'peak hook':>14}   "
-             "(bytes of tensors alive during forward+backward)"]
+    lines = [
+        f"{'scenario':<18} {'peak ' + reference_label:>14} {'peak hook':>14}   "
+        "(bytes of tensors alive during forward+backward)"
+    ]
     for entry in report["scenarios"]:
         peaks = entry["peak_bytes"]
         lines.append(f"{entry['scenario']['name']:<18} {peaks['legacy']:>14,} {peaks['hook']:>14,}")

@@ -19,10 +19,12 @@ from ...support.compare import VALUES
 from ...support.determinism import deterministic_steps
 from ...support.memory import PeakMemory
 from ...support.micro_batches import TEMPERATURE, ab_rollout, engine_inputs, grpo_loss
-from ...support.verl_engine import UNFUSED as UNFUSED_MODE, fused_engine_forward, megatron_engine, resolved_mode
+from ...support.verl_engine import UNFUSED as UNFUSED_MODE
+from ...support.verl_engine import fused_engine_forward, megatron_engine, resolved_mode
 from .scenarios import (
     ENV_VALUES,
     RERUN,
+    TABLE_HEADER,
     TP_GAP,
     TWO_KERNEL_GRAD_RTOL,
     TWO_KERNEL_VALUE_TOL,
@@ -30,7 +32,6 @@ from .scenarios import (
     UNFUSED_RTOL,
     Scenario,
     Setup,
-    TABLE_HEADER,
     build_model,
     compare_runs,
     comparison_row,
@@ -175,11 +176,23 @@ def print_report(report: dict) -> None:
         mismatch = "" if entry["match"] else "   MISMATCH"
         print(comparison_row(name, f"hook vs {entry['compared_against']} (abs)", entry["max_abs"], mismatch))
         if "rel" in entry:
-            print(comparison_row("", f"hook vs {entry['compared_against']} (rel)", entry["rel"], "  two kernels: accuracy bounds"))
+            print(
+                comparison_row(
+                    "", f"hook vs {entry['compared_against']} (rel)", entry["rel"], "  two kernels: accuracy bounds"
+                )
+            )
         if "legacy_rerun" in entry:
-            print(comparison_row("", "legacy vs legacy rerun (abs)", entry["legacy_rerun"], "  must be 0: repeatable runs"))
+            print(
+                comparison_row(
+                    "", "legacy vs legacy rerun (abs)", entry["legacy_rerun"], "  must be 0: repeatable runs"
+                )
+            )
         if "vs_legacy_expected_gap" in entry:
-            print(comparison_row("", "hook vs legacy (abs)", entry["vs_legacy_expected_gap"], "  expected: the TP gradient sum"))
+            print(
+                comparison_row(
+                    "", "hook vs legacy (abs)", entry["vs_legacy_expected_gap"], "  expected: the TP gradient sum"
+                )
+            )
         print(comparison_row("", f"hook vs {UNFUSED} (rel)", entry["vs_unfused_rel"]["hook"]))
         gap = entry["scenario"]["tp"] > 1 and not entry["scenario"]["sequence_parallel"]
         wrong = "  verl's legacy gradient is wrong here" if gap else ""
@@ -191,8 +204,10 @@ def print_report(report: dict) -> None:
     if not report["match"]:
         print("FAIL: mismatches above")
     elif not report["one_kernel"]:
-        print(f"PASS: hook (backend={report['backend']}) within the kernels' accuracy of legacy (values <= "
-              f"{TWO_KERNEL_VALUE_TOL:g}, gradients <= {TWO_KERNEL_GRAD_RTOL:g} relative) and {unfused}")
+        print(
+            f"PASS: hook (backend={report['backend']}) within the kernels' accuracy of legacy (values <= "
+            f"{TWO_KERNEL_VALUE_TOL:g}, gradients <= {TWO_KERNEL_GRAD_RTOL:g} relative) and {unfused}"
+        )
     elif report["device"] == "cuda":
         print(f"PASS: hook and legacy identical (max_abs = 0; the legacy rerun identical too) and {unfused}")
     else:

@@ -14,7 +14,7 @@ import contextlib
 import multiprocessing
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +33,8 @@ class ClockMeter:
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         self._process = spawn.Process(
-            target=read_until_stopped, args=(nvml_module, uuid, interval_s, child), daemon=True)
+            target=read_until_stopped, args=(nvml_module, uuid, interval_s, child), daemon=True
+        )
         self._process.start()
         child.close()
         self._windows: dict[str, list[tuple[float, float]]] = {}
@@ -85,8 +86,11 @@ class ClockMeter:
         except (BrokenPipeError, ConnectionResetError, EOFError):  # the reading process died (an NVML error)
             self._stopped = True
             self._process.join(timeout=10)
-            print(f"# SM clock readings stopped: the reading process exited (code {self._process.exitcode}); "
-                  "later steps have no clock", flush=True)
+            print(
+                f"# SM clock readings stopped: the reading process exited (code {self._process.exitcode}); "
+                "later steps have no clock",
+                flush=True,
+            )
 
     def take(self, name: str) -> dict:
         """The median SM clock and power of the readings inside `name`'s windows since the last take, and their
@@ -97,8 +101,11 @@ class ClockMeter:
         self._readings = [r for r in self._readings if still_open and r[0] >= min(still_open)]
         if not inside:
             return {}
-        return {"sm_clock_mhz": statistics.median(r[1] for r in inside),
-                "power_w": statistics.median(r[2] for r in inside), "clock_samples": len(inside)}
+        return {
+            "sm_clock_mhz": statistics.median(r[1] for r in inside),
+            "power_w": statistics.median(r[2] for r in inside),
+            "clock_samples": len(inside),
+        }
 
     def close(self) -> None:
         self._fetch("stop")
@@ -120,9 +127,14 @@ def clocks_table(results: dict) -> list[str]:
     names = [m for m in results["methods"] if any("sm_clock_mhz" in row.get(m, {}) for row in results["shapes"])]
     if not names:
         return []
-    lines = ["", "SM clock and power during forward+backward (NVML readings, medians), and the cycles it took "
-             "(time x clock; ratio to the floor's cycles):", "",
-             "| N, H, V | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines = [
+        "",
+        "SM clock and power during forward+backward (NVML readings, medians), and the cycles it took "
+        "(time x clock; ratio to the floor's cycles):",
+        "",
+        "| N, H, V | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     for row in results["shapes"]:
         floor = row.get("floor", {})
         floor_cycles = megacycles(floor.get("fwd_bwd_ms"), floor.get("sm_clock_mhz"))

@@ -39,7 +39,9 @@ def teacher_top_k(n: int, vocab: int, k: int, device: str) -> tuple[torch.Tensor
     return ids, log_probs
 
 
-def forward_kl_topk(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, clamp: float | None) -> torch.Tensor:
+def forward_kl_topk(
+    student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, clamp: float | None
+) -> torch.Tensor:
     """verl's per-token forward KL over the teacher's top-k: sum_j q_j (log q_j - max(log p_j, clamp)), q from the
     clamped teacher log-probs (gradient m_A p - q 1[A], A the ids whose log p is above the clamp)."""
     if clamp is not None:
@@ -69,8 +71,18 @@ def _with_accuracy(fn, k: int, clamp: float | None):
 def ours_kl_topk(k: int, clamp: float | None = LOG_PROB_MIN_CLAMP, backend: str = "auto"):
     def fn(h, w, labels, temperature, score_mask=None):
         ids, teacher = teacher_top_k(h.shape[0], w.shape[0], k, str(h.device))
-        out = token_log_probs(h, w, labels, ids, temperature=temperature, score_mask=score_mask,
-                              calculate_log_probs=False, calculate_entropy=False, top_k=k, backend=backend)
+        out = token_log_probs(
+            h,
+            w,
+            labels,
+            ids,
+            temperature=temperature,
+            score_mask=score_mask,
+            calculate_log_probs=False,
+            calculate_entropy=False,
+            top_k=k,
+            backend=backend,
+        )
         per_token = forward_kl_topk(out.token_log_probs, teacher, clamp)
         overlap_metrics(ids, out.top_ids, teacher.clamp_min(clamp).exp() * (teacher - out.token_log_probs))
         return per_token.sum()
@@ -116,8 +128,11 @@ def verl_kl_topk_chunked(k: int, clamp: float | None = LOG_PROB_MIN_CLAMP):
         from verl.workers.config import DistillationLossConfig
     except ImportError as error:
         return f"verl's FSDP distillation loss cannot be imported ({error})"
-    config = types.SimpleNamespace(distillation_loss=DistillationLossConfig(
-        loss_mode="forward_kl_topk", topk=k, use_chunked_topk=True, log_prob_min_clamp=clamp))
+    config = types.SimpleNamespace(
+        distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=k, use_chunked_topk=True, log_prob_min_clamp=clamp
+        )
+    )
 
     def nested(t):  # verl's batches hold the teacher's outputs as jagged tensors
         return torch.nested.as_nested_tensor([t], layout=torch.jagged)
@@ -134,8 +149,9 @@ def ours_sum_pi_squared(backend: str = "auto"):
     """log-probs, entropy and sum pi^2 in one call (what the Optimal Token Baseline's forward needs)."""
 
     def fn(h, w, labels, temperature, score_mask=None):
-        out = token_log_probs(h, w, labels, temperature=temperature, score_mask=score_mask,
-                              calculate_sum_pi_squared=True, backend=backend)
+        out = token_log_probs(
+            h, w, labels, temperature=temperature, score_mask=score_mask, calculate_sum_pi_squared=True, backend=backend
+        )
         return out.log_probs, out.entropy
 
     return fn

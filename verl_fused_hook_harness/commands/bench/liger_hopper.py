@@ -20,7 +20,7 @@ Both methods get the raw hidden states and the temperature, like ours, and retur
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,9 +70,7 @@ def liger_sm90() -> Callable | str:
         return f"its sm90 kernel cannot be imported ({error}): pip install nvidia-cutlass-dsl"
 
     def fn(h, w, labels, temperature, score_mask=None):
-        nll, entropy = scaled_cross_entropy.apply(
-            h, w, labels, float(temperature), IGNORE_INDEX, 1, True
-        )
+        nll, entropy = scaled_cross_entropy.apply(h, w, labels, float(temperature), IGNORE_INDEX, 1, True)
         return -nll, entropy
 
     return fn
@@ -92,8 +90,10 @@ def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
     if reason is not None:
         return reason
     if not is_available():
-        return ("its native CUTLASS + NVSHMEM kernel is not available (the liger-cute-kernels wheel and NVSHMEM); "
-                "the frontend would run its chunked torch fallback instead")
+        return (
+            "its native CUTLASS + NVSHMEM kernel is not available (the liger-cute-kernels wheel and NVSHMEM); "
+            "the frontend would run its chunked torch fallback instead"
+        )
     if not shapes:
         return "no shapes to reserve its workspace for"
     if not dist.is_initialized():
@@ -104,10 +104,17 @@ def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
     group = dist.group.WORLD
     most_rows = max(n for n, _, _ in shapes)
     if most_rows > TP_NATIVE_MAX_TOKENS:
-        print(f"# liger_tp_native: N above {TP_NATIVE_MAX_TOKENS} runs as calls of at most {TP_NATIVE_MAX_TOKENS} "
-              "rows (its kernel refuses 32768 or more per call on one H200)", flush=True)
-    largest = FlsceConfig(max_tokens=min(most_rows, TP_NATIVE_MAX_TOKENS), hidden_size=max(h for _, h, _ in shapes),
-                          local_vocab_size=max(v for _, _, v in shapes), group="tp")
+        print(
+            f"# liger_tp_native: N above {TP_NATIVE_MAX_TOKENS} runs as calls of at most {TP_NATIVE_MAX_TOKENS} "
+            "rows (its kernel refuses 32768 or more per call on one H200)",
+            flush=True,
+        )
+    largest = FlsceConfig(
+        max_tokens=min(most_rows, TP_NATIVE_MAX_TOKENS),
+        hidden_size=max(h for _, h, _ in shapes),
+        local_vocab_size=max(v for _, _, v in shapes),
+        group="tp",
+    )
     if not configure(process_groups={"tp": group}, bootstrap_group=group, flsce=largest):
         return "Liger's configure refused this device (see its warning)"
 
@@ -123,8 +130,10 @@ def in_calls_of_at_most(max_rows: int, one_call: Callable) -> Callable:
     at most `max_rows` rows and concatenating the results; autograd sums the calls' d_weight."""
 
     def fn(h, w, labels, temperature, score_mask=None):
-        pieces = [one_call(h[start : start + max_rows], w, labels[start : start + max_rows], temperature)
-                  for start in range(0, h.shape[0], max_rows)]
+        pieces = [
+            one_call(h[start : start + max_rows], w, labels[start : start + max_rows], temperature)
+            for start in range(0, h.shape[0], max_rows)
+        ]
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat([log_probs for log_probs, _ in pieces]), torch.cat([entropy for _, entropy in pieces])

@@ -8,7 +8,7 @@ loss for the loss methods (marked `fn.returns_loss`). A peer that is not install
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +18,8 @@ from ...stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
 from . import distill, liger_hopper, policy_loss
 
 ALL_METHODS = (
-    "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90", "liger_tp_native", "cce", "fused_loss", "verl_loss",
+    "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90",
+    "liger_tp_native", "cce", "fused_loss", "verl_loss",
     "fused_loss_gspo", "verl_loss_gspo", "kl_topk", "verl_kl_topk", "verl_kl_topk_chunked", "sum_pi_squared",
 )  # fmt: skip
 
@@ -29,8 +30,15 @@ KEEP_LOGITS_BYTES = 4 * 1024**3
 
 def ours(backend: str, keep_logits_bytes: int = 0):
     def fn(h, w, labels, temperature, score_mask=None):
-        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend=backend,
-                                     keep_logits_bytes=keep_logits_bytes)
+        return log_probs_and_entropy(
+            h,
+            w,
+            labels,
+            temperature=temperature,
+            score_mask=score_mask,
+            backend=backend,
+            keep_logits_bytes=keep_logits_bytes,
+        )
 
     return fn
 
@@ -49,8 +57,15 @@ def ours_into_main_grad():
                 buffers[key] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             w.main_grad = buffers[key]
             w.grad_added_to_main_grad = False
-        return log_probs_and_entropy(h, w, labels, temperature=temperature, score_mask=score_mask, backend="triton",
-                                     gradient_accumulation_fusion=True)
+        return log_probs_and_entropy(
+            h,
+            w,
+            labels,
+            temperature=temperature,
+            score_mask=score_mask,
+            backend="triton",
+            gradient_accumulation_fusion=True,
+        )
 
     fn.adds_to_main_grad = True
     return fn
@@ -99,8 +114,13 @@ def cut_cross_entropy():
     return fn
 
 
-def load_methods(names, verl_kernel_dir, skipped: dict[str, str] | None = None,
-                 shapes: list[tuple[int, int, int]] = (), topk: int = 128) -> dict[str, Callable]:
+def load_methods(
+    names,
+    verl_kernel_dir,
+    skipped: dict[str, str] | None = None,
+    shapes: list[tuple[int, int, int]] = (),
+    topk: int = 128,
+) -> dict[str, Callable]:
     """The named methods that can run here (the floor is measured apart); why each other one cannot goes into
     `skipped` and on a line. `shapes`: every (N, H, V) the run will time (Liger's native kernel reserves its
     workspace for the largest once); `topk`: the teacher's top-k of the distillation methods."""

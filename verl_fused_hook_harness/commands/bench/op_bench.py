@@ -28,7 +28,8 @@ and sum pi^2 (distill.py).
     verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
     verl-fused-hook bench --shapes "16384,4096,151936;65536,4096,151936" --topk 128 \
         --methods floor,kl_topk,verl_kl_topk,verl_kl_topk_chunked,sum_pi_squared
-    verl-fused-hook bench --plot-only results/bench_every_peer.json --out docs/images/bench_every_peer.png  # redraw, no GPU
+    verl-fused-hook bench --plot-only results/bench_every_peer.json --out docs/images/bench_every_peer.png  # redraw,
+    no GPU
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import contextlib
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -153,7 +154,9 @@ def _guard(label: str, thunk: Callable[[], object]):
         return thunk()
     except (torch.OutOfMemoryError, AssertionError, RuntimeError, ValueError) as error:
         torch.cuda.empty_cache()
-        if isinstance(error, torch.OutOfMemoryError):  # torch's first sentences: what it tried to allocate, what was free
+        if isinstance(
+            error, torch.OutOfMemoryError
+        ):  # torch's first sentences: what it tried to allocate, what was free
             reason = "out of memory: " + " ".join(str(error).split())[:400]
         else:
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -184,8 +187,14 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
             collect(name)
 
     steps = {name: functools.partial(step, name, fn) for name, fn in methods.items()}
-    fwd_bwd = time_in_rounds(steps, args.warmup, args.repeats, lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk),
-                             clock=meter.clock if meter else None, calls=args.back_to_back)
+    fwd_bwd = time_in_rounds(
+        steps,
+        args.warmup,
+        args.repeats,
+        lambda name, thunk: _guard(f"{n},{h},{v} {name}", thunk),
+        clock=meter.clock if meter else None,
+        calls=args.back_to_back,
+    )
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
         result = {"fwd_bwd_ms": fwd_bwd[name]} | (meter.take(name) if meter else {})
@@ -205,9 +214,15 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
         result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats, args.back_to_back))
         if name in ("triton", "triton_keep", "triton_main_grad", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
-            result["half_masked_fwd_bwd_ms"] = _guard(label, lambda: time_ms(
-                lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask), args.warmup, args.repeats,
-                args.back_to_back))
+            result["half_masked_fwd_bwd_ms"] = _guard(
+                label,
+                lambda: time_ms(
+                    lambda: _fwd_bwd(fn, hidden, weight, labels, t, g_lp, g_ent, mask),
+                    args.warmup,
+                    args.repeats,
+                    args.back_to_back,
+                ),
+            )
         collect(name)
         if method_plans[name]:
             result["chunk_plans"] = method_plans[name]
@@ -228,8 +243,13 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     hidden, weight, labels, g_lp, g_ent = _inputs(n, h, v, seed=12345)
     out = {}
     references = {  # with entropy, and for the loss-only peers without (entropy's gradient weight 0)
-        with_entropy: reference_log_probs_entropy(hidden, weight, labels, temperature=temperature,
-                                                  grad_outputs=(g_lp, g_ent if with_entropy else torch.zeros_like(g_ent)))
+        with_entropy: reference_log_probs_entropy(
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            grad_outputs=(g_lp, g_ent if with_entropy else torch.zeros_like(g_ent)),
+        )
         for with_entropy in (True, False)
     }
     torch.cuda.empty_cache()
@@ -279,32 +299,63 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
-                        help="N,H,V;N,H,V;... (default: the four standard shapes and five long-context ones)")
-    parser.add_argument("--sweep", action="store_true",
-                        help=f"shapes: N in {SWEEP_TOKENS} at (H, V) in {SWEEP_WIDTHS} (replaces --shapes)")
-    parser.add_argument("--quick", action="store_true",
-                        help="forward+backward time only (no forward-only, masked or memory runs)")
+    parser.add_argument(
+        "--shapes",
+        default=DEFAULT_SHAPES,
+        help="N,H,V;N,H,V;... (default: the four standard shapes and five long-context ones)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"shapes: N in {SWEEP_TOKENS} at (H, V) in {SWEEP_WIDTHS} (replaces --shapes)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="forward+backward time only (no forward-only, masked or memory runs)"
+    )
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--topk", type=int, default=128, help="the teacher's top-k of the distillation methods "
-                        "(kl_topk, verl_kl_topk, verl_kl_topk_chunked; verl's default 128)")
+    parser.add_argument(
+        "--topk",
+        type=int,
+        default=128,
+        help="the teacher's top-k of the distillation methods "
+        "(kl_topk, verl_kl_topk, verl_kl_topk_chunked; verl's default 128)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
-                        help="each timing runs K calls with no wait between them and reports the time per call: the "
-                        "GPU held at its power cap, as inside a training step (default 1: one call per timing)")
+    parser.add_argument(
+        "--back-to-back",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each timing runs K calls with no wait between them and reports the time per call: the "
+        "GPU held at its power cap, as inside a training step (default 1: one call per timing)",
+    )
     parser.add_argument("--accuracy-shape", default="2048,4096,151936", help="N,H,V for the fp64 check ('' to skip)")
-    parser.add_argument("--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)")
-    parser.add_argument("--out", default="bench", help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png "
-                        "(with --plot-only: the PNG, PREFIX or PREFIX.png)")
-    parser.add_argument("--plot-only", metavar="JSON", default=None,
-                        help="no measuring (no GPU needed): redraw the plot of a finished run's JSON into --out and "
-                        "print its tables")
-    parser.add_argument("--leave-free-gib", type=float, default=None, metavar="G",
-                        help="at each shape, once its inputs exist, hold all but G GiB of the GPU's free memory in "
-                        "another allocation while measuring (a job short of memory: the fused loss sizes its chunk "
-                        "from what is free; its chunk plans are recorded)")
+    parser.add_argument(
+        "--verl-kernel-dir", default=None, help="folder with verl's kernels.py (default: installed verl)"
+    )
+    parser.add_argument(
+        "--out",
+        default="bench",
+        help="output prefix: writes PREFIX.md, PREFIX.json, PREFIX.png "
+        "(with --plot-only: the PNG, PREFIX or PREFIX.png)",
+    )
+    parser.add_argument(
+        "--plot-only",
+        metavar="JSON",
+        default=None,
+        help="no measuring (no GPU needed): redraw the plot of a finished run's JSON into --out and print its tables",
+    )
+    parser.add_argument(
+        "--leave-free-gib",
+        type=float,
+        default=None,
+        metavar="G",
+        help="at each shape, once its inputs exist, hold all but G GiB of the GPU's free memory in "
+        "another allocation while measuring (a job short of memory: the fused loss sizes its chunk "
+        "from what is free; its chunk plans are recorded)",
+    )
     add_verbose_argument(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ loss, fused in chunks of whole sequences (`row_groups`). Needs `import verl`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -99,8 +99,15 @@ def fused_loss_method(mode: str = "vanilla"):
     def fn(h, w, labels, temperature, score_mask=None):
         loss_fn, row_gradients, host_loss_fn, name, groups = row_loss(h.shape[0], str(h.device), mode)
         result = log_probs_entropy_and_loss(
-            h, w, labels, loss_fn=loss_fn, loss_name=name, temperature=temperature, score_mask=score_mask,
-            row_gradients=row_gradients, host_loss_fn=host_loss_fn,  # chunk_rows: the op's default, as hook mode
+            h,
+            w,
+            labels,
+            loss_fn=loss_fn,
+            loss_name=name,
+            temperature=temperature,
+            score_mask=score_mask,
+            row_gradients=row_gradients,
+            host_loss_fn=host_loss_fn,  # chunk_rows: the op's default, as hook mode
             row_groups=groups if mode == "gspo" else None,
         )
         return result.loss

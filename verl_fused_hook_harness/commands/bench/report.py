@@ -32,11 +32,17 @@ def markdown(results: dict) -> str:
         "|---|---|---|" + "---|" * len(names),
     ]
     if any(name in names for name in ("kl_topk", "verl_kl_topk", "verl_kl_topk_chunked")):
-        lines[1:1] = ["", f"kl_topk, verl_kl_topk*: the output layer plus verl's forward_kl_topk at the teacher's top-"
-                      f"{results.get('topk')} (verl_kl_topk_chunked: verl's use_chunked_topk path)."]
+        lines[1:1] = [
+            "",
+            f"kl_topk, verl_kl_topk*: the output layer plus verl's forward_kl_topk at the teacher's top-"
+            f"{results.get('topk')} (verl_kl_topk_chunked: verl's use_chunked_topk path).",
+        ]
     if results.get("back_to_back", 1) > 1:
-        lines[1:1] = ["", f"Each timing: {results['back_to_back']} calls back to back (the GPU held at its power cap, as "
-                      "inside a training step); times per call."]
+        lines[1:1] = [
+            "",
+            f"Each timing: {results['back_to_back']} calls back to back (the GPU held at its power cap, as "
+            "inside a training step); times per call.",
+        ]
     for row in results["shapes"]:
         floor = row.get("floor", {}).get("fwd_bwd_ms")
         cells = [_fmt(row.get("floor", {}).get("fwd_bwd_3gemm_ms"), floor)]
@@ -45,8 +51,14 @@ def markdown(results: dict) -> str:
             mem = r.get("extra_gib")
             cells.append(_fmt(r.get("fwd_bwd_ms"), floor) + (f", +{mem:.2f} GiB" if isinstance(mem, float) else ""))
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(floor)} | " + " | ".join(cells) + " |")
-    out_of_memory = {name: [row["N"] for row in results["shapes"]
-                            if str(row.get(name, {}).get("fwd_bwd_ms", "")).startswith("out of memory")] for name in names}
+    out_of_memory = {
+        name: [
+            row["N"]
+            for row in results["shapes"]
+            if str(row.get(name, {}).get("fwd_bwd_ms", "")).startswith("out of memory")
+        ]
+        for name in names
+    }
     if any(out_of_memory.values()):
         lines += [""] + [f"- {name}: OOM at N={', '.join(map(str, ns))}" for name, ns in out_of_memory.items() if ns]
     for fused_name, verl_name in (("fused_loss", "verl_loss"), ("fused_loss_gspo", "verl_loss_gspo")):
@@ -57,16 +69,26 @@ def markdown(results: dict) -> str:
             fused, verl = row.get(fused_name, {}).get("fwd_bwd_ms"), row.get(verl_name, {}).get("fwd_bwd_ms")
             if isinstance(fused, float) and isinstance(verl, float):
                 lines.append(f"- {row['N']}, {row['H']}, {row['V']}: {verl / fused:.2f}x")
-    lines += ["", "Forward without gradient (ratio to one GEMM):", "",
-              "| N, H, V | one GEMM | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    lines += [
+        "",
+        "Forward without gradient (ratio to one GEMM):",
+        "",
+        "| N, H, V | one GEMM | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
     for row in results["shapes"]:
         gemm = row.get("floor", {}).get("gemm_ms")
         cells = [_fmt(row.get(name, {}).get("fwd_ms"), gemm) for name in names]
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(gemm)} | " + " | ".join(cells) + " |")
     masked = [m for m in names if any("half_masked_fwd_bwd_ms" in row.get(m, {}) for row in results["shapes"])]
     if masked:
-        lines += ["", "Half the rows masked by score_mask, forward+backward (ratio to the unmasked time):", "",
-                  "| N, H, V | " + " | ".join(masked) + " |", "|---|" + "---|" * len(masked)]
+        lines += [
+            "",
+            "Half the rows masked by score_mask, forward+backward (ratio to the unmasked time):",
+            "",
+            "| N, H, V | " + " | ".join(masked) + " |",
+            "|---|" + "---|" * len(masked),
+        ]
         for row in results["shapes"]:
             cells = []
             for name in masked:
@@ -79,14 +101,21 @@ def markdown(results: dict) -> str:
         lines += ["", f"SM clock and power not recorded: {results['clocks_not_recorded']}."]
     if results.get("accuracy"):
         n, h, v = results["accuracy_shape"]
-        lines += ["", f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):", "",
-                  "| method | log-prob max err | entropy max err | loss rel err | d_hidden rel err | d_weight rel err |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):",
+            "",
+            "| method | log-prob max err | entropy max err | loss rel err | d_hidden rel err | d_weight rel err |",
+            "|---|---|---|---|---|---|",
+        ]
         sci = lambda value: "n/a" if value is None else f"{value:.2e}"  # noqa: E731
         for name, acc in results["accuracy"].items():
             if isinstance(acc, dict):
-                lines.append(f"| {name} | {sci(acc['log_prob_max_err'])} | {sci(acc['entropy_max_err'])} | "
-                             f"{sci(acc.get('loss_rel_err'))} | {sci(acc['d_hidden_rel_err'])} | {sci(acc['d_weight_rel_err'])} |")
+                lines.append(
+                    f"| {name} | {sci(acc['log_prob_max_err'])} | {sci(acc['entropy_max_err'])} | "
+                    f"{sci(acc.get('loss_rel_err'))} | {sci(acc['d_hidden_rel_err'])} | "
+                    f"{sci(acc['d_weight_rel_err'])} |"
+                )
             else:
                 lines.append(f"| {name} | {acc} | | | | |")
     skipped = results.get("skipped") or {}
@@ -151,8 +180,16 @@ def plot(results: dict, path: Path) -> None:
             if isinstance(memory, float):
                 memory_axis.bar(x, memory, width, color=color, label=name if shape_index == 0 else None)
             elif "extra_gib" in row.get(name, {}) or ratio is None:
-                memory_axis.text(x, 0, "x", color=color, ha="center", va="bottom", fontsize=8,
-                                 transform=memory_axis.get_xaxis_transform())
+                memory_axis.text(
+                    x,
+                    0,
+                    "x",
+                    color=color,
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    transform=memory_axis.get_xaxis_transform(),
+                )
     for shape_index, row in enumerate(shapes):
         three = three_gemm_ratio(row)
         if three:

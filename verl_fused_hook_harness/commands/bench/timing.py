@@ -13,7 +13,7 @@ them, holds the card at the cap as a training step does; the time per call is re
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,16 +36,22 @@ def time_ms(fn: Callable[[], object], warmup: int, repeats: int, calls: int = 1)
 
 def back_to_back(step: Callable[[], object], calls: int) -> Callable[[], None]:
     """The step `calls` times in a row, nothing waited for between them."""
+
     def run() -> None:
         for _ in range(calls):
             step()
+
     return run
 
 
-def time_in_rounds(steps: dict[str, Callable[[], object]], warmup: int, repeats: int,
-                   guard: Callable[[str, Callable[[], object]], object],
-                   clock: Callable[[str, Callable[[], object]], float] | None = None,
-                   calls: int = 1) -> dict[str, object]:
+def time_in_rounds(
+    steps: dict[str, Callable[[], object]],
+    warmup: int,
+    repeats: int,
+    guard: Callable[[str, Callable[[], object]], object],
+    clock: Callable[[str, Callable[[], object]], float] | None = None,
+    calls: int = 1,
+) -> dict[str, object]:
     """Each step's median time in ms, its repeats taken in rounds over the steps, or what `guard` (name, thunk)
     returned for a step that failed (it then leaves the rounds). Each timing (warm-ups too) runs the step `calls`
     times back to back and is divided by `calls`: the time per call. The first warm-up is timed: a step slower

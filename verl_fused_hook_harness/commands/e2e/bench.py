@@ -82,7 +82,17 @@ from .common import (
     prepare_process,
     time_in_rounds,
 )
-from .thd import MODES, PARITY_KEY, REFERENCE, Step, compare_samples, enable_mode, markdown_table, parity_note, parity_sample
+from .thd import (
+    MODES,
+    PARITY_KEY,
+    REFERENCE,
+    Step,
+    compare_samples,
+    enable_mode,
+    markdown_table,
+    parity_note,
+    parity_sample,
+)
 
 
 def run(args) -> dict:
@@ -133,21 +143,38 @@ def run(args) -> dict:
                 if mode.name == reference_name:
                     reference = sample
                 del sample
-                print(f"[{tokens}] {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}", flush=True)
-                primed.append(Primed(step, row, functools.partial(enable, model, engines[mode.name], mode),
-                                     {"train": step.train, "forward": functools.partial(forward_no_grad, step)}))
+                print(
+                    f"[{tokens}] {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}",
+                    flush=True,
+                )
+                primed.append(
+                    Primed(
+                        step,
+                        row,
+                        functools.partial(enable, model, engines[mode.name], mode),
+                        {"train": step.train, "forward": functools.partial(forward_no_grad, step)},
+                    )
+                )
             except torch.OutOfMemoryError:
                 mark_out_of_memory(model, tokens, row)
             del step
         reference = None
-        time_in_rounds(primed, clock, args.repeats, {"train": functools.partial(free_step_memory, model), "forward": None},
-                       lambda p: mark_out_of_memory(model, tokens, p.row))
+        time_in_rounds(
+            primed,
+            clock,
+            args.repeats,
+            {"train": functools.partial(free_step_memory, model), "forward": None},
+            lambda p: mark_out_of_memory(model, tokens, p.row),
+        )
         free_step_memory(model)
         for p in primed:
             row = p.row
             if not row.get("oom"):
-                print(f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
-                      f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}", flush=True)
+                print(
+                    f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
+                    f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}",
+                    flush=True,
+                )
         del primed
         free_step_memory(model)
         write_report(report, args.out, "e2e", markdown_table)  # after every size: a cut-off run keeps its sizes
@@ -226,39 +253,78 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--hf-config", default=None, help="HF config.json or folder (default: Qwen2.5-7B shapes, 2 layers)"
     )
-    parser.add_argument("--moe", action="store_true", help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
-                        "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="an MoE model: the shipped Qwen3-30B-A3B-shaped config (hidden "
+        "2048, 128 experts top-8, moe_ffn_hidden_size 768, vocab 151936), 2 layers, EP=1",
+    )
     add_device_argument(parser)
-    parser.add_argument("--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order, each once")
+    parser.add_argument(
+        "--sizes", default="16384,32768,65536", help="tokens per micro-batch, comma-separated, in run order, each once"
+    )
     parser.add_argument("--modes", default=None, help="comma-separated subset of the layout's modes (default: all)")
-    parser.add_argument("--layout", choices=("thd", "bshd"), default="thd",
-                        help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
-                        "verl as it ships (fused off, unfused forward) vs hook mode")
+    parser.add_argument(
+        "--layout",
+        choices=("thd", "bshd"),
+        default="thd",
+        help="thd: packed batches, legacy vs hook; bshd: padded (use_remove_padding=False), "
+        "verl as it ships (fused off, unfused forward) vs hook mode",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--warmups", type=int, default=2, help="forward+backward warm-ups per size and mode (>= 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--cpu-init", action=argparse.BooleanOptionalAction, default=None,
-                        help="initialize weights on the CPU (default: on the CPU only when running there)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for e2e.json and e2e.md (rewritten after every size)")
-    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="then profile one forward+backward and one no-grad forward per size and mode (torch.profiler), "
-                        "after every timed step: DIR/profile_TOKENS_MODE.txt and DIR/profile_TOKENS_MODE_no_grad.txt")
-    parser.add_argument("--mtp", type=int, default=0, metavar="N",
-                        help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)")
+    parser.add_argument(
+        "--cpu-init",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="initialize weights on the CPU (default: on the CPU only when running there)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for e2e.json and e2e.md (rewritten after every size)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="then profile one forward+backward and one no-grad forward per size and mode (torch.profiler), "
+        "after every timed step: DIR/profile_TOKENS_MODE.txt and DIR/profile_TOKENS_MODE_no_grad.txt",
+    )
+    parser.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MTP benchmark instead: N MTP layers, verl as it ships vs hook mode (e2e_mtp.json/.md)",
+    )
     parser.add_argument("--vocab-size", type=int, default=248320, help="with --mtp: the vocabulary (default 248320)")
-    parser.add_argument("--policy-loss", choices=fused_loss.POLICY_LOSSES, default="vanilla",
-                        help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss "
-                        "(an SFT step)")
-    parser.add_argument("--fused-loss", action="store_true",
-                        help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
-                        "off vs on (fused_loss.json/.md)")
-    parser.add_argument("--layers", type=int, default=None, metavar="N",
-                        help="the model's layer count instead of the HF config's (e.g. 28: the Qwen2.5-7B-shaped "
-                        "config at full depth)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="megatron's full activation recompute (recompute_granularity=full, recompute_method="
-                        "uniform, recompute_num_layers=1), as long-context training runs use it")
+    parser.add_argument(
+        "--policy-loss",
+        choices=fused_loss.POLICY_LOSSES,
+        default="vanilla",
+        help="with --fused-loss: verl's ppo_loss with the vanilla clipped loss or GSPO, or sft_loss (an SFT step)",
+    )
+    parser.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="fused-loss benchmark instead: verl's forward_step with ppo_loss, output_processor_fused_loss "
+        "off vs on (fused_loss.json/.md)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the model's layer count instead of the HF config's (e.g. 28: the Qwen2.5-7B-shaped config at full depth)",
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="megatron's full activation recompute (recompute_granularity=full, recompute_method="
+        "uniform, recompute_num_layers=1), as long-context training runs use it",
+    )
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     with UpstreamNotices(verbose=args.verbose):
@@ -272,8 +338,10 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         args.cpu_init = args.device == "cpu"
     args.dtype = DTYPES[args.dtype or default_dtype(args.device)]
     if args.moe and args.hf_config is not None:
-        parser.error("--moe: the MoE model is the shipped Qwen3-30B-A3B-shaped config; drop --hf-config (or give "
-                     "an MoE config with --hf-config alone)")
+        parser.error(
+            "--moe: the MoE model is the shipped Qwen3-30B-A3B-shaped config; drop --hf-config (or give "
+            "an MoE config with --hf-config alone)"
+        )
     try:
         args.hf_config = config_folder(args.hf_config or (QWEN3_30B_A3B_2LAYER if args.moe else QWEN_7B_2LAYER))
     except ValueError as error:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,14 +48,21 @@ def build_model(args, hf_config, *, announce: bool = True, **extra):
     activation recompute with `args.recompute`)."""
     started = time.time()
     model = build_gpt_from_hf(
-        hf_config, dtype=args.dtype, seed=args.seed, cpu_initialization=args.cpu_init,
-        transformer_overrides=FULL_RECOMPUTE if args.recompute else None, **extra,
+        hf_config,
+        dtype=args.dtype,
+        seed=args.seed,
+        cpu_initialization=args.cpu_init,
+        transformer_overrides=FULL_RECOMPUTE if args.recompute else None,
+        **extra,
     ).to(args.device)
     if announce:
         recompute = ", full recompute" if args.recompute else ""
-        print(f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
-              f"parameters, {args.dtype}, {model.config.num_layers} layers{recompute}, hidden {hf_config.hidden_size}, "
-              f"vocab {hf_config.vocab_size}", flush=True)
+        print(
+            f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
+            f"parameters, {args.dtype}, {model.config.num_layers} layers{recompute}, hidden {hf_config.hidden_size}, "
+            f"vocab {hf_config.vocab_size}",
+            flush=True,
+        )
     return model
 
 
@@ -135,8 +143,14 @@ class Primed:
     works: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
-def time_in_rounds(primed: list[Primed], clock: Clock, repeats: int, prepare: dict[str, Callable | None], on_oom,
-                   tally: tuple[str, Callable[[], int]] | None = None) -> None:
+def time_in_rounds(
+    primed: list[Primed],
+    clock: Clock,
+    repeats: int,
+    prepare: dict[str, Callable | None],
+    on_oom,
+    tally: tuple[str, Callable[[], int]] | None = None,
+) -> None:
     """Every kind of work in `prepare` (kind -> what runs untimed before each repeat, or None), its timed repeats in
     rounds over the modes (A, B, C, A, B, C, ...), into each row as KIND_s (median), KIND_times_s, KIND_peak_bytes
     and KIND_peak_abs_bytes. A drift of the host's or the GPU's speed during the run then spreads over every mode
@@ -194,5 +208,8 @@ def free_step_memory(model) -> None:
 def snapshot_gradients(model, *, to_cpu: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter gradient by name, detached copies (on the CPU with `to_cpu`, so another mode's peak is
     not charged for them)."""
-    return {name: (p.grad.detach().cpu() if to_cpu else p.grad.detach().clone())
-            for name, p in model.named_parameters() if p.grad is not None}
+    return {
+        name: (p.grad.detach().cpu() if to_cpu else p.grad.detach().clone())
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }

@@ -27,8 +27,8 @@ import traceback
 
 import torch
 
-from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
 from verl_fused_hook.verl_integration.loss_support import unsupported_reason
+from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
 
 from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.compare import relative_scalar
@@ -76,8 +76,13 @@ def grpo_actor_config(policy_loss: str = "vanilla"):
     from verl.workers.config import ActorConfig  # verl loads on first use (`import verl` starts ray)
 
     base = ActorConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
-    fields = dict(loss_agg_mode="token-mean", entropy_coeff=ENTROPY_COEFF, use_kl_loss=True, kl_loss_type="low_var_kl",
-                  kl_loss_coef=KL_LOSS_COEF)
+    fields = dict(
+        loss_agg_mode="token-mean",
+        entropy_coeff=ENTROPY_COEFF,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=KL_LOSS_COEF,
+    )
     config = dataclasses.replace(base, **(fields | (GSPO_FIELDS if policy_loss == "gspo" else {})))
     config = dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=policy_loss))
     reason = unsupported_reason(config)
@@ -94,9 +99,14 @@ def loss_function_and_fields(policy_loss: str):
         return functools.partial(verl_losses.sft_loss, config=None), {"loss": "sft_loss"}
     config = grpo_actor_config(policy_loss)
     fields = dict(
-        loss_mode=policy_loss, loss_agg_mode=config.loss_agg_mode, clip_ratio=config.clip_ratio,
-        clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
-        entropy_coeff=config.entropy_coeff, use_kl_loss=config.use_kl_loss, kl_loss_type=config.kl_loss_type,
+        loss_mode=policy_loss,
+        loss_agg_mode=config.loss_agg_mode,
+        clip_ratio=config.clip_ratio,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        entropy_coeff=config.entropy_coeff,
+        use_kl_loss=config.use_kl_loss,
+        kl_loss_type=config.kl_loss_type,
         kl_loss_coef=config.kl_loss_coef,
     )
     return functools.partial(verl_losses.ppo_loss, config=config), fields
@@ -111,7 +121,9 @@ def enable_loss_mode(model, engine, mode: Mode) -> str:
     """thd.py's build step, then a check that the plan fuses the loss exactly when the mode says so."""
     resolved = enable_mode(model, engine, mode)
     if mode.hook and plan_of(model).fused_loss != mode.fused_loss:
-        raise RuntimeError(f"mode {mode.name}: the plan's fused_loss is {plan_of(model).fused_loss}, expected {mode.fused_loss}")
+        raise RuntimeError(
+            f"mode {mode.name}: the plan's fused_loss is {plan_of(model).fused_loss}, expected {mode.fused_loss}"
+        )
     return resolved
 
 
@@ -139,8 +151,15 @@ def actor_batch(rollout, sampled_log_probs: torch.Tensor, seed: int, sft: bool =
         "advantages": per_response(advantages.unsqueeze(1).expand(-1, width)),  # GRPO: one advantage per sequence
     }
     return forward_step_batch(
-        input_ids, data["prompts"], data["responses"], TEMPERATURE, extra_fields=ppo_fields,
-        dp_size=1, batch_num_tokens=sum(response_lens), global_batch_size=len(response_lens), num_micro_batch=1,
+        input_ids,
+        data["prompts"],
+        data["responses"],
+        TEMPERATURE,
+        extra_fields=ppo_fields,
+        dp_size=1,
+        batch_num_tokens=sum(response_lens),
+        global_batch_size=len(response_lens),
+        num_micro_batch=1,
         calculate_entropy=not sft,
     )
 
@@ -167,7 +186,9 @@ class LossStep:
         self.loss_function = loss_function
         # On the CPU verl's Triton kernel cannot run: the legacy forward gets the portable op.
         self.kernel_context = (
-            contextlib.nullcontext if mode.hook else functools.partial(portable_legacy_kernel_on_cpu, device, cpu_kernel)
+            contextlib.nullcontext
+            if mode.hook
+            else functools.partial(portable_legacy_kernel_on_cpu, device, cpu_kernel)
         )
         self.read_rows = response_rows(data).values()  # the rows ppo_loss reads
 
@@ -224,7 +245,8 @@ def compare_loss(reference: dict, other: dict) -> dict:
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| tokens (sequences) | mode | kernel | fwd+loss+bwd time | vs two-pass | peak | loss | loss rel | worst metric rel |"
+        "| tokens (sequences) | mode | kernel | fwd+loss+bwd time | vs two-pass | peak | loss | loss rel | worst "
+        "metric rel |"
         " log-prob max_abs | grad max_abs (rel) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -250,7 +272,8 @@ def markdown_table(report: dict) -> str:
                     f"{parity['grads_max_abs']:.3g} ({parity['grads_rel']:.2g})",
                 ]
             lines.append(
-                f"| {label} | {row['mode']} | {row['kernel']} | {ms(row['train_s'])}{spread(row.get('train_times_s'))} | {speed} "
+                f"| {label} | {row['mode']} | {row['kernel']} | "
+                f"{ms(row['train_s'])}{spread(row.get('train_times_s'))} | {speed} "
                 f"| {gib(row['train_peak_bytes'])} | " + " | ".join(cells) + " |"
             )
         floor = size.get("two_pass_rerun")
@@ -293,8 +316,10 @@ def prime_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, args, re
 def _parity_note(parity: dict | None) -> str:
     if parity is None:
         return ""
-    return (f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
-            f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})")
+    return (
+        f"; vs two-pass: loss rel {parity['loss_rel']:.2g}, worst metric rel {parity['metrics_rel']:.2g} "
+        f"({parity['worst_metric']}), grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
+    )
 
 
 def run_fused_loss(args) -> dict:
@@ -306,7 +331,8 @@ def run_fused_loss(args) -> dict:
     model = build_model(args, hf_config)
     modes = [mode for mode in LOSS_MODES if mode.name in args.modes]
     engines = {
-        mode.name: loss_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config) for mode in modes
+        mode.name: loss_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
+        for mode in modes
     }
     by_name = {mode.name: mode for mode in modes}
     clock = Clock(device)
@@ -333,8 +359,14 @@ def run_fused_loss(args) -> dict:
                 if mode.name == TWO_PASS:
                     reference = sample
                 print(f"[{tokens}] {mode.name:<21} warmed up{_parity_note(row.get(PARITY_KEY))}", flush=True)
-                primed.append(Primed(step, row, functools.partial(enable_loss_mode, model, engines[mode.name], mode),
-                                     {"train": step.train}))
+                primed.append(
+                    Primed(
+                        step,
+                        row,
+                        functools.partial(enable_loss_mode, model, engines[mode.name], mode),
+                        {"train": step.train},
+                    )
+                )
                 del step, sample
             except torch.OutOfMemoryError:
                 mark_out_of_memory(model, tokens, row, 21)
@@ -342,18 +374,28 @@ def run_fused_loss(args) -> dict:
                 row["error"] = f"{type(error).__name__}: {error}"[:300]
                 traceback.print_exc()
             free_step_memory(model)
-        time_in_rounds(primed, clock, args.repeats, {"train": functools.partial(free_step_memory, model)},
-                       lambda p: mark_out_of_memory(model, tokens, p.row, 21),
-                       ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards))
+        time_in_rounds(
+            primed,
+            clock,
+            args.repeats,
+            {"train": functools.partial(free_step_memory, model)},
+            lambda p: mark_out_of_memory(model, tokens, p.row, 21),
+            ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards),
+        )
         free_step_memory(model)
         for row in (p.row for p in primed):
             if "train_s" in row:
-                print(f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
-                      f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}", flush=True)
+                print(
+                    f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
+                    f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}",
+                    flush=True,
+                )
         del primed
         reference = None
         del data
         free_step_memory(model)
-        write_report(report, args.out, "e2e_fused_loss", markdown_table)  # after every size: a cut-off run keeps its sizes
+        write_report(
+            report, args.out, "e2e_fused_loss", markdown_table
+        )  # after every size: a cut-off run keeps its sizes
     reset_fused_mode(model)
     return report

@@ -30,11 +30,26 @@ import time
 import torch
 
 from ...support.compare import differing_parameters, error, worst_gradient
-from .head_memory import HeadMemoryProbe
-from ...support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, grpo_loss, response_rows, response_values
+from ...support.micro_batches import (
+    TEMPERATURE,
+    e2e_rollout,
+    forward_step_batch,
+    grpo_loss,
+    response_rows,
+    response_values,
+)
 from ...support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
 from ...support.reports import gib, ms, write_report
-from .common import Clock, build_model, free_step_memory, model_fields, prepare_process, report_header, snapshot_gradients
+from .common import (
+    Clock,
+    build_model,
+    free_step_memory,
+    model_fields,
+    prepare_process,
+    report_header,
+    snapshot_gradients,
+)
+from .head_memory import HeadMemoryProbe
 
 SIDES = ("hook", "verl")  # hook first: verl's side may run out of memory
 
@@ -95,8 +110,11 @@ def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
     model = build_model(args, hf_config, announce=False, mtp_num_layers=args.mtp)
     report.setdefault("model", model_fields(model))
     engine = build_mtp_engine(model, hook=side == "hook", backend=args.mtp_backend, model_path=args.hf_config)
-    print(f"[{side}] model built in {time.time() - started:.1f}s; fused kernels "
-          f"{'on' if engine.engine_config.use_fused_kernels else 'off'}", flush=True)
+    print(
+        f"[{side}] model built in {time.time() - started:.1f}s; fused kernels "
+        f"{'on' if engine.engine_config.use_fused_kernels else 'off'}",
+        flush=True,
+    )
     clock = Clock(args.device)
     for entry in report["sizes"]:
         tokens = entry["tokens"]
@@ -115,15 +133,21 @@ def run_side(side: str, args, hf_config, report: dict, samples: dict) -> None:
                 step, args.repeats, functools.partial(free_step_memory, model)
             )
             take_mtp_metrics()
-            print(f"[{side}] {tokens} tokens: fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}", flush=True)
+            print(
+                f"[{side}] {tokens} tokens: fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}",
+                flush=True,
+            )
         except torch.OutOfMemoryError as oom:
             row["oom"] = str(oom).split("\n")[0]
             print(f"[{side}] {tokens} tokens: OOM ({row['oom']})", flush=True)
         if "oom" not in row:
             try:
                 row["output_layer"] = output_layer_memory(step, model, batch)
-                print(f"[{side}] {tokens} tokens: output layer extra {gib_or_na(row['output_layer']['extra_bytes'])} "
-                      f"(target {gib(row['output_layer']['target_bytes'])})", flush=True)
+                print(
+                    f"[{side}] {tokens} tokens: output layer extra {gib_or_na(row['output_layer']['extra_bytes'])} "
+                    f"(target {gib(row['output_layer']['target_bytes'])})",
+                    flush=True,
+                )
             except torch.OutOfMemoryError as oom:
                 row["output_layer"] = {"oom": str(oom).split("\n")[0]}
         free_step_memory(model)
@@ -153,11 +177,19 @@ def output_layer_table(report: dict) -> str:
             if head is None or "oom" in head:
                 cells = ["OOM"] + ["-"] * 6
             else:
-                within = ", ".join("n/a" if ok is None else ("yes" if ok else "NO")
-                                   for ok in (head["within_target"], head["within_target_without_split"]))
-                cells = [gib_or_na(head["extra_bytes"]), gib_or_na(head["extra_without_split_bytes"]),
-                         gib_or_na(head["hidden_grad_bytes"]), gib_or_na(head["weight_grad_bytes"]),
-                         gib(head["accumulator_bytes"]), gib(head["target_bytes"]), within]
+                within = ", ".join(
+                    "n/a" if ok is None else ("yes" if ok else "NO")
+                    for ok in (head["within_target"], head["within_target_without_split"])
+                )
+                cells = [
+                    gib_or_na(head["extra_bytes"]),
+                    gib_or_na(head["extra_without_split_bytes"]),
+                    gib_or_na(head["hidden_grad_bytes"]),
+                    gib_or_na(head["weight_grad_bytes"]),
+                    gib(head["accumulator_bytes"]),
+                    gib(head["target_bytes"]),
+                    within,
+                ]
             lines.append(f"| {entry['tokens']:,} | {row['side']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -176,12 +208,19 @@ def step_table(report: dict) -> str:
     for entry in report["sizes"]:
         parity = entry.get("hook_vs_verl")
         for row in entry["sides"]:
-            timing = (["OOM", "OOM"] if "oom" in row else [ms(row["train_s"]), gib(row["train_peak_bytes"])])
+            timing = ["OOM", "OOM"] if "oom" in row else [ms(row["train_s"]), gib(row["train_peak_bytes"])]
             cells = ["reference" if row["side"] == "verl" else "-"] * 5
             if row["side"] == "hook" and parity is not None:
-                cells = [f"{parity['log_probs']:.2g}", f"{parity['entropy']:.2g}", f"{parity['mtp_loss']:.2g}",
-                         f"{parity['acceptance_correct']:g}", f"{parity['grads_rel']:.2g} ({parity['worst_param']})"]
-            lines.append(f"| {entry['tokens']:,} | {row['side']} | {row['fused_kernels']} | " + " | ".join(timing + cells) + " |")
+                cells = [
+                    f"{parity['log_probs']:.2g}",
+                    f"{parity['entropy']:.2g}",
+                    f"{parity['mtp_loss']:.2g}",
+                    f"{parity['acceptance_correct']:g}",
+                    f"{parity['grads_rel']:.2g} ({parity['worst_param']})",
+                ]
+            lines.append(
+                f"| {entry['tokens']:,} | {row['side']} | {row['fused_kernels']} | " + " | ".join(timing + cells) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -190,8 +229,9 @@ def run_mtp(args) -> dict:
     hf_config = prepare_process(args, deterministic_parity=False)
     hf_config.vocab_size = args.vocab_size
     args.mtp_backend = "triton" if args.device == "cuda" else "torch"
-    report = report_header(args, vocab_size=args.vocab_size, mtp_layers=args.mtp, dtype=str(args.dtype),
-                           hook_backend=args.mtp_backend)
+    report = report_header(
+        args, vocab_size=args.vocab_size, mtp_layers=args.mtp, dtype=str(args.dtype), hook_backend=args.mtp_backend
+    )
     report["sizes"] = [{"tokens": tokens, "sides": []} for tokens in args.sizes]
     samples = {}
     for side in SIDES:

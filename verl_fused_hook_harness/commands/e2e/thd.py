@@ -54,7 +54,9 @@ class Step:
 
     def kernel_context(self):
         """The portable op as the legacy forward's kernel on the CPU (hook modes never call that kernel)."""
-        return contextlib.nullcontext() if self.mode.hook else portable_legacy_kernel_on_cpu(self.device, self.cpu_kernel)
+        return (
+            contextlib.nullcontext() if self.mode.hook else portable_legacy_kernel_on_cpu(self.device, self.cpu_kernel)
+        )
 
     def forward(self):
         kwargs = {} if self.score_rows is None else {"step": HookStep(score_rows=self.score_rows)}
@@ -89,7 +91,9 @@ def snapshot(step: Step, output, loss) -> dict:
 
 def compare_samples(reference: dict, other: dict) -> dict:
     """max_abs of log-probs/entropy (rows the loss reads) and loss; worst gradient max_abs and relative error."""
-    rows = {key: None if reference[key] is None else max_abs(reference[key], other[key]) for key in VALUES}  # no entropy: sft
+    rows = {
+        key: None if reference[key] is None else max_abs(reference[key], other[key]) for key in VALUES
+    }  # no entropy: sft
     differ = differing_parameters(reference["grads"], other["grads"])
     if differ:
         raise RuntimeError(f"gradient sets differ: {differ}")
@@ -102,8 +106,10 @@ def parity_note(reference_name: str, parity: dict | None) -> str:
     """What a mode's progress line says about its parity with the reference."""
     if parity is None:
         return ""
-    return (f"; vs {reference_name}: log_probs {parity['log_probs']:.3g}, entropy {parity['entropy']:.3g}, loss "
-            f"{parity['policy_loss']:.3g}, grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})")
+    return (
+        f"; vs {reference_name}: log_probs {parity['log_probs']:.3g}, entropy {parity['entropy']:.3g}, loss "
+        f"{parity['policy_loss']:.3g}, grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
+    )
 
 
 def markdown_table(report: dict) -> str:
@@ -139,7 +145,8 @@ def markdown_table(report: dict) -> str:
         floor = size.get("legacy_rerun")
         if floor is not None:
             lines.append(
-                f"| {label} | legacy rerun | (repeatability) | | | | | {floor['log_probs']:.3g} | {floor['entropy']:.3g} "
+                f"| {label} | legacy rerun | (repeatability) | | | | | {floor['log_probs']:.3g} | "
+                f"{floor['entropy']:.3g} "
                 f"| {floor['policy_loss']:.3g} | {floor['grads_max_abs']:.3g} ({floor['grads_rel']:.2g}) |"
             )
     return "\n".join(lines)

@@ -118,31 +118,64 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_argument(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: gloo processes; CUDA: 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (CPU only: gloo processes)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (CPU only, an MoE --hf-config such as "
-                        "verl_fused_hook_harness/configs/tiny_qwen3_moe; data-parallel ranks = EP)")
-    parser.add_argument("--hf-config", default=None, help="HF config.json or folder (default: CPU the shipped tiny "
-                        "Qwen2, CUDA the shipped Qwen2.5-0.5B-shaped config)")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (CPU only, an MoE --hf-config such as "
+        "verl_fused_hook_harness/configs/tiny_qwen3_moe; data-parallel ranks = EP)",
+    )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        help="HF config.json or folder (default: CPU the shipped tiny "
+        "Qwen2, CUDA the shipped Qwen2.5-0.5B-shaped config)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="K (even, >= 2; default 20 on CUDA, 4 on the CPU)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default 4 CUDA, 2 CPU)")
     parser.add_argument("--n", type=int, default=5, help="responses per prompt")
     parser.add_argument("--prompt-lengths", default=None, help="LO,HI tokens (default 64,256 CUDA, 3,9 CPU)")
     parser.add_argument("--response-lengths", default=None, help="LO,HI tokens (default 128,512 CUDA, 2,10 CPU)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 5)")
-    parser.add_argument("--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default: all the device runs)")
-    parser.add_argument("--offload", choices=("both", "off", "on"), default="both", help="verl's param/grad/optimizer offload")
-    parser.add_argument("--offload-modes", default=None, help="with --offload both: the modes that also run with "
-                        "offload on (default: every mode)")
-    parser.add_argument("--no-resume", action="store_true", help="skip the checkpoint and the resumed runs (e.g. a "
-                        "call that only adds offload-on runs to be merged with one that resumed)")
-    parser.add_argument("--nondeterministic", action="store_true", help="CUDA: PyTorch's default (faster, not "
-                        "bitwise repeatable) algorithms; identities are then not expected to hold")
+    parser.add_argument(
+        "--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default: all the device runs)"
+    )
+    parser.add_argument(
+        "--offload", choices=("both", "off", "on"), default="both", help="verl's param/grad/optimizer offload"
+    )
+    parser.add_argument(
+        "--offload-modes",
+        default=None,
+        help="with --offload both: the modes that also run with offload on (default: every mode)",
+    )
+    parser.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="skip the checkpoint and the resumed runs (e.g. a "
+        "call that only adds offload-on runs to be merged with one that resumed)",
+    )
+    parser.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="CUDA: PyTorch's default (faster, not "
+        "bitwise repeatable) algorithms; identities are then not expected to hold",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="train_parity", help="folder for train_parity.{json,md,png}, rewritten "
-                        "after every finished run")
-    parser.add_argument("--merge", nargs="+", metavar="DIR", default=None, help="no training: combine the reports "
-                        "in these folders (one configuration, e.g. several device calls) into --out and evaluate "
-                        "every identity across them")
+    parser.add_argument(
+        "--out",
+        default="train_parity",
+        help="folder for train_parity.{json,md,png}, rewritten after every finished run",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        default=None,
+        help="no training: combine the reports "
+        "in these folders (one configuration, e.g. several device calls) into --out and evaluate "
+        "every identity across them",
+    )
     add_verbose_argument(parser)
     return parser
 
@@ -228,18 +261,25 @@ def _finish(report: dict, out: Path) -> int:
         print(f"FAIL: see the checks above (report in {out})", flush=True)
         return 1
     if evaluation["pending"]:
-        print(f"PASS for the {len(evaluation['checks'])} checks these runs allow; {len(evaluation['pending'])} need "
-              f"runs of another call (listed above), then `--merge` the reports", flush=True)
+        print(
+            f"PASS for the {len(evaluation['checks'])} checks these runs allow; {len(evaluation['pending'])} need "
+            f"runs of another call (listed above), then `--merge` the reports",
+            flush=True,
+        )
         return 0
     print("PASS", flush=True)
     return 0
 
 
 def merge_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    given = sorted(k for k, v in vars(args).items() if k not in ("merge", "out", "verbose") and v != parser.get_default(k))
+    given = sorted(
+        k for k, v in vars(args).items() if k not in ("merge", "out", "verbose") and v != parser.get_default(k)
+    )
     if given:
-        parser.error(f"--merge reads finished reports; {', '.join('--' + k.replace('_', '-') for k in given)} "
-                     "apply to training runs only")
+        parser.error(
+            f"--merge reads finished reports; {', '.join('--' + k.replace('_', '-') for k in given)} "
+            "apply to training runs only"
+        )
     try:
         merged = report_file.merge([(folder, report_file.read(Path(folder))) for folder in args.merge])
     except ValueError as error:
@@ -266,9 +306,13 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if (out / report_file.REPORT_NAME).exists():
             print(f"train-parity: replacing the report in {out} (give another --out to keep it)", flush=True)
         report_file.write(report_file.new_report(plan.configuration()), out)
-        print(f"train-parity on {plan.device}, TP={plan.tp}, PP={plan.pp}, EP={plan.ep}, {plan.dtype}, {plan.steps} steps, modes "
-              f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
-              f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)", flush=True)
+        print(
+            f"train-parity on {plan.device}, TP={plan.tp}, PP={plan.pp}, EP={plan.ep}, {plan.dtype}, {plan.steps} "
+            f"steps, modes "
+            f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
+            f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)",
+            flush=True,
+        )
         run_group(uninterrupted_worker, plan)
         if plan.resume:
             run_group(resumed_worker, plan)

@@ -68,8 +68,14 @@ def merge_ranks(per_rank: list[dict]) -> dict:
             ranks = [r[key][index] for r in per_rank]
             row = next((r for r in ranks if r["loss"] is not None), ranks[0])
             combined = hashlib.sha256("".join(r["param_checksum"] for r in ranks).encode()).hexdigest()
-            merged[key].append(row | {"param_checksum": combined, "param_sum": sum(r["param_sum"] for r in ranks),
-                                      "peak_bytes": max((r["peak_bytes"] or 0) for r in ranks) or None})
+            merged[key].append(
+                row
+                | {
+                    "param_checksum": combined,
+                    "param_sum": sum(r["param_sum"] for r in ranks),
+                    "peak_bytes": max((r["peak_bytes"] or 0) for r in ranks) or None,
+                }
+            )
     return merged
 
 
@@ -115,8 +121,14 @@ def _fused_loss_check(key: str, rows: list[dict], micro_batches: int) -> list[di
     calls = [row.get("fused_loss_calls") for row in rows]
     if MODES[key.split("/")[0]].fused_loss:
         wrong = [row["step"] for row, n in zip(rows, calls) if n != micro_batches]
-        return [{"check": f"{key}: ppo_loss inside the op ({micro_batches} calls a step)", "ok": not wrong,
-                 "differing_steps": wrong, "passed_as": "every step"}]
+        return [
+            {
+                "check": f"{key}: ppo_loss inside the op ({micro_batches} calls a step)",
+                "ok": not wrong,
+                "differing_steps": wrong,
+                "passed_as": "every step",
+            }
+        ]
     wrong = [row["step"] for row, n in zip(rows, calls) if n]
     return [{"check": f"{key}: ppo_loss outside the op", "ok": False, "differing_steps": wrong}] if wrong else []
 
@@ -157,7 +169,9 @@ def evaluate(runs: dict, configuration: dict, run_info: dict | None = None) -> d
             elif name == one_kernel_mode(device):
                 checks.append(_identity_check(f"{name} == legacy (one kernel)", legacy, plain))
             else:
-                check, gaps[f"{name} vs {LEGACY}"] = _gap_check(f"{name} vs legacy", legacy, plain, GAP_BOUNDS["vs legacy"][dtype])
+                check, gaps[f"{name} vs {LEGACY}"] = _gap_check(
+                    f"{name} vs legacy", legacy, plain, GAP_BOUNDS["vs legacy"][dtype]
+                )
                 checks.append(check)
         twin = MODES[name].twin
         if twin is not None:
@@ -239,8 +253,10 @@ def twin_timing(summary: list[dict]) -> list[str]:
         ours, theirs = by_run.get(f"{mode.name}/offload-off"), by_run.get(f"{mode.twin}/offload-off")
         if mode.twin is None or ours is None or theirs is None or not (ours["mean_step_s"] and theirs["mean_step_s"]):
             continue
-        line = (f"- {mode.name} vs {mode.twin} (offload off, steps after the first): {ours['mean_step_s']:.3f} s vs "
-                f"{theirs['mean_step_s']:.3f} s a step ({ours['mean_step_s'] / theirs['mean_step_s']:.2f}x)")
+        line = (
+            f"- {mode.name} vs {mode.twin} (offload off, steps after the first): {ours['mean_step_s']:.3f} s vs "
+            f"{theirs['mean_step_s']:.3f} s a step ({ours['mean_step_s'] / theirs['mean_step_s']:.2f}x)"
+        )
         if ours["peak_gib"] and theirs["peak_gib"]:
             line += f", peak memory {ours['peak_gib']:.2f} vs {theirs['peak_gib']:.2f} GiB"
         lines.append(line + ".")
@@ -253,15 +269,23 @@ def _seconds(value) -> str:
 
 def markdown(report: dict) -> str:
     config = report["configuration"]
-    lines = [f"# train-parity: {config['hf_config']} on {config['device']}, TP={config['tp']}, {config['dtype']}, "
-             f"{config['steps']} steps (checkpoint after step {config['checkpoint_step']})", ""]
-    lines += ["| run | steps | wall (s) | build (s) | checkpoint save/load (s) | first step (s) | mean step after "
-              "the first (s) | peak memory (GiB) | last loss |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# train-parity: {config['hf_config']} on {config['device']}, TP={config['tp']}, {config['dtype']}, "
+        f"{config['steps']} steps (checkpoint after step {config['checkpoint_step']})",
+        "",
+    ]
+    lines += [
+        "| run | steps | wall (s) | build (s) | checkpoint save/load (s) | first step (s) | mean step after "
+        "the first (s) | peak memory (GiB) | last loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in report["summary"]:
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
-        lines.append(f"| {row['run']} | {row['steps']} | {_seconds(row['wall_s'])} | {_seconds(row['build_s'])} | "
-                     f"{_seconds(row['checkpoint_s'])} | {_seconds(row['first_step_s'])} | "
-                     f"{_seconds(row['mean_step_s'])} | {peak} | {row['last_loss']:.6g} |")
+        lines.append(
+            f"| {row['run']} | {row['steps']} | {_seconds(row['wall_s'])} | {_seconds(row['build_s'])} | "
+            f"{_seconds(row['checkpoint_s'])} | {_seconds(row['first_step_s'])} | "
+            f"{_seconds(row['mean_step_s'])} | {peak} | {row['last_loss']:.6g} |"
+        )
     timing = twin_timing(report["summary"])
     if timing:
         lines += ["", "Time per step with the loss inside the op:", "", *timing]
@@ -281,12 +305,18 @@ def markdown(report: dict) -> str:
     gaps = evaluation["gaps"]
     if gaps:
         pairs = list(gaps)
-        lines += ["", "Per-step gaps (loss absolute, gradient norm relative):", "",
-                  "| step | " + " | ".join(f"{p}: loss | {p}: grad norm" for p in pairs) + " |",
-                  "|---|" + "---|---|" * len(pairs)]
+        lines += [
+            "",
+            "Per-step gaps (loss absolute, gradient norm relative):",
+            "",
+            "| step | " + " | ".join(f"{p}: loss | {p}: grad norm" for p in pairs) + " |",
+            "|---|" + "---|---|" * len(pairs),
+        ]
         for index, row in enumerate(gaps[pairs[0]]["per_step"]):
-            cells = [f"{gaps[p]['per_step'][index]['loss_abs']:.2e} | {gaps[p]['per_step'][index]['grad_norm_rel']:.2e}"
-                     for p in pairs]
+            cells = [
+                f"{gaps[p]['per_step'][index]['loss_abs']:.2e} | {gaps[p]['per_step'][index]['grad_norm_rel']:.2e}"
+                for p in pairs
+            ]
             lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
         lines += ["", "Why the gaps:", ""]
         lines += [explanation(p, gaps[p], config["device"], config["dtype"]) for p in pairs]
@@ -384,7 +414,9 @@ def merge(reports: list[tuple[str, dict]]) -> dict:
                 same, steps = identical(earlier, rows)
                 if not same:
                     raise ValueError(f"--merge: run {key} of {name} differs from an earlier report's at steps {steps}")
-                logger.warning("--merge: run %s of %s repeats an earlier report's bit for bit; the first is kept", key, name)
+                logger.warning(
+                    "--merge: run %s of %s repeats an earlier report's bit for bit; the first is kept", key, name
+                )
                 continue
             merged["runs"][key] = rows
             merged["run_info"][key] = report["run_info"].get(key, {})

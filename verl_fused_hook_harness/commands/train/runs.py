@@ -103,7 +103,7 @@ def mode_context(mode: Mode, device: str):
     """The kernel legacy computes with (portable op on the CPU), and on the CPU the fakes that let megatron's
     optimizer run there (stand_ins/cuda_on_cpu.py). hook-auto (no mask) is what hook mode does for a loss
     that may read every row: its engines are built with `output_processor_score_mask=false`."""
-    with cuda_names_on_cpu(), (contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device)):
+    with cuda_names_on_cpu(), contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device):
         yield
 
 
@@ -330,7 +330,9 @@ def resumed_worker(rank: int, world_size: int, plan: Plan) -> None:
     prepare_process(plan, rank)
     origin = f"offload-{'on' if plan.offload[0] else 'off'}"
     for name in plan.modes:
-        rows, info = run_steps(plan, MODES[name], plan.offload[0], first=plan.checkpoint_step + 1, save=False, load=True)
+        rows, info = run_steps(
+            plan, MODES[name], plan.offload[0], first=plan.checkpoint_step + 1, save=False, load=True
+        )
         record(plan, rank, world_size, f"{name}/resumed", rows, info | {"resumes": f"{name}/{origin}"})
 
 
