@@ -37,8 +37,10 @@ def switch_worker(rank, world_size):
     prepare_cublas_workspace()
     tokens = torch.arange(8)[None]
     grads = []
+    with deterministic_steps(model):
+        seen["te_left"] = te_attention.deterministic  # switched only where asked: small packed batches
     for _ in range(2):
-        with deterministic_steps(model):
+        with deterministic_steps(model, te_attention=True):
             seen["inside"] = (
                 embedding.deterministic_mode,
                 torch.are_deterministic_algorithms_enabled(),
@@ -61,6 +63,7 @@ def test_switches_torch_megatron_and_te_attention_on_and_restores_them():
     assert CUBLAS_WORKSPACE_VARIABLE in seen["unset_workspace_error"]
     assert seen["inside"] == (True, True, False)  # warn_only off: attention backwards are deterministic only then
     assert seen["after"] == (False, False)
+    assert seen["te_left"] is False  # TE's attention as built unless asked
     assert seen["te_inside"] is True and seen["te_after"] is False  # TE's attention: its deterministic backend inside
     assert seen["repeatable"]
 

@@ -118,3 +118,55 @@ def test_two_specs_and_the_decoder_alone_in_one_run(tmp_path):
         "| local no-grad fwd | te no-grad fwd | local output layer share | te output layer share | te / local |"
     )
     assert [line.split(" | ")[1] for line in spec_lines[2:]] == ["legacy", "hook+ours", "decoder only"]
+
+
+def _main_grad_worker(rank, world_size, out):
+    from verl_fused_hook_harness.commands.e2e import bench, common, layer_specs
+    from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
+    from verl_fused_hook_harness.support.layer_spec import Presence, SpecChoice
+
+    _fake_te_spec()
+    layer_specs.resolve_layer_spec = lambda parser, spec, device: SpecChoice(spec, "test fake: the CPU spec for TE's")
+    # apex's fused_weight_gradient_mlp_cuda is a CUDA kernel: faked present, and the config field it serves left off
+    # (megatron's CPU layers would call the kernel); what runs is the rest of --grad-accum-fusion: megatron's DDP
+    layer_specs.apex_weight_gradient_fusion = lambda: Presence(True, "test fake")
+    spec_overrides = common.spec_overrides
+    common.spec_overrides = lambda **options: {**spec_overrides(**options), "gradient_accumulation_fusion": False}
+    from verl_fused_hook_harness.commands.e2e import thd
+
+    seen = []  # an observer of the parity snapshots: which gradients they read, and how large
+
+    def observed(model, **options):
+        grads = snapshot(model, **options)
+        seen.append({"names": len(grads), "main_grad": all(hasattr(p, "main_grad") for p in model.parameters()),
+                     "abs_sum": float(sum(grad.abs().sum() for grad in grads.values()))})  # fmt: skip
+        return grads
+
+    snapshot, thd.snapshot_gradients = thd.snapshot_gradients, observed
+    with cuda_names_on_cpu():  # megatron's DDP on CPU tensors, as train-parity's engines
+        code = bench.main(
+            [
+                "--device", "cpu", "--hf-config", str(ROOT / "verl_fused_hook_harness/configs/tiny_qwen2"),
+                "--modes", "legacy,hook+ours", "--sizes", "128", "--warmups", "2", "--repeats", "1",
+                "--layer-spec", "te", "--grad-accum-fusion", "--out", str(out),
+            ]
+        )  # fmt: skip
+    return code, seen
+
+
+def test_grad_accum_fusion_runs_the_modes_on_megatrons_ddp(tmp_path):
+    """The model in megatron's DDP: verl's build step switches the wrapped model between modes, the gradients are
+    read from DDP's main_grad (zeroed between steps: the second warm-up would double them otherwise) and hook mode
+    equals legacy on them."""
+    code, seen = run_in_processes(_main_grad_worker, 1, tmp_path)[0]
+    assert code == 0
+    # legacy's and hook's parity steps: every parameter's main_grad read, the same non-zero gradients
+    assert len(seen) == 2 and seen[0]["main_grad"] and seen[0]["names"] > 0 and seen[0]["abs_sum"] > 0, seen
+    assert seen[0] == seen[1], seen
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert report["grad_accum_fusion"] is True and report["layer_specs"] == ["te"]
+    (entry,) = report["sizes"]
+    rows = {row["mode"]: row for row in entry["modes"]}
+    assert rows["legacy"]["resolved"] == "legacy" and rows["hook+ours"]["resolved"] == "hook"
+    parity = rows["hook+ours"]["vs_legacy"]
+    assert parity["grads_max_abs"] == 0.0, parity

@@ -30,7 +30,10 @@ the rows the loss reads, the loss, and every parameter gradient. On CUDA that
 step runs bitwise repeatable (`verl_fused_hook_harness.support.determinism`: SDPA's
 attention backward and megatron's embedding backward otherwise accumulate with
 atomic adds), and legacy runs it twice: the rerun must be identical, so
-hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
+hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults. On
+Transformer Engine's spec the attention keeps its own backward (no deterministic
+fused THD backward at these sizes, support/determinism.py): there the rerun row
+is that backward's noise floor.
 
 `--layout bshd` runs verl's padded layout instead (engines with `use_remove_padding=False`, the same
 sequences right-padded to the longest): verl has no fused path there, so the reference is verl as it

@@ -280,7 +280,7 @@ def run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, loa
             info["load_s"] = time.perf_counter() - loading
         loss_function = ppo_loss_function(plan)
         repeatable = (
-            deterministic_steps(*actor.module, *reference.module)
+            deterministic_steps(*actor.module, *reference.module, te_attention=True)
             if plan.device == "cuda" and plan.deterministic
             else contextlib.nullcontext()
         )
