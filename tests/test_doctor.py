@@ -48,6 +48,10 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert "verl_fused_hook = verl_fused_hook.verl_integration.plugin imports" in checks["entry point"]
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")
+    assert checks["invariance"] == (
+        "ok cpu float32, backend torch: 77 rows alone and among 5 and 1000 others (first, last, others masked): "
+        "the same bits"
+    )
     # no Transformer Engine here: verl's engine could not build a model (a warning), the harness builds local
     assert checks["TE"] == (
         "warn Transformer Engine does not import (ModuleNotFoundError: No module named 'transformer_engine'): "
@@ -58,8 +62,8 @@ def test_doctor_passes_on_a_supported_cpu_machine():
         "ok verl's engine: te (mbridge hard-codes it), which cannot build here; the harness's commands: local (auto: "
         "no CUDA device (Transformer Engine's layers run on GPUs only); transformer_engine does not import"
     )
-    assert done.stdout.rstrip().endswith("doctor: OK (13 checks, 1 warnings)")
-    assert len(done.stdout.splitlines()) == 14  # the checks and the verdict: upstream notices are summarised
+    assert done.stdout.rstrip().endswith("doctor: OK (14 checks, 1 warnings)")
+    assert len(done.stdout.splitlines()) == 15  # the checks and the verdict: upstream notices are summarised
     assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 
