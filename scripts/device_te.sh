@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 on the GPU device machine (an H200: no network, at most 64 MiB carried per call), so that
-# mbridge's Transformer Engine layer spec, TE's packed-sequence attention and megatron's batch_invariant_mode run
-# there. Timings and what was seen: docs/benchmarks.md ("Transformer Engine on the H200").
+# mbridge's Transformer Engine layer spec and TE's packed-sequence attention run there. Timings and what was seen:
+# docs/benchmarks.md ("Transformer Engine on the H200"); the runs made with it: scripts/device_te_runs.sh.
 #
 # Here (with network):  scripts/device_te.sh pack
 #   fills build/te (git-ignored, ~40 MB): the core wheel's files with libtransformer_engine.so cut to its sm_90
@@ -71,8 +71,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 ENV
 }
 
-prebuilt_name() {
-    echo "transformer_engine_torch-$TE_VERSION-torch$(python3 -c 'import torch; print(torch.__version__)').so.xz"
+prebuilt_name() {  # no '+' (torch's local version): a device call hands back only names of [A-Za-z0-9._-]
+    echo "transformer_engine_torch-$TE_VERSION-torch$(python3 -c 'import torch; print(torch.__version__)' | tr '+' '_').so.xz"
 }
 
 keep() {  # the built extension, xz-compressed (~1.1 MB), into folder $1 (the device call's $OUT) for build/te

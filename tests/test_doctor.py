@@ -52,8 +52,18 @@ def test_doctor_passes_on_a_supported_cpu_machine():
         "ok cpu float32, backend torch: 77 rows alone and among 5 and 1000 others (first, last, others masked): "
         "the same bits"
     )
-    assert done.stdout.rstrip().endswith("doctor: OK (12 checks, 0 warnings)")
-    assert len(done.stdout.splitlines()) == 13  # the checks and the verdict: upstream notices are summarised
+    # no Transformer Engine here: verl's engine could not build a model (a warning), the harness builds local
+    assert checks["TE"] == (
+        "warn Transformer Engine does not import (ModuleNotFoundError: No module named 'transformer_engine'): "
+        "verl's Megatron engine builds every model through mbridge, which hard-codes TE's layer spec, so an engine "
+        "build fails here"
+    )
+    assert checks["layer spec"].startswith(
+        "ok verl's engine: te (mbridge hard-codes it), which cannot build here; the harness's commands: local (auto: "
+        "no CUDA device (Transformer Engine's layers run on GPUs only); transformer_engine does not import"
+    )
+    assert done.stdout.rstrip().endswith("doctor: OK (14 checks, 1 warnings)")
+    assert len(done.stdout.splitlines()) == 15  # the checks and the verdict: upstream notices are summarised
     assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 
@@ -93,4 +103,31 @@ def test_doctor_resolves_the_plan_from_hydra_overrides():
     assert (
         "backend=auto (actor_rollout_ref.model.fused_kernel_options.use_output_processor_hook=true), "
         "output_processor_fused_loss=true" in plan
+    )
+
+
+def test_the_layer_spec_lines_follow_the_facts():
+    """The lines for a machine with Transformer Engine and CUDA, with TE but no CUDA, and with CUDA but no TE."""
+    from verl_fused_hook_harness.commands.doctor import layer_spec_findings
+    from verl_fused_hook_harness.support.layer_spec import Presence
+
+    te, no_te = Presence(True, "2.20.2"), Presence(False, "ImportError: libcudnn.so.9: cannot open shared object file")
+    found = {(f.topic, f.status): f.text for f in layer_spec_findings(te, cuda=True)}
+    assert found[("TE", "ok")].startswith(
+        "Transformer Engine 2.20.2 imports (verl's Megatron engine builds every model"
+    )
+    assert found[("layer spec", "ok")] == (
+        "verl's engine: te (mbridge hard-codes it); the harness's commands: te (auto: Transformer Engine 2.20.2 "
+        "imports and CUDA is here)"
+    )
+    found = {(f.topic, f.status): f.text for f in layer_spec_findings(te, cuda=False)}
+    assert found[("layer spec", "ok")].startswith(
+        "verl's engine: te (mbridge hard-codes it), which cannot build here; the harness's commands: local (auto: "
+        "no CUDA device"
+    )
+    found = {(f.topic, f.status): f.text for f in layer_spec_findings(no_te, cuda=True)}
+    assert found[("TE", "warn")].startswith("Transformer Engine does not import (ImportError: libcudnn.so.9")
+    assert found[("layer spec", "ok")].endswith(
+        "the harness's commands: local (auto: transformer_engine does not import (ImportError: libcudnn.so.9: cannot "
+        "open shared object file))"
     )

@@ -10,6 +10,8 @@ status is 1 when something would fail at start-up:
   `fused_output_processor`; its log-probs must equal the model's own logits path;
 - device and backends: the GPU, which op backend `auto` picks for the job's hidden size and dtype,
   and why each other backend would not run;
+- Transformer Engine and the layer spec: whether TE imports (its version, or why not; verl's engine builds
+  through mbridge, which hard-codes TE's layer spec) and which spec a model build uses here and why;
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
@@ -38,6 +40,7 @@ from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
+from ..support.layer_spec import AUTO, Presence, choose_layer_spec, te_missing, transformer_engine
 from ..support.reference import reference_log_probs_entropy, relative_error
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 
@@ -158,6 +161,25 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
             f"auto picks {picked} for {str(dtype).removeprefix('torch.')} H={hidden_size} on {device.type}; {others}",
         ),
     ]
+
+
+def layer_spec_findings(te: Presence, cuda: bool) -> list[Finding]:
+    """The Transformer Engine and layer-spec lines for these facts (whether TE imports, whether CUDA is here)."""
+    needed = "verl's Megatron engine builds every model through mbridge, which hard-codes TE's layer spec"
+    if te.importable:
+        te_line = Finding("TE", OK, f"Transformer Engine {te.detail} imports ({needed})")
+    else:
+        te_line = Finding(
+            "TE", WARN, f"Transformer Engine does not import ({te.detail}): {needed}, so an engine build fails here"
+        )
+    choice = choose_layer_spec(AUTO, cuda=cuda, te=te)
+    verl_build = "te (mbridge hard-codes it)" + (", which cannot build here" if te_missing(cuda=cuda, te=te) else "")
+    text = f"verl's engine: {verl_build}; the harness's commands: {choice.spec} ({choice.reason})"
+    return [te_line, Finding("layer spec", OK, text)]
+
+
+def check_layer_spec() -> list[Finding]:
+    return layer_spec_findings(transformer_engine(), torch.cuda.is_available())
 
 
 def check_entry_point() -> Finding:
@@ -324,6 +346,7 @@ def main(argv=None) -> int:
         findings = check_versions()
         findings.append(check_hook_probe())
         findings += check_device_and_backends(args.hidden_size, dtype)
+        findings += check_layer_spec()
         findings.append(check_entry_point())
         findings.append(check_plan(args.config_name, args.overrides))
         findings.append(check_op(dtype))

@@ -1,14 +1,14 @@
 """verl's `MegatronEngine._build_megatron_module` on megatron-core's local layer spec (train-parity's engines).
 
 STAND-IN, named as such. verl builds the model through mbridge, which hard-codes
-Transformer Engine's layer spec (FACTS), and TE is not installable on the CPU or
-on the lead's GPU machine. This does what verl's build step does, with the
-local spec: verl's own `verl.utils.megatron_utils.get_model` builds the GPTModel
-from the engine's transformer config (through a model provider), sets the TP
-attributes, wraps it in `Float16Module` for bf16 and in Megatron's DDP with
-verl's DDP overrides (`_resolve_override_ddp_config`). The weights are random
-from a seed (verl would load a checkpoint: there is none for a random model).
-With TE present its spec is used, as mbridge would.
+Transformer Engine's layer spec (FACTS), and TE does not build on the CPU or
+without it. This does what verl's build step does, with the local spec: verl's
+own `verl.utils.megatron_utils.get_model` builds the GPTModel from the engine's
+transformer config (through a model provider), sets the TP attributes, wraps it
+in `Float16Module` for bf16 and in Megatron's DDP with verl's DDP overrides
+(`_resolve_override_ddp_config`). The weights are random from a seed (verl would
+load a checkpoint: there is none for a random model). `--layer-spec te` builds
+through verl's and mbridge's own code instead (support/train_engine.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from ..support.hf_model import padded_vocab_size, rope_base, transformer_engine_available
+from ..support.hf_model import padded_vocab_size, rope_base
 from ..support.layout_weights import set_layout_independent_weights
 from .megatron_cpu import cpu_block_spec, cpu_mtp_block_spec
 
@@ -31,13 +31,7 @@ def local_spec_provider(engine, seed: int, layout_independent: bool = False):
     config = engine.tf_config
 
     def provider(pre_process=True, post_process=True, vp_stage=None):
-        if transformer_engine_available():
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-            mtp_spec = None if not config.mtp_num_layers else get_gpt_mtp_block_spec(config, spec, True, vp_stage)
-        else:
-            spec, mtp_spec = cpu_block_spec(config, vp_stage), cpu_mtp_block_spec(config, vp_stage)
+        spec, mtp_spec = cpu_block_spec(config, vp_stage), cpu_mtp_block_spec(config, vp_stage)
         # identical weights in every mode and process of one parallel layout (each model chunk its own seed)
         torch.manual_seed(seed + 1000 * (vp_stage or 0))
         model = GPTModel(

@@ -3,20 +3,22 @@
 Why: the A/B script and the integration tests must build the model verl would
 build for a real checkpoint's config (mbridge maps the HF fields to a
 TransformerConfig), with random weights from a fixed seed so that separate
-processes hold identical weights. Layers use Transformer Engine's spec when
-it is importable (as mbridge does) and otherwise the CPU-capable local spec
-(FACTS: the local attention refuses THD batches, so it gets one that honours
-`cu_seqlens`). megatron-core, mbridge and transformers load on first use, so
-the commands importing this module answer `--help` at once.
+processes hold identical weights. The layers are the spec the command resolved
+(support/layer_spec.py): Transformer Engine's, from mbridge's own spec function
+(what its model provider calls), or the CPU-capable local spec (FACTS: the local
+attention refuses THD batches, so it gets one that honours `cu_seqlens`).
+megatron-core, mbridge and transformers load on first use, so the commands
+importing this module answer `--help` at once.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import torch
+
+from .layer_spec import BUILT_SPECS, LOCAL, TE
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY_QWEN2 = CONFIGS / "tiny_qwen2"
@@ -54,10 +56,6 @@ def load_hf_config(path: str | Path = TINY_QWEN2):
     return AutoConfig.from_pretrained(folder)
 
 
-def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
-
-
 def rope_base(hf_config) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
@@ -75,7 +73,7 @@ def build_gpt_from_hf(
     tied: bool | None = None,
     seed: int = 1234,
     dtype: torch.dtype = torch.float32,
-    use_transformer_engine: bool | None = None,
+    layer_spec: str = LOCAL,
     cpu_initialization: bool = True,
     mtp_num_layers: int | None = None,
     transformer_overrides: dict | None = None,
@@ -83,6 +81,8 @@ def build_gpt_from_hf(
     """GPTModel for `hf_config` on the current model-parallel state, weights from `seed`.
 
     tied: override the config's tie_word_embeddings (None keeps it).
+    layer_spec: "te" (Transformer Engine's spec: mbridge's `_get_transformer_layer_spec`, as its provider builds it)
+        or "local" (the CPU-capable local spec), as resolved by the command (support/layer_spec.py).
     cpu_initialization: True (default) initializes each full weight on the CPU and splits it per rank, so
         every process and every TP size holds identical weights; False initializes in place on the current
         device (megatron's default, much faster for large models; identical weights only for one TP size).
@@ -98,8 +98,9 @@ def build_gpt_from_hf(
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     share = bool(getattr(hf_config, "tie_word_embeddings", False)) if tied is None else tied
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available()
+    if layer_spec not in BUILT_SPECS:
+        raise ValueError(f"layer_spec={layer_spec!r}: allowed {', '.join(BUILT_SPECS)} (resolve auto first)")
+    use_transformer_engine = layer_spec == TE
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)
     bridge.set_extra_args(
         use_cpu_initialization=cpu_initialization,  # True: one full weight, split per rank

@@ -5,10 +5,12 @@ Why: a training-loop comparison should run verl's engine as the trainer does:
 mbridge's conversion, DDP wrapping, the fused-kernel build step, optimizer,
 LR scheduler, checkpoint manager, offload), then `train_batch` /
 `infer_batch`, `lr_scheduler_step`, `save_checkpoint` / `load_checkpoint`.
-Only `_build_megatron_module` is replaced (`stand_ins/local_spec_build.py`):
-verl builds the model through mbridge, which hard-codes Transformer Engine's
-layer spec, and TE is not installable here. verl and megatron-core load on
-first use.
+Only `_build_megatron_module` is replaced, by one of two builds of the same
+random model: on Transformer Engine's spec `build_through_mbridge`, verl's own
+build up to its checkpoint load (there is no checkpoint for a random model);
+on the local spec the stand-in of `stand_ins/local_spec_build.py` (mbridge
+hard-codes TE's layer spec, which does not build without TE). verl and
+megatron-core load on first use.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
 from .grpo_batches import PAD_TOKEN_ID
-from .hf_model import local_spec_overrides, transformer_engine_available, word_level_tokenizer
+from .hf_model import local_spec_overrides, word_level_tokenizer
+from .layer_spec import BUILT_SPECS, LOCAL, TE
 
 # The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
 TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}
@@ -50,6 +53,7 @@ class EngineSetup:
     mtp: bool = False  # actor_rollout_ref.model.mtp.enable (and enable_train)
     distributed_optimizer: bool = True  # False: every rank holds its full DP-averaged gradients after a step
     layout_independent_weights: bool = False  # every PP/EP layout of one TP size holds the same model
+    layer_spec: str = LOCAL  # TE: built through verl's and mbridge's build (build_through_mbridge); resolved, not auto
 
 
 def build_engine(setup: EngineSetup, *, forward_only: bool = False):
@@ -62,6 +66,10 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
 
     if setup.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"EngineSetup.dtype: {setup.dtype!r}; allowed: bfloat16, float32")
+    if setup.layer_spec not in BUILT_SPECS:
+        raise ValueError(f"EngineSetup.layer_spec: {setup.layer_spec!r}; allowed: {', '.join(BUILT_SPECS)}")
+    if setup.layer_spec == TE and setup.layout_independent_weights:
+        raise ValueError("EngineSetup: layout-independent weights are drawn by the local-spec build only")
     from verl.workers.config.model import MtpConfig
 
     model_config = HFModelConfig(
@@ -72,7 +80,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         mtp=MtpConfig(enable=setup.mtp, enable_train=setup.mtp),
     )
     model_config.tokenizer = word_level_tokenizer(model_config.hf_config.vocab_size, PAD_TOKEN_ID)
-    local_spec = {} if transformer_engine_available() else local_spec_overrides(model_config.hf_config)
+    local_spec = {} if setup.layer_spec == TE else local_spec_overrides(model_config.hf_config)
     engine_config = McoreEngineConfig(
         use_mbridge=True,
         vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
@@ -111,12 +119,55 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"]
     )
     engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
-    from ..stand_ins.local_spec_build import use_local_spec_build
+    if setup.layer_spec == TE:
+        engine._build_megatron_module = lambda: build_through_mbridge(engine, setup.seed)
+    else:
+        from ..stand_ins.local_spec_build import use_local_spec_build
 
-    use_local_spec_build(engine, setup.seed, setup.layout_independent_weights)
+        use_local_spec_build(engine, setup.seed, setup.layout_independent_weights)
     with cuda_names_on_cpu():
         engine.initialize()
     return engine
+
+
+def build_through_mbridge(engine, seed: int):
+    """What verl's `_build_megatron_module` builds, up to its checkpoint load: verl's `make_megatron_module` with the
+    engine's own arguments, that is mbridge's `get_model` over mbridge's model provider (Transformer Engine's layer
+    spec, hard-coded there; the plugin's mbridge_compat fix lets it run on megatron-core >= 0.18), `Float16Module` in
+    bf16 and megatron's DDP. The weights are megatron's initialisation from `seed`, the same in every engine built
+    with it (verl would then load a checkpoint: a random model has none)."""
+    from verl.utils.megatron.optimizer import is_muon_layer_wise_config
+    from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
+
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        from ..stand_ins.megatron_cpu import seed_model_parallel_rng
+
+        seed_model_parallel_rng(seed)  # megatron's CUDA seeding, on the CPU's tracker
+    config = engine.engine_config
+    wrap_config = McoreModuleWrapperConfig(
+        is_value_model=engine.is_value_model,
+        wrap_with_ddp=not config.forward_only,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        use_layer_wise_distributed_optimizer=is_muon_layer_wise_config(engine.optimizer_config),
+        use_megatron_fsdp=config.use_megatron_fsdp,
+    )
+    module, engine.tf_config = make_megatron_module(
+        wrap_config=wrap_config,
+        tf_config=engine.tf_config,
+        hf_config=engine.model_config.hf_config,
+        bridge=engine.bridge,
+        provider=engine.provider,
+        override_model_config=config.override_mcore_model_config,
+        override_ddp_config=engine._resolve_override_ddp_config(),
+        peft_cls=engine.peft_cls,
+        peft_config=engine.model_config.get("lora", None),
+    )
+    return module
 
 
 def _torch_adams(engine):

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from verl_fused_hook.probe import unwrap_to_gpt
 from verl_fused_hook.switch import ENV_VAR
 from verl_fused_hook.verl_integration import install
 from verl_fused_hook.verl_integration.model_plan import VERL_MODE_ATTRIBUTE, set_plan
@@ -95,11 +96,11 @@ def fused_engine_forward(engine, model, input_ids, temperature, **extra):
 
 def reset_fused_mode(model) -> None:
     """Undo a previous build step on this model (verl's unpatch, verl's mode record, the plugin's plan), so
-    one model can be built into another mode."""
+    one model can be built into another mode. verl keeps its record on the GPTModel inside any wrapper."""
     from verl.models.mcore.model_forward_fused import unpatch_fused_forward
 
     unpatch_fused_forward(model)
-    model.__dict__.pop(VERL_MODE_ATTRIBUTE, None)
+    unwrap_to_gpt(model).__dict__.pop(VERL_MODE_ATTRIBUTE, None)
     set_plan(model, None)
 
 
@@ -123,4 +124,6 @@ def build_step(model, engine, switch: str | None) -> str | None:
 
 def resolved_mode(model, engine) -> str | None:
     """The mode verl's build step left on `model`: "hook", "legacy", "unfused" (fused kernels off) or None."""
-    return getattr(model, VERL_MODE_ATTRIBUTE, None) if engine.engine_config.use_fused_kernels else UNFUSED
+    return (
+        getattr(unwrap_to_gpt(model), VERL_MODE_ATTRIBUTE, None) if engine.engine_config.use_fused_kernels else UNFUSED
+    )

@@ -30,6 +30,11 @@ something. There the fused side takes fp32 inputs at TF32 in Triton's dot, so th
 kernels, so hook vs legacy is held to the kernels' accuracy instead of 0 (log-probs, entropy and loss within
 1e-4, every gradient within 2e-2 of its largest magnitude).
 
+`--layer-spec te` builds the decoder on Transformer Engine's layer spec (mbridge's, as verl builds it; TE's attention
+runs the packed batches), `local` on megatron-core's local spec with the harness's attention, `auto` (default) the
+first where Transformer Engine imports on CUDA; `te` where it cannot build is refused at start-up.
+`--batch-invariant` runs every scenario under megatron's batch_invariant_mode (TE with FlashAttention 3 or 4 only).
+
 `--layout bshd` compares on verl's padded layout (`use_remove_padding=False`), where verl has no fused
 path: hook mode against verl as it ships there (fused kernels off, its unfused BSHD forward), within the
 unfused tolerance (ab/bshd.py).
@@ -37,6 +42,7 @@ unfused tolerance (ab/bshd.py).
 Usage: verl-fused-hook ab-parity [--device cpu|cuda] [--tp 1|2|4] [--hf-config PATH] [--backend NAME]
                                   [--dtype fp32|bf16] [--layout thd|bshd] [--json PATH|-] [--mtp-layers N] [--verbose]
                                   [--pp N] [--vpp N] [--ep N] [--moe-experts N]
+                                  [--layer-spec auto|local|te] [--batch-invariant]
 
 Upstream warnings and log lines (megatron-core, verl, torch) are counted, not printed, and summarised in one
 line at the end; `--verbose` prints them, and a line per scenario and mode.
@@ -65,6 +71,13 @@ from verl_fused_hook.switch import ENV_VAR
 from ...support.arguments import DTYPES, add_device_argument, known_names, resolve_device
 from ...support.distributed import backend_for, run_in_processes
 from ...support.hf_model import TINY_QWEN2, config_folder
+from ...support.layer_spec import (
+    TE,
+    add_layer_spec_arguments,
+    batch_invariant_kernels,
+    check_batch_invariant,
+    resolve_layer_spec,
+)
 from ...support.reports import write_json
 from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ...support.verl_engine import prepare_verl_process
@@ -93,10 +106,11 @@ def mode_worker(rank: int, world_size: int, mode: str, scenarios, setup: Setup):
     results = {}
     for scenario in scenarios:
         started = time.time()
-        if setup.layout == "bshd":
-            results[scenario.name] = bshd.run_bshd(scenario, mode, setup)
-        else:
-            results.update(thd.run_scenario(scenario, mode, setup))
+        with batch_invariant_kernels(setup.batch_invariant):
+            if setup.layout == "bshd":
+                results[scenario.name] = bshd.run_bshd(scenario, mode, setup)
+            else:
+                results.update(thd.run_scenario(scenario, mode, setup))
         if rank == 0 and setup.verbose:
             layout = " bshd" if setup.layout == "bshd" else ""
             print(f"[{mode}] {scenario.name}{layout} done in {time.time() - started:.1f}s", flush=True)
@@ -180,6 +194,7 @@ def main(argv=None) -> int:
         help="MTP scenario: models with N MTP layers, hook mode's fused MTP loss vs verl's MTP path "
         "(ab/mtp.py); 0 (default): the legacy/hook comparison",
     )
+    add_layer_spec_arguments(parser)
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     with UpstreamNotices(verbose=args.verbose):
@@ -225,7 +240,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"skipped ({world_size} GPU(s) here, too few for): {', '.join(too_big)}", flush=True)
         scenarios = tuple(s for s in scenarios if s.tp <= world_size)
     if parallel.parallel_flags_given(args):
+        if args.layer_spec == TE or args.batch_invariant:
+            parser.error(
+                "--layer-spec te / --batch-invariant: the --pp/--vpp/--ep/--moe-experts comparison draws each layer's "
+                "weights by its global index inside the local-spec build; use --layer-spec local (or auto)"
+            )
         return run_parallel(parser, args, device, backend, hf_path if args.hf_config else None)
+    choice = resolve_layer_spec(parser, args.layer_spec, device)
+    check_batch_invariant(parser, args.batch_invariant, choice.spec)
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(
         hf_path=hf_path,
@@ -235,7 +257,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         seed=args.seed,
         layout=args.layout,
         verbose=args.verbose,
+        layer_spec=choice.spec,
+        batch_invariant=args.batch_invariant,
     )
+    print(f"layer spec: {choice.spec} ({choice.reason})", flush=True)
     if args.mtp_layers:
         return run_mtp_parity(scenarios, setup, args.mtp_layers, rtol, args.json)
     return run_parity(scenarios, setup, world_size, rtol, args.json)
@@ -280,6 +305,8 @@ def run_parity(scenarios, setup: Setup, world_size: int, rtol: float, json_path:
         "kernel_note": kernel_note,
         "unfused_rtol": rtol,
         "layout": setup.layout,
+        "layer_spec": setup.layer_spec,
+        "batch_invariant": setup.batch_invariant,
     }
     if setup.layout == "bshd":
         report["scenarios"] = [bshd.evaluate_bshd(scenario, runs, rtol) for scenario in scenarios]

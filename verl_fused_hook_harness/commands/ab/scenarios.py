@@ -15,6 +15,7 @@ import torch
 from ...support.arguments import DTYPES
 from ...support.compare import VALUES, differing_parameters, error, worst_gradient
 from ...support.hf_model import build_gpt_from_hf, load_hf_config
+from ...support.layer_spec import LOCAL, spec_overrides
 
 ENV_VALUES = {"legacy": "0", "hook": "1"}  # VERL_FUSED_USE_OP_HOOK per mode
 TP_GAP = "legacy+tp-sum"
@@ -62,6 +63,8 @@ class Setup:
     seed: int
     layout: str = "thd"  # "bshd": verl's padded layout, hook vs verl's unfused path (bshd.py)
     verbose: bool = False  # workers print a line per scenario
+    layer_spec: str = LOCAL  # the resolved layer spec (support/layer_spec.py)
+    batch_invariant: bool = False  # megatron's batch_invariant_mode (TE with FlashAttention 3/4)
 
     @property
     def one_kernel(self) -> bool:
@@ -104,6 +107,8 @@ def build_model(scenario: Scenario, setup: Setup, mtp_num_layers: int | None = N
         seed=setup.seed,
         dtype=DTYPES[setup.dtype],
         mtp_num_layers=mtp_num_layers,
+        layer_spec=setup.layer_spec,
+        transformer_overrides=spec_overrides(batch_invariant=setup.batch_invariant) or None,
     )
     return hf_config, model.to(setup.device)
 

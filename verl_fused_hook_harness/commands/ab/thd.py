@@ -95,7 +95,7 @@ def run_once(scenario: Scenario, mode: str, setup: Setup, variant: str) -> dict:
         base = torch.cuda.memory_allocated()
     tracker = contextlib.nullcontext() if device == "cuda" else PeakMemory()
     kernel = legacy_kernel(device, setup.backend, tp_sum=variant == "tp-sum") if fused else contextlib.nullcontext()
-    repeatable = deterministic_steps(model) if device == "cuda" else contextlib.nullcontext()
+    repeatable = deterministic_steps(model, te_attention=True) if device == "cuda" else contextlib.nullcontext()
     with kernel, tracker, repeatable:
         if fused:
             output = fused_engine_forward(engine, model, input_ids, TEMPERATURE)

@@ -30,7 +30,10 @@ the rows the loss reads, the loss, and every parameter gradient. On CUDA that
 step runs bitwise repeatable (`verl_fused_hook_harness.support.determinism`: SDPA's
 attention backward and megatron's embedding backward otherwise accumulate with
 atomic adds), and legacy runs it twice: the rerun must be identical, so
-hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults.
+hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults. On
+Transformer Engine's spec the attention keeps its own backward (no deterministic
+fused THD backward at these sizes, support/determinism.py): there the rerun row
+is that backward's noise floor.
 
 `--layout bshd` runs verl's padded layout instead (engines with `use_remove_padding=False`, the same
 sequences right-padded to the longest): verl has no fused path there, so the reference is verl as it
@@ -42,8 +45,19 @@ mode goes through verl's `forward_step`. A mode that runs out of device memory i
 the output layer is the same kind of problem (hidden 2048, vocabulary 151936), next to 128 experts per layer
 (megatron-core's MoE layer; without Transformer Engine its experts run one after another).
 
+`--layer-spec te` builds the decoder on Transformer Engine's layer spec (mbridge's, as verl builds it: TE's attention
+runs the packed batches), `local` on megatron-core's local spec with the harness's attention, `auto` (default) the
+first where Transformer Engine imports on CUDA. `--layer-specs local,te` builds both models and times their steps in
+the same rounds; `--output-layer-share` also times each step without the output layer (layer_specs.py), and the
+second table gives each spec's times, the output layer's share of each step and te over local.
+`--grad-accum-fusion` turns on megatron's gradient_accumulation_fusion (the model wrapped in megatron's DDP, whose
+fp32 main_grad the weight gradients go into); `--batch-invariant` megatron's batch_invariant_mode. Both are refused at
+start-up where they cannot run (support/layer_spec.py says what each needs).
+
 Usage: verl-fused-hook e2e-bench [--hf-config PATH | --moe] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
                                  [--layers N] [--recompute] [--warmups W] [--repeats R] [--verbose]
+                                 [--layer-spec auto|local|te | --layer-specs local,te] [--output-layer-share]
+                                 [--grad-accum-fusion] [--batch-invariant]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
 (--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, e2e/mtp.py;
@@ -66,6 +80,7 @@ from ...support.arguments import DTYPES, add_device_argument, default_dtype, kno
 from ...support.compare import max_abs
 from ...support.determinism import deterministic_steps
 from ...support.hf_model import QWEN3_30B_A3B_2LAYER, QWEN_7B_2LAYER, config_folder
+from ...support.layer_spec import batch_invariant_kernels
 from ...support.micro_batches import e2e_rollout
 from ...support.modes import kernel_backends
 from ...support.reports import gib, ms, write_report
@@ -82,6 +97,15 @@ from .common import (
     prepare_process,
     time_in_rounds,
 )
+from .layer_specs import (
+    DECODER_ONLY,
+    SPEC_KEY,
+    DecoderOnlyStep,
+    add_spec_arguments,
+    output_layer_shares,
+    resolve_specs,
+    spec_table,
+)
 from .thd import (
     MODES,
     PARITY_KEY,
@@ -96,92 +120,150 @@ from .thd import (
 
 
 def run(args) -> dict:
-    """Every mode of `args.layout` per size: parity against the reference mode, times and peaks."""
+    """Every mode of `args.layout` per size (and layer spec): parity against the reference mode of the same model,
+    times and peaks; the decoder alone too with `--output-layer-share`. Every timed step of a size, all specs'
+    and modes' alike, goes in one set of rounds."""
     device, layout = args.device, args.layout
     kernels = kernel_backends(device)
     if layout == "bshd":
         kernels["unfused"] = "unfused"  # verl's full-logits forward, no fused kernel
     hf_config = prepare_process(args)
-    model = build_model(args, hf_config)
+    models = {spec: build_model(args, hf_config, layer_spec=spec) for spec in args.layer_specs}
     if layout == "thd":
         all_modes, enable, step_class = MODES, enable_mode, Step
         engines = {
-            mode.name: megatron_engine(
-                [model],
-                fused_kernel_options={"output_processor_backend": kernels[mode.kernel]} if mode.hook else {},
-                model_path=args.hf_config,
-            )
-            for mode in MODES
+            spec: {
+                mode.name: megatron_engine(
+                    [model],
+                    fused_kernel_options={"output_processor_backend": kernels[mode.kernel]} if mode.hook else {},
+                    model_path=args.hf_config,
+                )
+                for mode in MODES
+            }
+            for spec, model in models.items()
         }
     else:
         all_modes, enable, step_class = bshd.BSHD_MODES, bshd.enable_bshd_mode, bshd.BshdStep
         engines = {
-            mode.name: bshd.bshd_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
-            for mode in all_modes
+            spec: {
+                mode.name: bshd.bshd_engine(model, mode, kernels[mode.kernel] if mode.hook else None, args.hf_config)
+                for mode in all_modes
+            }
+            for spec, model in models.items()
         }
     reference_name, parity_key = REFERENCE[layout], PARITY_KEY[layout]
     clock = Clock(device)
-    report = header_with_temperature(args, model) | {"kernels": kernels, "layout": layout, "sizes": []}
+    several = len(models) > 1
+    report = header_with_temperature(args, next(iter(models.values()))) | {
+        "kernels": kernels,
+        "layout": layout,
+        "sizes": [],
+    }
     modes = [m for m in all_modes if m.name in args.modes]
     # Padded layout: the reference is different arithmetic (unfused), held to a tolerance, so no deterministic mode.
     deterministic = device == "cuda" and layout == "thd"
-    repeatable = functools.partial(deterministic_steps, model) if deterministic else contextlib.nullcontext
+
+    def free_all():
+        for model in models.values():
+            free_step_memory(model)
+
     for tokens in args.sizes:
         batch = e2e_rollout(hf_config.vocab_size, tokens, device, args.seed)
-        entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
-        if layout == "bshd":
-            entry["padded_tokens"] = bshd.padded_tokens(batch[4])
-        report["sizes"].append(entry)
-        reference, primed = None, []
-        for mode in modes:
-            resolved = enable(model, engines[mode.name], mode)
-            step = step_class(model, engines[mode.name], batch, mode, device, kernels["ours"])
-            row = {"mode": mode.name, "resolved": resolved, "kernel": kernels[mode.kernel], "masked": mode.score_mask}
-            entry["modes"].append(row)
-            try:
-                sample = prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference)
-                if mode.name == reference_name:
-                    reference = sample
-                del sample
-                print(
-                    f"[{tokens}] {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}",
-                    flush=True,
-                )
-                primed.append(
-                    Primed(
-                        step,
-                        row,
-                        functools.partial(enable, model, engines[mode.name], mode),
-                        {"train": step.train, "forward": functools.partial(forward_no_grad, step)},
+        primed = []
+        for spec, model in models.items():
+            repeatable = functools.partial(deterministic_steps, model) if deterministic else contextlib.nullcontext
+            entry = {"tokens": tokens, "sequence_lengths": batch[4], "modes": []}
+            if several:
+                entry[SPEC_KEY] = spec
+            if layout == "bshd":
+                entry["padded_tokens"] = bshd.padded_tokens(batch[4])
+            report["sizes"].append(entry)
+            tag = f"[{tokens}{f' {spec}' if several else ''}]"
+            reference = None
+            for mode in modes:
+                mode_engine = engines[spec][mode.name]
+                resolved = enable(model, mode_engine, mode)
+                step = step_class(model, mode_engine, batch, mode, device, kernels["ours"])
+                row = {
+                    "mode": mode.name,
+                    "resolved": resolved,
+                    "kernel": kernels[mode.kernel],
+                    "masked": mode.score_mask,
+                }
+                if several:
+                    row[SPEC_KEY] = spec
+                entry["modes"].append(row)
+                try:
+                    sample = prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference)
+                    if mode.name == reference_name:
+                        reference = sample
+                    del sample
+                    print(
+                        f"{tag} {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}",
+                        flush=True,
                     )
-                )
-            except torch.OutOfMemoryError:
-                mark_out_of_memory(model, tokens, row)
-            del step
-        reference = None
+                    primed.append(
+                        Primed(
+                            step,
+                            row,
+                            functools.partial(enable, model, mode_engine, mode),
+                            {"train": step.train, "forward": functools.partial(forward_no_grad, step)},
+                        )
+                    )
+                except torch.OutOfMemoryError:
+                    mark_out_of_memory(model, tokens, row)
+                del step
+            reference = None
+            if args.output_layer_share:
+                primed += prime_decoder_only(model, engines[spec][modes[0].name], batch, entry, tag)
         time_in_rounds(
             primed,
             clock,
             args.repeats,
-            {"train": functools.partial(free_step_memory, model), "forward": None},
-            lambda p: mark_out_of_memory(model, tokens, p.row),
+            {"train": free_all, "forward": None},
+            lambda p: mark_out_of_memory(p.step.model, tokens, p.row),
         )
-        free_step_memory(model)
+        free_all()
         for p in primed:
             row = p.row
             if not row.get("oom"):
                 print(
-                    f"[{tokens}] {row['mode']:<15} fwd+bwd {ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
+                    f"[{tokens}{f' {row[SPEC_KEY]}' if several else ''}] {row['mode']:<15} fwd+bwd "
+                    f"{ms(row['train_s'])} peak {gib(row['train_peak_bytes'])}; "
                     f"no-grad fwd {ms(row['forward_s'])} peak {gib(row['forward_peak_bytes'])}",
                     flush=True,
                 )
         del primed
-        free_step_memory(model)
-        write_report(report, args.out, "e2e", markdown_table)  # after every size: a cut-off run keeps its sizes
+        for entry in report["sizes"][-len(models) :]:
+            output_layer_shares(entry)
+        free_all()
+        write_report(report, args.out, "e2e", report_tables)  # after every size: a cut-off run keeps its sizes
     if args.profile is not None:
-        profile_steps(args, hf_config, model, engines, modes, enable, step_class, kernels)
-    reset_fused_mode(model)
+        (model,) = models.values()
+        (spec_engines,) = engines.values()
+        profile_steps(args, hf_config, model, spec_engines, modes, enable, step_class, kernels)
+    for model in models.values():
+        reset_fused_mode(model)
     return report
+
+
+def prime_decoder_only(model, engine, batch, entry: dict, tag: str) -> list[Primed]:
+    """The decoder alone (layer_specs.DecoderOnlyStep) warmed up and ready for the rounds; its row is the entry's
+    `decoder_only`."""
+    step = DecoderOnlyStep(model, batch, engine.model_config.tokenizer.pad_token_id)
+    row = {"mode": DECODER_ONLY, **({SPEC_KEY: entry[SPEC_KEY]} if SPEC_KEY in entry else {})}
+    entry["decoder_only"] = row
+    try:
+        step.switch()
+        free_step_memory(model)
+        step.train()
+        free_step_memory(model)
+        forward_no_grad(step)
+    except torch.OutOfMemoryError:
+        mark_out_of_memory(model, entry["tokens"], row)
+        return []
+    print(f"{tag} {DECODER_ONLY:<15} warmed up", flush=True)
+    return [Primed(step, row, step.switch, {"train": step.train, "forward": functools.partial(forward_no_grad, step)})]
 
 
 def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference) -> dict:
@@ -325,6 +407,7 @@ def main(argv=None) -> int:
         help="megatron's full activation recompute (recompute_granularity=full, recompute_method="
         "uniform, recompute_num_layers=1), as long-context training runs use it",
     )
+    add_spec_arguments(parser)
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
     with UpstreamNotices(verbose=args.verbose):
@@ -374,7 +457,14 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error("--warmups and --repeats must be >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers: expected >= 1, got {args.layers}")
+    resolve_specs(parser, args)
     logging.getLogger("verl_fused_hook").setLevel(logging.WARNING)
+    with batch_invariant_kernels(args.batch_invariant):
+        return run_benchmark(args)
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    """The benchmark the checked arguments ask for."""
     if args.mtp:
         print(mtp.markdown_table(mtp.run_mtp(args)))
     elif args.fused_loss:
@@ -382,9 +472,17 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     else:
         report = run(args)
         print()
-        print(markdown_table(report))
-        write_report(report, args.out, "e2e", markdown_table)
+        print(report_tables(report))
+        write_report(report, args.out, "e2e", report_tables)
     return 0
+
+
+def report_tables(report: dict) -> str:
+    """The modes' table, and the layer specs' one where specs were compared or the decoder was timed alone."""
+    tables = [markdown_table(report)]
+    if len(report["layer_specs"]) > 1 or any("decoder_only" in entry for entry in report["sizes"]):
+        tables.append(spec_table(report))
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":

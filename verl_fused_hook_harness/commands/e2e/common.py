@@ -19,6 +19,7 @@ import torch
 from ...support.determinism import prepare_cublas_workspace
 from ...support.distributed import init_single_process
 from ...support.hf_model import build_gpt_from_hf, load_hf_config
+from ...support.layer_spec import spec_overrides
 from ...support.memory import PeakMemory
 from ...support.micro_batches import TEMPERATURE
 from ...support.reports import device_name
@@ -43,27 +44,45 @@ def prepare_process(args, *, deterministic_parity: bool = True):
     return hf_config
 
 
-def build_model(args, hf_config, *, announce: bool = True, **extra):
+def build_model(args, hf_config, *, announce: bool = True, layer_spec: str | None = None, **extra):
     """The GPTModel of `hf_config` on `args.device` (dtype, seed and initialization from `args`; megatron's full
-    activation recompute with `args.recompute`)."""
+    activation recompute with `args.recompute`), on `layer_spec` (default the run's first, `args.layer_specs[0]`);
+    with `args.grad_accum_fusion` wrapped in megatron's DDP (`wrap_for_main_grad`)."""
     started = time.time()
+    layer_spec = layer_spec or args.layer_specs[0]
+    overrides = {
+        **(FULL_RECOMPUTE if args.recompute else {}),
+        **spec_overrides(batch_invariant=args.batch_invariant, grad_accum_fusion=args.grad_accum_fusion),
+    }
     model = build_gpt_from_hf(
         hf_config,
         dtype=args.dtype,
         seed=args.seed,
         cpu_initialization=args.cpu_init,
-        transformer_overrides=FULL_RECOMPUTE if args.recompute else None,
+        transformer_overrides=overrides or None,
+        layer_spec=layer_spec,
         **extra,
     ).to(args.device)
+    if args.grad_accum_fusion:
+        model = wrap_for_main_grad(model)
     if announce:
         recompute = ", full recompute" if args.recompute else ""
         print(
             f"model built in {time.time() - started:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B "
             f"parameters, {args.dtype}, {model.config.num_layers} layers{recompute}, hidden {hf_config.hidden_size}, "
-            f"vocab {hf_config.vocab_size}",
+            f"vocab {hf_config.vocab_size}, {layer_spec} layer spec ({args.layer_spec_reasons[layer_spec]})",
             flush=True,
         )
     return model
+
+
+def wrap_for_main_grad(model):
+    """`model` in megatron's DDP as verl's actor is (fp32 `main_grad` buffers, distributed optimizer's layout): where
+    gradient_accumulation_fusion puts the weight gradients (TE's layers, megatron's output layer and the op's)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
 def model_fields(model) -> dict:
@@ -80,6 +99,9 @@ def report_header(args, model=None, **fields) -> dict:
         "torch": torch.__version__,
         "hf_config": str(args.hf_config),
         **({} if model is None else {"model": model_fields(model)}),
+        "layer_specs": list(args.layer_specs),
+        "layer_spec_reasons": dict(args.layer_spec_reasons),
+        **{option: True for option in ("grad_accum_fusion", "batch_invariant") if getattr(args, option)},
         **fields,
         "warmups": args.warmups,
         "repeats": args.repeats,
@@ -197,19 +219,23 @@ def spread(times: list[float] | None) -> str:
 
 
 def free_step_memory(model) -> None:
-    """Drop the last step's gradients and return cached blocks, so every step starts from weights and batch."""
+    """Drop the last step's gradients (zero megatron DDP's main_grad buffers where the model has them) and return
+    cached blocks, so every step starts from weights and batch."""
     for param in model.parameters():
         param.grad = None
+    if hasattr(model, "zero_grad_buffer"):  # megatron's DDP (--grad-accum-fusion): gradients accumulate there
+        model.zero_grad_buffer()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
 def snapshot_gradients(model, *, to_cpu: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter gradient by name, detached copies (on the CPU with `to_cpu`, so another mode's peak is
-    not charged for them)."""
+    """Every parameter gradient by name (megatron DDP's `main_grad` where the model has one), detached copies (on
+    the CPU with `to_cpu`, so another mode's peak is not charged for them)."""
+    grads = {name: getattr(p, "main_grad", p.grad) for name, p in model.named_parameters()}
     return {
-        name: (p.grad.detach().cpu() if to_cpu else p.grad.detach().clone())
-        for name, p in model.named_parameters()
-        if p.grad is not None
+        name: (grad.detach().cpu() if to_cpu else grad.detach().clone())
+        for name, grad in grads.items()
+        if grad is not None
     }

@@ -121,6 +121,8 @@ def markdown_table(report: dict) -> str:
     parity_key = PARITY_KEY[report.get("layout", "thd")]
     for size in report["sizes"]:
         label = f"{size['tokens']:,} ({len(size['sequence_lengths'])})"
+        if "layer_spec" in size:  # a run comparing layer specs (layer_specs.py)
+            label += f", {size['layer_spec']}"
         if "padded_tokens" in size:
             label += f", padded {size['padded_tokens']:,}"
         for row in size["modes"]:

@@ -38,11 +38,15 @@ What verl runs and what is replaced: `MegatronEngine.__init__` and
 `initialize()` run as shipped (mbridge's config conversion, verl's `get_model`
 with DDP, the fused-kernel build step through the plugin's gate, verl's
 `get_megatron_optimizer`, LR scheduler, `MegatronCheckpointManager`, offload)
-except `_build_megatron_module`: verl builds through mbridge, which hard-codes
-Transformer Engine's layer spec, and TE is not installable here; the stand-in
-(`stand_ins/local_spec_build.py`) calls verl's own `get_model` with a provider that
-builds the GPTModel with megatron-core's local spec and seeded random weights
-(verl would load a checkpoint). verl's `load_checkpoint` runs inside
+except `_build_megatron_module`, which would load a checkpoint (a random model
+has none). `--layer-spec te` (auto on CUDA where Transformer Engine imports)
+runs verl's own build up to that load: `make_megatron_module`, mbridge's
+`get_model` with TE's layer spec, seeded weights (support/train_engine.py).
+`--layer-spec local` runs the stand-in (`stand_ins/local_spec_build.py`): verl's own
+`get_model` with a provider that builds the GPTModel with megatron-core's local spec
+and seeded random weights (mbridge hard-codes TE's spec, which needs TE and CUDA).
+`--batch-invariant` turns on megatron's batch_invariant_mode (TE and FlashAttention
+3 or 4 only; refused at start-up otherwise, support/layer_spec.py). verl's `load_checkpoint` runs inside
 `support.train_engine.load_checkpoint_for_resume`, which works around two faults
 of megatron-core's distributed optimizer on PyTorch's Adam (used without Apex or
 TE): a fresh optimizer cannot be loaded into (its state is primed with zeros
@@ -80,7 +84,8 @@ across them; checks whose runs are missing are listed as pending.
 Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--pp N] [--ep N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
          [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
-         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--out DIR] [--verbose]
+         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--layer-spec auto|local|te] [--batch-invariant]
+         [--out DIR] [--verbose]
        verl-fused-hook train-parity --merge DIR [DIR ...] --out DIR
 Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves; skipped with a log
 line when matplotlib is missing). Checkpoints go to a temporary folder (under $TRAIN_PARITY_CHECKPOINT_DIR when
@@ -99,6 +104,7 @@ from pathlib import Path
 from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
 from ...support.grpo_batches import RolloutShape
 from ...support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
+from ...support.layer_spec import add_layer_spec_arguments, check_batch_invariant, resolve_layer_spec
 from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import report as report_file
 from .modes import MODES
@@ -162,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--seed", type=int, default=1234)
+    add_layer_spec_arguments(parser)
     parser.add_argument(
         "--out",
         default="train_parity",
@@ -198,6 +205,8 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
             parser.error(f"{flag} {size}: expected >= 1")
     if cuda and (args.pp > 1 or args.ep > 1):
         parser.error("--pp/--ep: on CUDA this command runs on one GPU; pipeline and expert parallelism run on the CPU")
+    layer_spec = resolve_layer_spec(parser, args.layer_spec, device).spec
+    check_batch_invariant(parser, args.batch_invariant, layer_spec)
     steps = args.steps if args.steps is not None else (20 if cuda else 4)
     if steps < 2 or steps % 2:
         parser.error(f"--steps {steps}: expected an even number >= 2 (the checkpoint is taken after step K/2)")
@@ -249,6 +258,8 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         resume=not args.no_resume,
         pp=args.pp,
         ep=args.ep,
+        layer_spec=layer_spec,
+        batch_invariant=args.batch_invariant,
     )
     return plan
 
@@ -308,7 +319,7 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         report_file.write(report_file.new_report(plan.configuration()), out)
         print(
             f"train-parity on {plan.device}, TP={plan.tp}, PP={plan.pp}, EP={plan.ep}, {plan.dtype}, {plan.steps} "
-            f"steps, modes "
+            f"steps, {plan.layer_spec} layer spec{', batch-invariant' if plan.batch_invariant else ''}, modes "
             f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
             f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)",
             flush=True,

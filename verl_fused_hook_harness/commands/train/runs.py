@@ -27,6 +27,7 @@ from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.determinism import deterministic_steps
 from ...support.distributed import backend_for, run_in_processes
 from ...support.grpo_batches import RolloutShape, packed, rollout
+from ...support.layer_spec import LOCAL, batch_invariant_kernels, spec_overrides
 from ...support.train_engine import (
     EngineSetup,
     build_engine,
@@ -65,6 +66,8 @@ class Plan:
     resume: bool = True  # run the resumed half (fresh processes, the checkpoint of the first offload setting)
     pp: int = 1  # pipeline-parallel size (CPU: gloo processes)
     ep: int = 1  # expert-parallel size (an MoE config; data-parallel ranks = EP, each holding the same batch)
+    layer_spec: str = LOCAL  # the resolved spec: TE builds through verl's and mbridge's build (train_engine.py)
+    batch_invariant: bool = False  # megatron's batch_invariant_mode (TE with FlashAttention 3/4 only)
 
     @property
     def world(self) -> int:
@@ -80,8 +83,11 @@ class Plan:
     def configuration(self) -> dict:
         """What must agree between two reports for their runs to be compared (report.py)."""
         layout = {name: size for name, size in (("pp", self.pp), ("ep", self.ep)) if size > 1}  # earlier reports: 1
+        # earlier reports: the local spec, batch invariance off
+        spec = {"layer_spec": self.layer_spec} if self.layer_spec != LOCAL else {}
+        spec |= {"batch_invariant": True} if self.batch_invariant else {}
         return {
-            "device": self.device, "tp": self.tp, **layout, "dtype": self.dtype, "steps": self.steps,
+            "device": self.device, "tp": self.tp, **layout, **spec, "dtype": self.dtype, "steps": self.steps,
             "hf_config": config_identity(Path(self.hf_path)),
             "shape": asdict(self.shape), "micro_batch": self.micro_batch, "seed": self.seed,
             "checkpoint_step": self.checkpoint_step, "deterministic": self.deterministic,
@@ -99,11 +105,16 @@ def config_identity(hf_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def mode_context(mode: Mode, device: str):
-    """The kernel legacy computes with (portable op on the CPU), and on the CPU the fakes that let megatron's
-    optimizer run there (stand_ins/cuda_on_cpu.py). hook-auto (no mask) is what hook mode does for a loss
-    that may read every row: its engines are built with `output_processor_score_mask=false`."""
-    with cuda_names_on_cpu(), contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device):
+def mode_context(mode: Mode, device: str, batch_invariant: bool = False):
+    """The kernel legacy computes with (portable op on the CPU), on the CPU the fakes that let megatron's
+    optimizer run there (stand_ins/cuda_on_cpu.py), and megatron's batch-invariant kernels where asked.
+    hook-auto (no mask) is what hook mode does for a loss that may read every row: its engines are built with
+    `output_processor_score_mask=false`."""
+    with (
+        cuda_names_on_cpu(),
+        contextlib.nullcontext() if mode.hook else portable_legacy_kernel_on_cpu(device),
+        batch_invariant_kernels(batch_invariant),
+    ):
         yield
 
 
@@ -123,6 +134,8 @@ def build_engines(plan: Plan, mode: Mode, offload: bool):
         fused_kernel_options=options,
         pp=plan.pp,
         ep=plan.ep,
+        layer_spec=plan.layer_spec,
+        transformer_overrides=spec_overrides(batch_invariant=plan.batch_invariant) or None,
     )
     actor = build_engine(setup)
     reference = build_engine(replace(setup, offload=False), forward_only=True)
@@ -258,7 +271,7 @@ def run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, loa
     """One run's step rows and where its wall time went (engine builds, checkpoint save or load)."""
     started = time.perf_counter()
     info = {"build_s": None, "save_s": None, "load_s": None}
-    with mode_context(mode, plan.device):
+    with mode_context(mode, plan.device, plan.batch_invariant):
         actor, reference = build_engines(plan, mode, offload)
         info["build_s"] = time.perf_counter() - started
         if load:
@@ -267,7 +280,7 @@ def run_steps(plan: Plan, mode: Mode, offload: bool, first: int, save: bool, loa
             info["load_s"] = time.perf_counter() - loading
         loss_function = ppo_loss_function(plan)
         repeatable = (
-            deterministic_steps(*actor.module, *reference.module)
+            deterministic_steps(*actor.module, *reference.module, te_attention=True)
             if plan.device == "cuda" and plan.deterministic
             else contextlib.nullcontext()
         )

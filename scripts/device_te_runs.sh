@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge), measured end to
+# end. Five device calls of at most 9 minutes each, steps 1-4 about 20 minutes of device time with the machine's
+# start; step 5 (Qwen2.5-7B at 64k tokens) when more is left. What each measures, and the figures it gave:
+# docs/benchmarks.md, "Transformer Engine on the H200".
+#
+# Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
+# Each call: run with carry [".whl", "build/te"] and the command `bash scripts/device_te_runs.sh STEP`.
+# build/te is git-ignored: after a fresh `pack` it has no prebuilt extension, and step 1 compiles it (1 min 41 s on
+# the H200's 16 cores) and hands it back as $OUT/transformer_engine_torch-*.so.xz: copy that file into build/te
+# before the next call, so that later calls only unpack it (`device_te.sh keep`).
+#
+#   step 1 (~4 min): doctor; ab-parity on the TE spec (verl's kernel both sides: identical; vs verl's unfused path
+#                    within bf16 tolerance), its MTP and padded (BSHD) scenarios; the --batch-invariant and
+#                    --grad-accum-fusion refusals as the device gives them
+#   step 2 (~3 min): train-parity on the TE spec, Qwen2.5-0.5B shapes (24 layers): 4 GRPO steps, checkpoint, resume
+#   step 3 (~6 min): e2e-bench, Qwen2.5-7B shapes at 28 layers with full recompute, TE and local spec in the same
+#                    rounds, every mode and the decoder alone (the output layer's share), 4k/16k/32k tokens
+#   step 4 (~5 min): e2e-bench, Qwen2.5-0.5B shapes (24 layers), the same at 4k-64k tokens; the loss inside the op
+#                    on the TE spec (7B shapes, 28 layers, 16k tokens)
+#   step 5 (~7 min): step 3 at 64k tokens
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:?run on the device machine: its results go to \$OUT}"
+LIMIT=530  # seconds a step's commands may take together: a device call is cut at 600
+STARTED=$(date +%s)
+export PYTHONUNBUFFERED=1
+
+setup() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    bash scripts/device_te.sh install || exit 1
+    if [ ! -f /tmp/te_build.done ]; then  # no prebuilt extension for this torch in build/te: compile, hand it back
+        bash scripts/device_te.sh build > "$OUT/te_build.log" 2>&1 || { tail -n 40 "$OUT/te_build.log"; exit 1; }
+        bash scripts/device_te.sh keep "$OUT"
+        echo "built the TE extension; copy $OUT/$(ls "$OUT" | grep '\.so\.xz$') into build/te for later calls"
+    fi
+    # shellcheck disable=SC1091
+    source /tmp/te_env.sh
+    python3 -c "import transformer_engine, transformer_engine_torch as tex; print('transformer_engine', \
+transformer_engine.__version__, 'cuDNN', tex.get_cudnn_version())" || exit 1
+}
+
+# One command with what is left of the step's time (at most its own limit), its output in the step's log.
+run() {
+    local budget=$(( LIMIT - ($(date +%s) - STARTED) ))
+    [ "$budget" -gt "$1" ] && budget=$1
+    shift
+    if [ "$budget" -lt 30 ]; then
+        echo "SKIPPED (no time left in this call): $*"
+        return
+    fi
+    echo "=== $* (at most ${budget}s)"
+    local start=$(date +%s)
+    timeout "$budget" python3 -m verl_fused_hook_harness.cli "$@"
+    echo "=== exit $? after $(( $(date +%s) - start ))s"
+}
+
+QWEN7B=verl_fused_hook_harness/configs/qwen2_5_7b_2layer
+QWEN05B=verl_fused_hook_harness/configs/qwen2_5_0_5b
+E2E=(--warmups 1 --repeats 2 --modes legacy,hook+verl,hook+ours,hook+ours+mask)
+
+step1() {
+    run 90 doctor
+    run 150 ab-parity --device cuda --tp 1 --layer-spec te --dtype bf16 --json "$OUT/ab_te.json"
+    run 120 ab-parity --device cuda --tp 1 --layer-spec te --dtype bf16 --mtp-layers 1 --json "$OUT/ab_te_mtp.json"
+    run 120 ab-parity --device cuda --tp 1 --layer-spec te --dtype bf16 --layout bshd --json "$OUT/ab_te_bshd.json"
+    run 60 ab-parity --device cuda --tp 1 --layer-spec te --batch-invariant  # refused: FlashAttention 3/4 missing
+    run 60 e2e-bench --layer-spec te --grad-accum-fusion  # refused: apex's fused_weight_gradient_mlp_cuda missing
+}
+
+step2() {
+    run 500 train-parity --device cuda --layer-spec te --steps 4 --prompts 2 --n 5 --prompt-lengths 32,128 \
+        --response-lengths 64,256 --micro-batch 5 --offload off --modes legacy,hook-verl,hook-auto-fused-loss \
+        --out "$OUT/train_parity_te"
+}
+
+step3() {
+    run 520 e2e-bench --hf-config "$QWEN7B" --layers 28 --recompute --layer-specs local,te --output-layer-share \
+        --sizes 4096,16384,32768 "${E2E[@]}" --out "$OUT/e2e_7b"
+}
+
+step4() {
+    run 300 e2e-bench --hf-config "$QWEN05B" --layer-specs local,te --output-layer-share \
+        --sizes 4096,16384,32768,65536 "${E2E[@]}" --out "$OUT/e2e_0_5b"
+    run 200 e2e-bench --fused-loss --layer-spec te --hf-config "$QWEN7B" --layers 28 --recompute --sizes 16384 \
+        --warmups 1 --repeats 2 --out "$OUT/e2e_7b_fused_loss"
+}
+
+step5() {
+    run 530 e2e-bench --hf-config "$QWEN7B" --layers 28 --recompute --layer-specs local,te --output-layer-share \
+        --sizes 65536 "${E2E[@]}" --out "$OUT/e2e_7b_64k"
+}
+
+case "${1:-}" in
+1 | 2 | 3 | 4 | 5)
+    setup
+    "step$1" 2>&1 | tee "$OUT/step$1.log"
+    ;;
+*)
+    echo "usage: $0 STEP (1-5; see the top of this file)" >&2
+    exit 2
+    ;;
+esac

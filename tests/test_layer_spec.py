@@ -1,0 +1,134 @@
+"""Which layer spec a build uses and when the TE-only options are refused (support/layer_spec.py): the decisions
+given the machine's facts as arguments, this machine's own facts (no Transformer Engine here), and each command's
+refusal at start-up, naming the option, what is missing and what to do instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_fused_hook_harness.support.layer_spec import (
+    LAYER_SPECS,
+    FlashAttention,
+    OptionRefused,
+    Presence,
+    batch_invariant_refusal,
+    choose_layer_spec,
+    grad_accum_fusion_refusal,
+    spec_overrides,
+    transformer_engine,
+)
+
+TE_HERE = Presence(True, "2.20.2")
+NO_TE = Presence(False, "ModuleNotFoundError: No module named 'transformer_engine'")
+FA3 = FlashAttention(3, "FlashAttention-3 (flash_attn_3.flash_attn_interface)")
+NO_FLASH = FlashAttention(None, "flash_attn.cute: ModuleNotFoundError: No module named 'flash_attn'")
+
+
+def test_auto_takes_te_only_where_it_builds():
+    assert choose_layer_spec("auto", cuda=True, te=TE_HERE).spec == "te"
+    assert (
+        "Transformer Engine 2.20.2 imports and CUDA is here" in choose_layer_spec("auto", cuda=True, te=TE_HERE).reason
+    )
+    without_te = choose_layer_spec("auto", cuda=True, te=NO_TE)
+    assert without_te.spec == "local" and "No module named 'transformer_engine'" in without_te.reason
+    on_the_cpu = choose_layer_spec("auto", cuda=False, te=TE_HERE)
+    assert on_the_cpu.spec == "local" and "no CUDA device" in on_the_cpu.reason
+
+
+def test_local_is_always_local_and_te_is_refused_where_it_cannot_build():
+    for cuda in (True, False):
+        for te in (TE_HERE, NO_TE):
+            assert choose_layer_spec("local", cuda=cuda, te=te).spec == "local"
+    assert choose_layer_spec("te", cuda=True, te=TE_HERE).spec == "te"
+    for cuda, te, missing in (
+        (True, NO_TE, "transformer_engine does not import (ModuleNotFoundError"),
+        (False, TE_HERE, "no CUDA device"),
+    ):
+        with pytest.raises(OptionRefused) as refused:
+            choose_layer_spec("te", cuda=cuda, te=te)
+        message = str(refused.value)
+        assert message.startswith("--layer-spec te: Transformer Engine's layer spec cannot be built here: ")
+        assert missing in message and "allowed: auto, local, te" in message
+    with pytest.raises(OptionRefused, match="--layer-spec 'transformer': allowed auto, local, te"):
+        choose_layer_spec("transformer", cuda=True, te=TE_HERE)
+    assert LAYER_SPECS == ("auto", "local", "te")
+
+
+def test_batch_invariant_needs_te_and_flash_attention_3_or_4():
+    assert batch_invariant_refusal(spec="te", te=TE_HERE, flash=FA3) is None
+    message = batch_invariant_refusal(spec="te", te=TE_HERE, flash=NO_FLASH)
+    assert message.startswith("--batch-invariant: megatron-core's batch_invariant_mode needs Transformer Engine's")
+    assert "FlashAttention 3 or 4 does not import (flash_attn.cute: ModuleNotFoundError" in message
+    # the measured reason and the nearest working alternative
+    assert "AssertionError: Batch invariant mode only supports FlashAttention (--attention-backend flash)" in message
+    assert "tests/test_exact_on_policy.py" in message
+    on_local = batch_invariant_refusal(spec="local", te=NO_TE, flash=NO_FLASH)
+    assert "the build uses the local spec, not Transformer Engine's (--layer-spec te)" in on_local
+    assert "transformer_engine does not import" in on_local
+
+
+def test_grad_accum_fusion_needs_te_and_apex_for_the_output_layer():
+    apex = Presence(True, "fused_weight_gradient_mlp_cuda")
+    no_apex = Presence(False, "ModuleNotFoundError: No module named 'fused_weight_gradient_mlp_cuda'")
+    assert grad_accum_fusion_refusal(spec="te", apex=apex) is None
+    message = grad_accum_fusion_refusal(spec="te", apex=no_apex)
+    assert message.startswith("--grad-accum-fusion: megatron's gradient_accumulation_fusion cannot run here: ")
+    assert "ColumnParallelLinear (the output layer, on either spec)" in message
+    assert "not Transformer Engine's" in grad_accum_fusion_refusal(spec="local", apex=apex)
+    assert spec_overrides(grad_accum_fusion=True) == {"gradient_accumulation_fusion": True}
+    assert spec_overrides() == {}
+
+
+def test_this_machine_has_no_transformer_engine():
+    """The CPU machines the tests run on: TE does not import, and the reason says why."""
+    te = transformer_engine()
+    assert not te.importable and "transformer_engine" in te.detail
+
+
+def _refusal(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ab-parity", "e2e-bench", "train-parity"])
+def test_each_command_refuses_te_and_batch_invariance_at_start_up(capsys, command):
+    import importlib
+
+    from verl_fused_hook_harness.cli import COMMANDS
+
+    main = importlib.import_module(COMMANDS[command][0]).main
+    err = _refusal(capsys, main, ["--device", "cpu", "--layer-spec", "te"])
+    assert "--layer-spec te: Transformer Engine's layer spec cannot be built here: no CUDA device" in err
+    assert "transformer_engine does not import (ModuleNotFoundError" in err and "allowed: auto, local, te" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--batch-invariant"])
+    assert "--batch-invariant: megatron-core's batch_invariant_mode needs Transformer Engine's layer spec" in err
+    assert "the build uses the local spec" in err and "tests/test_exact_on_policy.py" in err
+
+
+def test_e2e_bench_refuses_what_its_specs_cannot_take(capsys):
+    from verl_fused_hook_harness.commands.e2e.bench import main
+
+    err = _refusal(capsys, main, ["--device", "cpu", "--grad-accum-fusion"])
+    assert (
+        "--grad-accum-fusion: megatron's gradient_accumulation_fusion cannot run here: the build uses the local" in err
+    )
+    assert "apex's fused_weight_gradient_mlp_cuda does not import" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--layer-specs", "local,te"])
+    assert "--layer-spec te: Transformer Engine's layer spec cannot be built here" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--layer-specs", "local,local"])
+    assert "--layer-specs: each of local, te at most once, at least one, got ['local', 'local']" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--layer-specs", "local,auto"])
+    assert "--layer-specs: unknown ['auto']; allowed: local, te" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--layer-spec", "local", "--layer-specs", "local"])
+    assert "--layer-specs: give it or --layer-spec, not both" in err
+    err = _refusal(capsys, main, ["--device", "cpu", "--output-layer-share", "--layout", "bshd"])
+    assert "--output-layer-share: the packed layout's modes only" in err
+
+
+def test_ab_parity_keeps_the_parallel_comparison_on_the_local_spec(capsys):
+    from verl_fused_hook_harness.commands.ab.parity import main
+
+    err = _refusal(capsys, main, ["--device", "cpu", "--pp", "2", "--layer-spec", "te"])
+    assert "the --pp/--vpp/--ep/--moe-experts comparison draws each layer's weights by its global index" in err
