@@ -254,8 +254,9 @@ class TritonTokenPasses:
     def for_backward(self) -> SavedPasses:
         b, p = self.block, self.p
         groups = row_groups(
-            b.rows.numel(), b.hidden.shape[1], self.valid_columns, p.hidden.requires_grad, p.weight.requires_grad
-        )
+            b.rows.numel(), b.hidden.shape[1], self.valid_columns, p.hidden.requires_grad, p.weight.requires_grad,
+            p.main_grad_dtype == torch.float32,
+        )  # fmt: skip
         return SavedPasses(
             (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp),
             functools.partial(_rebuilt, self.valid_columns, groups),
