@@ -48,8 +48,12 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert "verl_fused_hook = verl_fused_hook.verl_integration.plugin imports" in checks["entry point"]
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")
-    assert done.stdout.rstrip().endswith("doctor: OK (11 checks, 0 warnings)")
-    assert len(done.stdout.splitlines()) == 12  # the checks and the verdict: upstream notices are summarised
+    assert checks["invariance"] == (
+        "ok cpu float32, backend torch: 77 rows alone and among 5 and 1000 others (first, last, others masked): "
+        "the same bits"
+    )
+    assert done.stdout.rstrip().endswith("doctor: OK (12 checks, 0 warnings)")
+    assert len(done.stdout.splitlines()) == 13  # the checks and the verdict: upstream notices are summarised
     assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 

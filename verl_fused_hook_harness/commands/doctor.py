@@ -13,7 +13,9 @@ status is 1 when something would fail at start-up:
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
-- op self-check: log-probs, entropy and both gradients against fp64 on the device at hand.
+- op self-check: log-probs, entropy and both gradients against fp64 on the device at hand;
+- batch invariance: rows' log-probs and entropy alone and inside bigger batches (first, last, others masked) on
+  the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
 
 Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [--verbose] [OVERRIDE ...]
 """
@@ -56,6 +58,8 @@ SELF_CHECK = dict(rows=300, hidden=256, vocab=5003, temperature=0.7)
 # fp32-exact, the gradients carry bf16 rounding of d_logits (docs/op.md: <= 2.5e-3 relative).
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-5, 5e-3)}
 HOOK_PROBE_TOLERANCE = 1e-5
+# Batch-invariance probe: rows computed alone, then among this many other rows (a count that fills no tile).
+INVARIANCE_PROBE = dict(rows=77, others=(5, 1000), hidden=256, vocab=5003, temperature=0.7)
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,58 @@ def check_op(dtype: torch.dtype) -> Finding:
     return Finding("op self-check", OK if value_error <= value_tol and grad_error <= grad_tol else FAIL, text)
 
 
+def check_batch_invariance(dtype: torch.dtype) -> Finding:
+    """The probe rows' values alone and inside batches must be the same bits: whatever micro-batch computes a
+    sequence, its log-probs are the same (the PPO ratio of the first on-policy step is exactly 1)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype if device == "cuda" else torch.float32
+    shape = INVARIANCE_PROBE
+    generator = torch.Generator().manual_seed(1)
+    total = shape["rows"] + max(shape["others"])
+    hidden = torch.randn(total, shape["hidden"], generator=generator).to(device, dtype)
+    weight = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) / shape["hidden"] ** 0.5).to(
+        device, dtype
+    )
+    labels = torch.randint(0, shape["vocab"], (total,), generator=generator).to(device)
+    probe = torch.arange(shape["rows"], device=device)
+
+    def values(rows: torch.Tensor, where: slice, score_mask=None):
+        with torch.no_grad():
+            lp, ent = log_probs_and_entropy(
+                hidden[rows], weight, labels[rows], temperature=shape["temperature"], score_mask=score_mask
+            )
+        return lp[where], ent[where]
+
+    alone = values(probe, slice(None))
+    worst = 0.0
+    for count in shape["others"]:
+        others = torch.arange(shape["rows"], shape["rows"] + count, device=device)
+        last = torch.cat([others, probe])
+        mask = torch.ones(last.numel(), dtype=torch.bool, device=device)
+        mask[:count:2] = False
+        for lp, ent in (
+            values(torch.cat([probe, others]), slice(0, shape["rows"])),
+            values(last, slice(-shape["rows"], None)),
+            values(last, slice(-shape["rows"], None), score_mask=mask),
+        ):
+            worst = max(worst, (lp - alone[0]).abs().max().item(), (ent - alone[1]).abs().max().item())
+    backend = describe_backends(hidden, weight)["auto"]
+    setting = f"{device} {str(dtype).removeprefix('torch.')}, backend {backend}"
+    if worst == 0.0:
+        return Finding(
+            "invariance",
+            OK,
+            f"{setting}: {shape['rows']} rows alone and among {' and '.join(map(str, shape['others']))} others "
+            "(first, last, others masked): the same bits",
+        )
+    return Finding(
+        "invariance",
+        WARN,
+        f"{setting}: a row's values move by up to {worst:.1e} with the batch; exact on-policy training (the same "
+        "log-probs whatever micro-batch computes them) does not hold on this device and backend",
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=4096, help="the model's hidden size, for the backend pick")
@@ -271,6 +327,7 @@ def main(argv=None) -> int:
         findings.append(check_entry_point())
         findings.append(check_plan(args.config_name, args.overrides))
         findings.append(check_op(dtype))
+        findings.append(check_batch_invariance(dtype))
     for finding in findings:
         print(finding.line(), flush=True)
     failed = [f.topic for f in findings if f.status == FAIL]

@@ -1,0 +1,133 @@
+"""The op at another git revision against the working tree's, timed in rounds on one GPU (CUDA).
+
+Why: a kernel or dispatch change is judged by an A/B in rounds on the same warm card (the card's clock moves by
+several percent between runs), and its batch invariance by a row's bits alone and inside a batch. The other
+revision's `verl_fused_hook` is unpacked under a package name of its own, so both run in one process.
+
+    python scripts/ab_op_revisions.py --base f29c1ef --out results/ab_batch_invariance.json
+
+Each round times, in alternating order, the forward alone (no grad, the old-log-prob pass; median of 3 calls) and a
+forward+backward; the JSON holds every timing, the medians and new/base ratios, and per shape the largest
+difference of 777 rows' log-probs and entropy alone against the same rows last in the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDARD_SHAPES = (
+    "8192,4096,151936;32768,4096,151936;16384,3584,152064;65536,2048,151936;16384,5120,152064;32768,8192,128256"
+)
+PROBE_ROWS = 777
+
+
+def load_revision(revision: str, folder: Path):
+    """`verl_fused_hook.ops` as of `revision`, imported as `verl_fused_hook_base.ops`."""
+    archive = subprocess.run(["git", "archive", revision, "verl_fused_hook"], cwd=ROOT, capture_output=True, check=True)
+    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "verl_fused_hook").rename(folder / "verl_fused_hook_base")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("verl_fused_hook_base.ops")
+
+
+def elapsed_ms(fn, calls: int = 1) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / calls
+
+
+def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    h_grad, w_grad = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+
+    def forward(ops):
+        with torch.no_grad():
+            ops.log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend="triton")
+
+    def step(ops):
+        h_grad.grad = w_grad.grad = None
+        lp, ent = ops.log_probs_and_entropy(h_grad, w_grad, labels, temperature=0.7, backend="triton")
+        (lp.sum() + 0.01 * ent.sum()).backward()
+
+    times = {f"{kind}_{name}": [] for kind in ("forward", "step") for name in ops_by_name}
+    for ops in ops_by_name.values():  # compile and warm
+        forward(ops)
+        step(ops)
+    names = list(ops_by_name)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[f"forward_{name}"].append(elapsed_ms(lambda: forward(ops_by_name[name]), 3))
+            times[f"step_{name}"].append(elapsed_ms(lambda: step(ops_by_name[name])))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    probe = {}
+    rows = torch.cat([torch.arange(PROBE_ROWS, n, device="cuda"), torch.arange(PROBE_ROWS, device="cuda")])
+    for name, ops in ops_by_name.items():
+        with torch.no_grad():
+            alone = ops.log_probs_and_entropy(
+                hidden[:PROBE_ROWS], weight, labels[:PROBE_ROWS], temperature=0.7, backend="triton"
+            )
+            inside = ops.log_probs_and_entropy(hidden[rows], weight, labels[rows], temperature=0.7, backend="triton")
+        probe[name] = max((a - b[-PROBE_ROWS:]).abs().max().item() for a, b in zip(alone, inside))
+    return {
+        "times_ms": times,
+        "median_ms": median,
+        "forward_new_over_base": median["forward_new"] / median["forward_base"],
+        "step_new_over_base": median["step_new"] / median["step_base"],
+        "alone_vs_batch_max_abs": probe,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision of the op to compare against")
+    parser.add_argument("--shapes", default=STANDARD_SHAPES, help="N,H,V;... (default: the six standard shapes)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (the Triton backend)")
+    import verl_fused_hook.ops as new_ops
+
+    with tempfile.TemporaryDirectory() as folder:
+        ops = {"base": load_revision(args.base, Path(folder)), "new": new_ops}
+        report = {"base": args.base, "rounds": args.rounds, "device": torch.cuda.get_device_name(), "shapes": {}}
+        for shape in args.shapes.split(";"):
+            n, h, v = (int(x) for x in shape.split(","))
+            result = measure(ops, n, h, v, args.rounds)
+            report["shapes"][shape] = result
+            m, probe = result["median_ms"], result["alone_vs_batch_max_abs"]
+            print(
+                f"{n}x{h}x{v}: forward {m['forward_base']:.2f} -> {m['forward_new']:.2f} ms "
+                f"({result['forward_new_over_base']:.4f}x), forward+backward {m['step_base']:.2f} -> "
+                f"{m['step_new']:.2f} ms ({result['step_new_over_base']:.4f}x); a row alone vs in the batch: "
+                f"base {probe['base']:.1e}, new {probe['new']:.1e}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
