@@ -8,7 +8,8 @@ validation; no teacher runs); `loss_function` is `ActorRolloutRefWorker`'s
 `partial(distillation_ppo_loss, config=actor_config, distillation_config=...)`; `step_flags` are the non-tensor
 entries verl's trainer sets on an actor update (`distillation_use_topk`, `distillation_only`); `add_teacher`
 puts a teacher's top-k into the trainer's padded rollout (what `_pad_teacher_outputs` makes of a teacher's
-prompt log-probs: pad id and log-prob 0 on padding), which verl's `left_right_2_no_padding` then nests.
+prompt log-probs: pad id and log-prob 0 on padding), which verl's `left_right_2_no_padding` then nests;
+`nested_teacher` gives the same for a batch already packed.
 verl loads on first use (`import verl` starts ray).
 """
 
@@ -79,24 +80,41 @@ def step_flags(config) -> dict:
     }
 
 
-def add_teacher(fields: dict[str, torch.Tensor], config, vocab_size: int, seed: int) -> None:
-    """The teacher's `teacher_ids` / `teacher_logprobs` [batch, sequence, k] into the trainer's padded rollout
-    `fields`, position t holding the teacher's distribution of token t+1 (as verl's teacher returns prompt
-    log-probs). Top-k (k = the config's topk): ids drawn from the whole vocabulary (every tensor-parallel shard),
-    log-probs descending, some below -10, and on every third token the last entry repeats the first id (verl
-    scores each entry). Estimators (k = 1): the next token's id, a log-prob near the student's."""
-    attention_mask = fields["attention_mask"].bool()
-    batch, length = attention_mask.shape
+def teacher_values(next_ids: torch.Tensor, config, vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher's (int32 ids, log-probs) [..., k] for the positions of `next_ids` (the token each position
+    predicts). Top-k (k = the config's topk): ids drawn from the whole vocabulary (every tensor-parallel shard),
+    log-probs descending, some below -10, and on every third position the last entry repeats the first id (verl
+    scores each entry). Estimators (k = 1): the next token's id, a log-prob near a tiny random student's."""
     generator = torch.Generator().manual_seed(seed + 17)
+    shape = next_ids.shape
     if config.distillation_loss.loss_settings.use_topk:
         k = config.distillation_loss.topk
-        ids = torch.stack([torch.randperm(vocab_size, generator=generator)[:k] for _ in range(batch * length)])
-        ids = ids.view(batch, length, k)
-        ids[:, ::3, -1] = ids[:, ::3, 0]
-        logits = 2.5 * torch.randn(batch, length, k + 8, generator=generator)
+        ids = torch.randint(0, vocab_size, (*shape, k), generator=generator)
+        ids[..., ::3, -1] = ids[..., ::3, 0]
+        logits = 2.5 * torch.randn(*shape, k + 8, generator=generator)
         log_probs = torch.log_softmax(logits, dim=-1).sort(dim=-1, descending=True).values[..., :k]
     else:
-        ids = torch.roll(fields["input_ids"], -1, dims=1).unsqueeze(-1)
-        log_probs = -6.9 + 0.7 * torch.randn(batch, length, 1, generator=generator)
-    fields["teacher_ids"] = torch.where(attention_mask.unsqueeze(-1), ids, PAD_TOKEN_ID).to(torch.int32)
-    fields["teacher_logprobs"] = torch.where(attention_mask.unsqueeze(-1), log_probs, 0.0)
+        ids = next_ids.unsqueeze(-1)
+        log_probs = -6.9 + 0.7 * torch.randn(*shape, 1, generator=generator)
+    return ids.to(torch.int32), log_probs
+
+
+def add_teacher(fields: dict[str, torch.Tensor], config, vocab_size: int, seed: int) -> None:
+    """`teacher_values` as the trainer's padded `teacher_ids` / `teacher_logprobs` [batch, sequence, k] of the
+    rollout `fields` (position t holding the teacher's distribution of token t+1, as verl's teacher returns prompt
+    log-probs; pad id and 0 on padding)."""
+    real = fields["attention_mask"].bool().unsqueeze(-1)
+    ids, log_probs = teacher_values(torch.roll(fields["input_ids"], -1, dims=1), config, vocab_size, seed)
+    fields["teacher_ids"] = torch.where(real, ids, PAD_TOKEN_ID).to(torch.int32)
+    fields["teacher_logprobs"] = torch.where(real, log_probs, 0.0)
+
+
+def nested_teacher(input_ids: torch.Tensor, config, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """`teacher_values` nested like `input_ids` (a batch already in verl's packed layout), on its device."""
+    values, offsets = input_ids.values(), input_ids.offsets()
+    next_ids = torch.roll(values.cpu(), -1)  # a sequence's last position predicts past it: any id will do
+    ids, log_probs = teacher_values(next_ids, config, vocab_size, seed)
+    return {
+        "teacher_ids": torch.nested.nested_tensor_from_jagged(ids.to(values.device), offsets=offsets),
+        "teacher_logprobs": torch.nested.nested_tensor_from_jagged(log_probs.to(values.device), offsets=offsets),
+    }
