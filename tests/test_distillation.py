@@ -152,13 +152,14 @@ def update(engine, case: str, padded_layout: bool, fused_kernels: bool, mixed_te
     }
 
 
-def sum_pi_squared(engine, fused_kernels: bool, mixed_temperatures=True) -> torch.Tensor:
+def sum_pi_squared(engine, fused_kernels: bool, mixed_temperatures=True, padded_layout=False) -> torch.Tensor:
     """The trainer's old-log-prob call (`_compute_old_log_prob`) with calculate_sum_pi_squared, on the responses."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     data = batch(
-        "topk", False, fused_kernels, False, mixed_temperatures=mixed_temperatures, calculate_sum_pi_squared=True
-    )
+        "topk", padded_layout, fused_kernels, False, mixed_temperatures=mixed_temperatures,
+        calculate_sum_pi_squared=True,
+    )  # fmt: skip
     with engine.eval_mode():
         output = engine.infer_batch(data)
     return no_padding_2_padding(output["model_output"]["sum_pi_squared"], data).double().cpu()
@@ -227,6 +228,9 @@ def worker(rank: int, world_size: int) -> dict:
             engine = build(world_size, side, padded_layout=True, pad_bshd_to_minibatch_max=pad)
             for case in TOPK_CASES:
                 results["bshd", case, side] = update(engine, case, True, side != UNFUSED)
+            results["sum_pi_squared_bshd", side] = _outcome(
+                lambda: sum_pi_squared(engine, side != UNFUSED, padded_layout=True)
+            )
             release_engines(engine)
         engine = build(world_size, UNFUSED, padded_layout=True)  # verl's default padding
         results["bshd", "verl_default_padding"] = _outcome(lambda: update(engine, "topk", True, False))
@@ -416,11 +420,12 @@ def test_topk_with_the_fused_loss_on_runs_the_two_pass_path_and_says_so(world_si
 
 
 @pytest.mark.parametrize("world_size", (1, 2))
-def test_sum_pi_squared_in_hook_mode_equals_verls(world_size):
+@pytest.mark.parametrize("key", ("sum_pi_squared", "sum_pi_squared_bshd"))
+def test_sum_pi_squared_in_hook_mode_equals_verls(world_size, key):
     for ranks in results(world_size):
-        want, got = ranks["sum_pi_squared", UNFUSED]["result"], ranks["sum_pi_squared", HOOK]["result"]
+        want, got = ranks[key, UNFUSED]["result"], ranks[key, HOOK]["result"]
         assert float(want.max()) > 0 and relative_error(want, got) <= RTOL, relative_error(want, got)
-        print(f"TP={world_size}: sum pi^2 relative error {relative_error(want, got):.2e}")
+        print(f"TP={world_size} {key}: relative error {relative_error(want, got):.2e}")
 
 
 def test_before_verls_fused_paths_fail_loudly():
