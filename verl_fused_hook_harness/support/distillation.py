@@ -37,7 +37,8 @@ PRESETS = {
 
 @functools.cache
 def _composed(entries: tuple[tuple[str, object], ...]):
-    import verl.trainer.main_ppo as main_ppo
+    import importlib.util
+
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -51,7 +52,8 @@ def _composed(entries: tuple[tuple[str, object], ...]):
         "distillation.nnodes=1",
         *(f"distillation.distillation_loss.{key}={'null' if value is None else value}" for key, value in entries),
     ]
-    config_dir = os.path.join(os.path.dirname(main_ppo.__file__), "config")
+    # main_ppo's config folder, without importing main_ppo (which starts ray's remote functions)
+    config_dir = os.path.join(os.path.dirname(importlib.util.find_spec("verl.trainer.main_ppo").origin), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
     return omega_conf_to_dataclass(config.distillation)
