@@ -172,21 +172,21 @@ def make_forward_step(original):
         else:
             rows = response_score_rows(batch, logits_processor_func)
         layout = _layout_of(self, batch)
+        # only verl's own postprocess partial says whether this is a training step
+        forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
         fused = None
         if plan.fused_loss and layout["layout"] == BSHD:
             log_once(
                 logger,
                 "verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path",
             )
-        elif plan.fused_loss and tokens.get("sum_pi_squared"):
+        elif plan.fused_loss and tokens.get("sum_pi_squared") and not forward_only:
             log_once(
                 logger,
                 "verl_fused_hook: output_processor_fused_loss: a training step with calculate_sum_pi_squared is not "
                 "fused (sum_pi_squared comes from the op token_log_probs); two-pass path",
             )
         elif plan.fused_loss:
-            # only verl's own postprocess partial says whether this is a training step
-            forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
             fused = fused_loss_request(self, batch, logits_processor_func, forward_only, plan.fused_loss_chunk_bytes)
         if fused is not None:
             batch = fused.data
