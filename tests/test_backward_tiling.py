@@ -1,4 +1,4 @@
-"""The Triton backward's chunk width (`triton_backend.backward_tiling`): pure arithmetic, checked on the CPU.
+"""The Triton backward's chunk width (`backward_plan.backward_tiling`): pure arithmetic, checked on the CPU.
 
 The width is the nominal CHUNK_COLUMNS widened by at most MAX_CHUNK_WIDENING (a quarter) so that the gradient kernel's
 launches (a row tile's row blocks x a chunk's column tiles, one program per SM) fill whole waves. These tests
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from verl_fused_hook.ops import triton_backend as t
+from verl_fused_hook.ops import backward_plan as t
+from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
 
-BLOCK_M, BLOCK_N = t.GRAD_CONFIG.block_m, t.GRAD_CONFIG.block_n
+BLOCK_M, BLOCK_N = GRAD_CONFIG.block_m, GRAD_CONFIG.block_n
 
 
 def _waves(tiling: t.BackwardTiling, rows: int, valid_columns: int, slots: int) -> int:

@@ -348,12 +348,13 @@ def test_in_place_groups_keep_the_walk_within_its_budget(h, v):
     """With d_weight summed in place (an fp32 main_grad), the Triton backward's groups of rows (pure arithmetic,
     checked here on the CPU) cover every row once, in whole row blocks, and each group's walk (fp32 d_hidden and
     bf16 d_logits tile) fits IN_PLACE_WALK_BYTES at every N: the working memory does not grow with the tokens."""
-    from verl_fused_hook.ops import triton_backend as t
+    from verl_fused_hook.ops import backward_plan as t
+    from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
 
-    block_m, columns = t.GRAD_CONFIG.block_m, t.nominal_chunk_columns(v, t.GRAD_CONFIG.block_n)
+    block_m, columns = GRAD_CONFIG.block_m, t.nominal_chunk_columns(v, GRAD_CONFIG.block_n)
     sizes = set()
     for n in (1, 127, 8192, 32768, 65536, 262144, 1_000_003):
-        groups = t.row_groups(n, h, v, True, True, True)
+        groups = t.row_groups(n, h, v, True, True, True, block_m=block_m, block_n=GRAD_CONFIG.block_n)
         assert groups[0].start == 0 and groups[-1].stop == n
         assert all(a.stop == b.start for a, b in zip(groups, groups[1:]))
         assert all((g.stop - g.start) % block_m == 0 for g in groups[:-1])
@@ -362,4 +363,5 @@ def test_in_place_groups_keep_the_walk_within_its_budget(h, v):
         sizes.add(largest)
     assert max(sizes) * (4 * h + 2 * columns) <= t.IN_PLACE_WALK_BYTES
     # without d_weight wanted there is no sum to keep in place: the usual rule
-    assert t.row_groups(262144, h, v, True, False, True) == t.row_groups(262144, h, v, True, False)
+    blocks = dict(block_m=block_m, block_n=GRAD_CONFIG.block_n)
+    assert t.row_groups(262144, h, v, True, False, True, **blocks) == t.row_groups(262144, h, v, True, False, **blocks)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from verl_fused_hook.ops import backward_plan
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 VALUE_TOL = 1e-5  # fp32 statistics, as the Triton backend's
@@ -77,7 +79,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
     """Run in the subprocess: `log_probs_and_entropy(backend="triton")`, each case's errors against fp64."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_backend
+    from verl_fused_hook.ops import log_probs_and_entropy
 
     _interpret_on_cpu()
     results = []
@@ -86,7 +88,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
     cases = [(budget, masked, wants) for budget in budgets for masked in (True, False) for wants in ("both", "weight")]
     cases.append(("row tiles x vocabulary chunks", True, "no entropy"))
     for index, (budget, masked, wants) in enumerate(cases):
-        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(100 + index)
         hidden = (torch.randn(n, h, generator=g)).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -123,7 +125,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
             {
                 "case": f"{budget}, {'masked' if masked else 'all rows'}, grads of {wants}",
                 "tiles": len(
-                    triton_backend.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))
+                    backward_plan.backward_tiling(int(active.sum()), h, v, 16, 32, 4).tiles(int(active.sum()))
                 ),
                 "log_prob": (lp.double() - ref[0]).abs().max().item(),
                 "entropy": (ent.double() - ref[1]).abs().max().item() if entropy_on else 0.0,
@@ -168,7 +170,7 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     for index, (budget, keep, wants) in enumerate(
         [(b, k, "both") for b in budgets for k in keeps] + [("row tiles x vocabulary chunks", "some rows", "weight")]
     ):
-        triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = budgets[budget]
+        backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = budgets[budget]
         g = torch.Generator().manual_seed(200 + index)
         hidden = torch.randn(n, h, generator=g).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -456,8 +458,8 @@ def _interpreted_row_group_cases() -> list[dict]:
     from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
-    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET, triton_backend.ROW_GROUP_ROWS = 32, 1, 32
-    triton_backend.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET, backward_plan.ROW_GROUP_ROWS = 32, 1, 32
+    backward_plan.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     n, h, v = 200, 64, 61
     results = []
     for index, wants in enumerate(("both", "hidden", "weight")):
@@ -681,7 +683,7 @@ def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature
     from verl_fused_hook.ops.arguments import build_problem
 
     triton_backend = _interpret_on_cpu()
-    triton_backend.CHUNK_COLUMNS, triton_backend.TILE_MEMORY_BUDGET = 64, 1
+    backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = 64, 1
     shard = weight.shape[0] // world_size
     h = hidden.clone().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()

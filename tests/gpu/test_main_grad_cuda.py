@@ -1,7 +1,7 @@
 """gradient_accumulation_fusion on the Triton backend against fp64 (CUDA; skipped elsewhere).
 
 d_weight added into an fp32 `main_grad` (as megatron's DDP gives every parameter) over several groups of rows,
-each walking the whole vocabulary (triton_backend.row_groups with the sum in place): log-probs, entropy and
+each walking the whole vocabulary (backward_plan.row_groups with the sum in place): log-probs, entropy and
 d_hidden as without it, d_weight without its bf16 rounding, and the backward's working memory one group's walk.
 The `main_grad` / `grad_added_to_main_grad` attributes set by hand in the first test are the ones megatron's DDP
 sets; the last runs the hook on a tiny GPTModel in megatron's real DDP.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_fused_hook.ops import log_probs_and_entropy
+from verl_fused_hook.ops import backward_plan, log_probs_and_entropy
+from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
@@ -20,6 +21,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+# the gradient kernel's tile, which the backward plan cuts rows and columns into
+GRAD_BLOCKS = dict(block_m=GRAD_CONFIG.block_m, block_n=GRAD_CONFIG.block_n)
 
 VALUE_TOL = 5e-5
 GRAD_TOL = 2.5e-3  # relative (Frobenius) against fp64, bf16 inputs
@@ -57,12 +61,11 @@ def _step(hidden, weight, labels, score_mask, g_lp, g_ent, fusion):
 
 
 def test_groups_of_rows_add_into_fp32_main_grad():
-    from verl_fused_hook.ops import triton_backend
 
     hidden, weight, labels, score_mask, g_lp, g_ent = _inputs()
     scored = int(score_mask.sum())
-    assert len(triton_backend.row_groups(scored, H, TRUE_VOCAB, True, True, True)) >= 2
-    assert len(triton_backend.row_groups(scored, H, TRUE_VOCAB, True, True)) == 1
+    assert len(backward_plan.row_groups(scored, H, TRUE_VOCAB, True, True, True, **GRAD_BLOCKS)) >= 2
+    assert len(backward_plan.row_groups(scored, H, TRUE_VOCAB, True, True, **GRAD_BLOCKS)) == 1
 
     plain = weight.clone().requires_grad_()
     lp0, ent0, d_hidden0 = _step(hidden, plain, labels, score_mask, g_lp, g_ent, False)
@@ -96,7 +99,7 @@ def test_groups_of_rows_add_into_fp32_main_grad():
     # scored rows' compacted copy, per-row statistics): one group's walk
     returned = 2 * N * H + 2 * N * H + 2 * V * H
     saved = 2 * scored * H + 32 * 1024**2
-    assert peak - returned - saved <= triton_backend.IN_PLACE_WALK_BYTES, (peak - returned - saved) / 1024**2
+    assert peak - returned - saved <= backward_plan.IN_PLACE_WALK_BYTES, (peak - returned - saved) / 1024**2
 
 
 def test_token_log_probs_adds_into_fp32_main_grad():

@@ -11,9 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from verl_fused_hook.ops import log_probs_and_entropy
+from verl_fused_hook.ops import backward_plan, log_probs_and_entropy
 from verl_fused_hook.ops.arguments import LogProbProblem, build_problem, default_tile_rows
 from verl_fused_hook.ops.backends import resolve_backend
+from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
@@ -22,6 +23,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+# the gradient kernel's tile, which the backward plan cuts rows and columns into
+GRAD_BLOCKS = dict(block_m=GRAD_CONFIG.block_m, block_n=GRAD_CONFIG.block_n)
 
 VALUE_TOL = 5e-5
 GRAD_TOL = 4e-3
@@ -307,11 +311,10 @@ def test_tensor_parallel_two_ranks_on_one_gpu(keep_logits_bytes):
 def small_backward_budgets(monkeypatch):
     """Budgets small enough that a few hundred rows take several row tiles and vocabulary chunks: the
     long-context tiling, checked against fp64 at a size the reference can afford."""
-    from verl_fused_hook.ops import triton_backend
 
-    monkeypatch.setattr(triton_backend, "CHUNK_COLUMNS", 1024)
-    monkeypatch.setattr(triton_backend, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
-    tiling = triton_backend.backward_tiling(700, 512, 5003, 128, 128, 132)
+    monkeypatch.setattr(backward_plan, "CHUNK_COLUMNS", 1024)
+    monkeypatch.setattr(backward_plan, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
+    tiling = backward_plan.backward_tiling(700, 512, 5003, 128, 128, 132)
     # six tiles of one row block each: every launch is one wave, so the widest chunk (fewest launches) is taken,
     # and the walk's chunks are widened ones with a ragged last
     assert len(tiling.tiles(700)) == 6 and tiling.columns == 1280 and 5003 % 1280
@@ -326,15 +329,14 @@ def test_row_tiled_backward_matches_fp64(small_backward_budgets):
 
 
 def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size, group_rows):
-    from verl_fused_hook.ops import triton_backend
 
-    triton_backend.CHUNK_COLUMNS = 1024
-    triton_backend.TILE_MEMORY_BUDGET = 1
-    triton_backend.ROW_GROUP_ROWS = group_rows
-    triton_backend.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
+    backward_plan.CHUNK_COLUMNS = 1024
+    backward_plan.TILE_MEMORY_BUDGET = 1
+    backward_plan.ROW_GROUP_ROWS = group_rows
+    backward_plan.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     shard = weight.shape[0] // world_size
     valid = min(shard, vocab_size - rank * shard)
-    groups = len(triton_backend.row_groups(hidden.shape[0], hidden.shape[1], valid, True, True))
+    groups = len(backward_plan.row_groups(hidden.shape[0], hidden.shape[1], valid, True, True, **GRAD_BLOCKS))
     return groups, *_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, vocab_size)
 
 
@@ -372,8 +374,8 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
     from verl_fused_hook.ops import triton_backend
 
     grad = triton_backend.GRAD_CONFIG
-    assert len(triton_backend.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1
-    assert len(triton_backend.row_groups(n, h, v, True, True)) == groups
+    assert len(backward_plan.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1
+    assert len(backward_plan.row_groups(n, h, v, True, True, **GRAD_BLOCKS)) == groups
     hidden, weight, g = _inputs(n, h, v, seed=43)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
@@ -392,8 +394,8 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
 
     pieces = torch.zeros(v, h, dtype=torch.float64, device="cuda")
     chunk = 16384
-    assert len(triton_backend.backward_tiling(chunk, h, v, grad.block_m, grad.block_n, 132).tiles(chunk)) == 1
-    assert len(triton_backend.row_groups(chunk, h, v, True, True)) == 1
+    assert len(backward_plan.backward_tiling(chunk, h, v, grad.block_m, grad.block_n, 132).tiles(chunk)) == 1
+    assert len(backward_plan.row_groups(chunk, h, v, True, True, **GRAD_BLOCKS)) == 1
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
         w = weight.clone().requires_grad_()

@@ -11,17 +11,9 @@ vocabulary themselves. The backward recomputes the logits one vocabulary chunk a
 d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of the
 chunk's d_weight rows. Tile height and group size come from fixed budgets, never from the token count, and the
 chunk width from a fixed width, moved by at most a quarter so that the launches fill whole waves of the GPU's SMs
-(`backward_tiling`), so the time per row does not change with N.
+(`backward_plan.backward_tiling`), so the time per row does not change with N.
 
-Why row groups: each gradient is a sum over the other's dimension, and the one summed across the outer loop
-needs an fp32 buffer to be rounded once. With the vocabulary outside (the default), that is d_hidden: 4 H
-bytes per scored row, growing with N. When the rows outnumber the shard's vocabulary (long context,
-tensor-parallel shards), the rows go outside in groups of ROW_GROUP_ROWS, each walking the whole
-vocabulary, and d_weight is the sum kept in fp32 instead: 4 H bytes per shard column plus one group's
-d_hidden, whatever N. `row_groups` takes the groups where they need GROUPS_MIN_SAVING_BYTES less memory
-(they cost up to ~1% of time); either way each gradient is summed in fp32 and rounded once.
-When d_weight goes into an fp32 `main_grad` (weight_gradient.py), that is already the fp32 sum: the groups then
-cost no memory of their own and are as small as IN_PLACE_WALK_BYTES says, whatever N.
+Its chunk width, row tiles and row groups come from backward_plan.py.
 
 Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
 (`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
@@ -45,7 +37,8 @@ from torch import Tensor
 from ..log_once import log_once
 from .arguments import LogProbProblem
 from .backends import RowBlock, SavedPasses
-from .chunking import ChunkCost, equal_piece_rows
+from .backward_plan import backward_tiling, row_groups
+from .chunking import ChunkCost
 from .softmax_math import (
     LogitGradientInputs,
     Partials,
@@ -72,30 +65,6 @@ MIN_SPLITS = 8
 # behind loss_fn's final host evaluation (~21 ms for verl's ppo_loss at 65k tokens). H200, 65536 x 2048 x 151936:
 # 4 GiB (5 chunks) 0.84x the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
 STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
-
-# Working memory of the backward beside the fp32 accumulator: the bf16 d_logits tile and, when the rows need
-# more than one tile, the fp32 accumulator of the chunk's d_weight rows.
-TILE_MEMORY_BUDGET = 1024 * 1024 * 1024
-# Vocabulary columns per backward chunk. The fp32 d_hidden accumulator is read and written once per chunk:
-# 8 bytes per row and hidden unit against 2 * CHUNK_COLUMNS flops of the chunk's products, far below
-# what those take (Hopper's balance is ~165 flops per byte; 8192 columns give 2048).
-CHUNK_COLUMNS = 8192
-# The width walked is CHUNK_COLUMNS widened by at most this fraction (in whole column tiles) so that the
-# gradient kernel's launches fill whole waves of the GPU's programs (`backward_tiling`). On the H200 (132 SMs),
-# 8448 columns (33 tiles) against 8192, A/B in rounds over three runs: 0.956-0.968x the forward+backward time at
-# 8192 x 4096 x 151936, 0.97-1.00x at 16384-65536 rows, H 2048-8192 (docs/benchmarks.md).
-MAX_CHUNK_WIDENING = 0.25
-# Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
-# 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
-# byte at 32768 rows, against Hopper's balance of ~165).
-ROW_GROUP_ROWS = 32768
-# Groups cost up to ~1% of time (H200, against one walk: -0.4% to +0.1% at 131072 rows of 37984-62080-column
-# shards, +1.3% at 65536 x 4096 x 18992 and +1.2% at 262144 x 4096 x 151936), so they are taken only where they
-# spare at least this much memory (those five shapes: 0.68-1.61 GiB).
-GROUPS_MIN_SAVING_BYTES = 512 * 1024**2
-# A group's walk (its fp32 d_hidden and bf16 d_logits tile, at the nominal chunk width) when d_weight sums in place
-# into an fp32 main_grad.
-IN_PLACE_WALK_BYTES = 512 * 1024**2
 
 # Columns per program of the in-place gradient pass over kept logits.
 GRAD_BLOCK = 2048
@@ -273,139 +242,16 @@ def local_statistics(
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
         descriptor(hidden, [c.block_m, c.block_k]),
         descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
-        label_col,
-        inv_temp,
-        parts[0],
-        parts[1],
-        parts[2],
-        parts[3],
+        label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
         None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
         None if store is None else store.tile_max,
-        n,
-        hidden.shape[1],
-        p.valid_columns,
-        col_tiles,
-        per,
-        splits,
-        BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k,
-        GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy,
-        STORE=store is not None,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
-    )
+        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
     if splits == 1:
         return Partials(parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0])
     return merge_partials(Partials(*parts.unbind(0)))
-
-
-@dataclass(frozen=True)
-class BackwardTiling:
-    """How the backward walks [rows x vocabulary]: `columns` per chunk, `rows` per d_logits tile."""
-
-    columns: int
-    rows: int
-
-    def tiles(self, total_rows: int) -> list[tuple[int, int]]:
-        return [(start, min(self.rows, total_rows - start)) for start in range(0, total_rows, self.rows)]
-
-
-def _row_tiling(rows: int, hidden_size: int, columns: int, block_m: int) -> BackwardTiling:
-    """All rows in one d_logits tile when it fits TILE_MEMORY_BUDGET, else equal tiles of whole row blocks that fit
-    it beside the chunk's fp32 d_weight accumulator."""
-    rows = max(rows, 1)
-    if 2 * rows * columns <= TILE_MEMORY_BUDGET:
-        return BackwardTiling(columns, rows)
-    fit = max(block_m, (TILE_MEMORY_BUDGET - 4 * columns * hidden_size) // (2 * columns) // block_m * block_m)
-    return BackwardTiling(columns, equal_piece_rows(rows, fit, block_m))
-
-
-def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
-    """(nominal, most) column tiles per chunk: CHUNK_COLUMNS, and MAX_CHUNK_WIDENING wider; none past the shard's
-    own tiles. Never narrower: each chunk reads and writes the fp32 d_hidden accumulator once (module docstring)."""
-    total = -(-valid_columns // block_n)
-    nominal = max(1, CHUNK_COLUMNS // block_n)
-    return min(nominal, total), min(nominal + int(nominal * MAX_CHUNK_WIDENING), total)
-
-
-def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
-    """CHUNK_COLUMNS, or the shard's width when narrower: the width the memory models of `row_groups` assume (the
-    walk may widen it to fill waves, by at most MAX_CHUNK_WIDENING of its d_logits tile)."""
-    return _chunk_tile_range(valid_columns, block_n)[0] * block_n
-
-
-def backward_tiling(
-    rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int, slots: int
-) -> BackwardTiling:
-    """Chunk width and row tiles of the backward's walk. Of the widths in `_chunk_tile_range`, the one whose
-    gradient-kernel launches (a row tile's blocks x a chunk's column tiles, `slots` programs at a time) take the
-    fewest waves over the whole walk, then the narrowest. 32 tiles over 64 row blocks leave the last of 16 waves
-    half empty on 132 SMs; 33 fill them. Nothing depends on anything but budgets, shapes and the SM count, so the
-    work per row is the same at every N."""
-    total = -(-valid_columns // block_n)
-    nominal, most = _chunk_tile_range(valid_columns, block_n)
-    best, best_waves = None, None
-    for tiles in range(nominal, most + 1):
-        tiling = _row_tiling(rows, hidden_size, tiles * block_n, block_m)
-        full, last = divmod(total, tiles)
-        waves = 0
-        for _, count in tiling.tiles(max(rows, 1)):
-            blocks = -(-count // block_m)
-            waves += full * -(-blocks * tiles // slots) + -(-blocks * last // slots)
-        if best_waves is None or waves < best_waves:
-            best, best_waves = tiling, waves
-    return best
-
-
-def _vocabulary_outside_bytes(
-    rows: int, hidden_size: int, valid_columns: int, want_hidden: bool, want_weight: bool
-) -> int:
-    """Working memory of one walk over the vocabulary for `rows` rows: the fp32 d_hidden accumulator, the d_logits
-    tile, and the chunk's fp32 d_weight accumulator when the rows take several tiles (at the nominal width)."""
-    c = GRAD_CONFIG
-    tiling = _row_tiling(rows, hidden_size, nominal_chunk_columns(valid_columns, c.block_n), c.block_m)
-    several = len(tiling.tiles(rows)) > 1
-    return (
-        4 * rows * hidden_size * want_hidden
-        + 2 * tiling.rows * tiling.columns
-        + 4 * tiling.columns * hidden_size * (several and want_weight)
-    )
-
-
-def row_groups(
-    rows: int,
-    hidden_size: int,
-    valid_columns: int,
-    want_hidden: bool,
-    want_weight: bool,
-    weight_sum_in_place: bool = False,
-) -> list[slice]:
-    """The backward's groups of rows (slices of the scored rows): one of every row, unless equal groups of
-    about ROW_GROUP_ROWS (whole row blocks) need GROUPS_MIN_SAVING_BYTES less memory: their fp32 d_weight sum
-    (when d_weight is wanted) plus one group's walk, against every row's walk (see the module docstring).
-    weight_sum_in_place (d_weight added into an fp32 main_grad): equal groups whose walk fits IN_PLACE_WALK_BYTES."""
-    block_m = GRAD_CONFIG.block_m
-    in_place = weight_sum_in_place and want_weight
-    if in_place:
-        per_row = 4 * hidden_size * want_hidden + 2 * nominal_chunk_columns(valid_columns, GRAD_CONFIG.block_n)
-        group = max(block_m, IN_PLACE_WALK_BYTES // per_row // block_m * block_m)
-    else:
-        group = max(block_m, ROW_GROUP_ROWS // block_m * block_m)
-    if rows <= group or not (want_hidden or in_place):
-        return [slice(0, rows)]
-    size = equal_piece_rows(rows, group, block_m)
-    if in_place:
-        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
-    grouped = 4 * valid_columns * hidden_size * want_weight + _vocabulary_outside_bytes(
-        size, hidden_size, valid_columns, want_hidden, False
-    )
-    if grouped + GROUPS_MIN_SAVING_BYTES > _vocabulary_outside_bytes(
-        rows, hidden_size, valid_columns, want_hidden, want_weight
-    ):
-        return [slice(0, rows)]
-    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 def recomputed_gradients(
@@ -461,22 +307,13 @@ def recomputed_gradients(
                 dz = dz_buffer[:count, :cols]
                 programs = min(-(-count // c.block_m) * -(-cols // c.block_n), slots)
                 kernels.grad_logits_kernel[(programs,)](
-                    descriptor(hidden[rows], [c.block_m, c.block_k]),
-                    w_desc,
+                    descriptor(hidden[rows], [c.block_m, c.block_k]), w_desc,
                     descriptor(dz, [c.block_m, c.block_n]),
                     *(t[rows] for t in row_args),
-                    count,
-                    h,
-                    start,
-                    cols,
-                    programs,
-                    BLOCK_M=c.block_m,
-                    BLOCK_N=c.block_n,
-                    BLOCK_K=c.block_k,
-                    GROUP_M=c.group_m,
-                    num_warps=c.num_warps,
-                    num_stages=c.num_stages,
-                )
+                    count, h, start, cols, programs,
+                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    num_warps=c.num_warps, num_stages=c.num_stages,
+                )  # fmt: skip
                 if add_sparse is not None:
                     add_sparse(dz, rows, start)
             if d_hidden is not None:
@@ -524,18 +361,10 @@ def stored_grad_logits(
     if rows and width:
         vectors = [t.float().contiguous() for t in (inv_temp, row_max, log_sum, shifted_mean, g_lp, g_ent)]
         kernels.stored_grad_logits_kernel[(rows, -(-width // GRAD_BLOCK))](
-            shifted,
-            dz,
-            shifted.stride(0),
-            tile_max,
-            tile_max.stride(0),
-            label_col.to(torch.int64).contiguous(),
-            *vectors,
-            width,
-            TILE_N=store.tile_columns,
-            BLOCK=GRAD_BLOCK,
-            num_warps=8,
-        )
+            shifted, dz, shifted.stride(0), tile_max, tile_max.stride(0),
+            label_col.to(torch.int64).contiguous(), *vectors,
+            width, TILE_N=store.tile_columns, BLOCK=GRAD_BLOCK, num_warps=8,
+        )  # fmt: skip
     return dz
 
 
@@ -626,6 +455,8 @@ class RecomputingPasses:
                 self.p.hidden.requires_grad,
                 self.p.weight.requires_grad,
                 self.p.main_grad_dtype == torch.float32,
+                block_m=GRAD_CONFIG.block_m,
+                block_n=GRAD_CONFIG.block_n,
             )
         return SavedPasses(
             (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp, *kept),

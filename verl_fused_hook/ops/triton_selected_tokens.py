@@ -26,6 +26,7 @@ from torch import Tensor
 from . import triton_backend as backend  # its tile configurations read at call time
 from .arguments import LogProbProblem
 from .backends import RowBlock, SavedPasses
+from .backward_plan import row_groups
 from .softmax_math import LogitGradientInputs, Partials, merge_partials
 from .token_math import (
     SparseLogitGradient,
@@ -39,7 +40,6 @@ from .triton_backend import (
     StoredLogits,
     descriptor,
     recomputed_gradients,
-    row_groups,
     stored_layout,
     tiles_per_split,
     tma_ready,
@@ -253,10 +253,17 @@ class TritonTokenPasses:
 
     def for_backward(self) -> SavedPasses:
         b, p = self.block, self.p
+        grad = backend.GRAD_CONFIG
         groups = row_groups(
-            b.rows.numel(), b.hidden.shape[1], self.valid_columns, p.hidden.requires_grad, p.weight.requires_grad,
+            b.rows.numel(),
+            b.hidden.shape[1],
+            self.valid_columns,
+            p.hidden.requires_grad,
+            p.weight.requires_grad,
             p.main_grad_dtype == torch.float32,
-        )  # fmt: skip
+            block_m=grad.block_m,
+            block_n=grad.block_n,
+        )
         return SavedPasses(
             (b.hidden, self.weight, b.rows, b.label_col, b.inv_temp),
             functools.partial(_rebuilt, self.valid_columns, groups),
