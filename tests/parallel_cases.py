@@ -24,6 +24,7 @@ from verl_fused_hook_harness.support.parallel_compare import ABS_FLOOR, RTOL, fl
 from verl_fused_hook_harness.support.parallel_engine import (
     HOOK,
     HOOK_FUSED_LOSS,
+    MODEL_OUTPUT_KEYS,
     REFERENCE,
     SIDES,
     UNFUSED,
@@ -124,6 +125,9 @@ CASES = {
         ParallelCase("cp2_seq_mean", 2, cp=2, loss_agg_mode="seq-mean-token-mean"),
         ParallelCase("cp2_dppo_tv", 2, cp=2, loss_mode="dppo_tv"),
         ParallelCase("cp2_gspo", 2, cp=2, loss_mode="gspo"),
+        ParallelCase("pp2_mtp_distill", 2, pp=2, mtp=True, distillation="topk"),
+        ParallelCase("cp2_distill", 2, cp=2, distillation="topk"),
+        ParallelCase("cp2_distill_k3", 2, cp=2, distillation="k3"),
         # 4 processes
         ParallelCase("pp4", 4, pp=4, layers=4),
         ParallelCase("pp2_tp2", 4, pp=2, tp=2),
@@ -133,6 +137,7 @@ CASES = {
         ParallelCase("ep2_tp2", 4, ep=2, tp=2, experts=8),
         ParallelCase("pp2_ep2", 4, pp=2, ep=2, experts=8),
         ParallelCase("tp2_cp2", 4, tp=2, cp=2),
+        ParallelCase("tp2_cp2_distill", 4, tp=2, cp=2, distillation="topk"),
     )
 }
 FAULTS = {
@@ -141,7 +146,10 @@ FAULTS = {
     "pp2_shifted_rows_in_hook_mode": (CASES["pp2"], fault_shifted_rows, (HOOK,)),
     "vpp2_stale_micro_batch_everywhere": (CASES["vpp2"], fault_stale_micro_batch, (UNFUSED, HOOK)),
 }
-SHORT_SIDES = {name: (UNFUSED, HOOK_FUSED_LOSS) for name in ("cp2_seq_mean", "cp2_dppo_tv", "cp2_gspo")}
+SHORT_SIDES = {
+    name: (UNFUSED, HOOK_FUSED_LOSS) for name in ("cp2_seq_mean", "cp2_dppo_tv", "cp2_gspo", "cp2_distill_k3")
+}
+SHORT_SIDES.update({name: (UNFUSED, HOOK) for name in ("pp2_mtp_distill", "cp2_distill", "tp2_cp2_distill")})
 
 
 def _runs(world: int) -> list[CaseRun]:
@@ -196,8 +204,10 @@ def differences(want: dict, got: dict, *, rtol: float = RTOL, gradients_of_got_o
             w, g = flatten(want["metrics"][key]), flatten(got["metrics"][key])
             if len(w) != len(g) or not all(_close(a, b, rtol) for a, b in zip(w, g)):
                 found.append(f"metric {key}: {got['metrics'][key]!r} vs {want['metrics'][key]!r}")
-    for key in ("log_probs", "entropy"):
-        if key in got and tensor_error(want[key], got[key]) > rtol:
+    for key in MODEL_OUTPUT_KEYS:
+        if got["losses"] and (key in want) != (key in got):  # on the last stage
+            found.append(f"model output {key}: held by one side only")
+        elif key in got and tensor_error(want[key], got[key]) > rtol:
             found.append(f"{key}: relative error {tensor_error(want[key], got[key]):.3g}")
     names = set(got["grads"]) if gradients_of_got_only else set(got["grads"]) | set(want["grads"])
     missing = sorted(names - set(want["grads"]) | names - set(got["grads"]))

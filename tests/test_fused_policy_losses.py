@@ -109,9 +109,12 @@ def _update(engine, name: str) -> dict:
 
     engine.optimizer_zero_grad()
     fused_before = sum(counts_of(m).fused_loss_forwards for m in engine.module)
-    with engine.train_mode():
+    with engine.train_mode():  # which zeroes the gradients on exit: read them inside
         output = engine.forward_backward_batch(batch(engine, name == "sft"), loss_function(name), forward_only=False)
-    grads = {n: p.main_grad.detach().clone() for m in engine.module for n, p in m.named_parameters() if p.requires_grad}
+        grads = {
+            n: p.main_grad.detach().clone() for m in engine.module for n, p in m.named_parameters() if p.requires_grad
+        }
+    assert any(float(grad.abs().max()) > 0 for grad in grads.values())
     return {
         "losses": [float(x) for x in output["loss"]],
         "metrics": {key: _metric(value) for key, value in output["metrics"].items()},

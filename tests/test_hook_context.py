@@ -31,6 +31,20 @@ from verl_fused_hook.output_layer import logit_multiplier, resolve_output_weight
         ({"keep_logits_bytes": 1.5}, "keep_logits_bytes"),
         ({"keep_logits_bytes": True}, "keep_logits_bytes"),
         ({"keep_logits_bytes": 1, "loss_fn": lambda log_probs, entropy: (log_probs.sum(), {})}, "keep_logits_bytes"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"calculate_sum_pi_squared": 1}, "calculate_sum_pi_squared"),
+        ({"calculate_log_probs": None}, "calculate_log_probs"),
+        ({"token_ids": torch.zeros(1, 3, 2)}, "token_ids"),  # not integer
+        ({"token_ids": torch.zeros(1, 3, dtype=torch.long)}, "token_ids"),  # not [b, s, k]
+        ({"backend": "verl", "top_k": 4}, "top_k"),  # verl's kernel has no token_log_probs
+        ({"backend": "verl", "calculate_sum_pi_squared": True}, "calculate_sum_pi_squared"),
+        ({"token_ids": torch.zeros(1, 3, 2, dtype=torch.long), "keep_logits_bytes": 1}, "token_ids"),
+        ({"top_k": 2, "as_tuple": True}, "top_k"),
+        (
+            {"calculate_log_probs": False, "loss_fn": lambda log_probs, entropy: (log_probs.sum(), {})},
+            "calculate_log_probs",
+        ),
     ],
 )
 def test_bad_context_fields_are_named(kwargs, field):
@@ -108,3 +122,38 @@ def test_processor_on_a_plain_layer_matches_reference():
     log_softmax = logits.log_softmax(-1)
     assert (out.log_probs - log_softmax.gather(-1, labels[..., None])[..., 0]).abs().max() < 1e-5
     assert (out.entropy + (log_softmax.exp() * log_softmax).sum(-1)).abs().max() < 1e-5
+
+
+def test_processor_token_outputs_match_reference():
+    """token_ids, top_k and sum pi^2 through the processor ([s, b, h] in, [b, s, ...] out): the op token_log_probs
+    on the plain layer, against fp64 full logits; the label's log-prob left out when not asked."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(6, 3, 8, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 6))
+    token_ids = torch.randint(0, 50, (3, 6, 4), dtype=torch.int32)
+    temperature = torch.tensor([0.5, 1.0, 2.0])
+    context = FusedOutputProcessorContext(
+        temperature=temperature, token_ids=token_ids, top_k=3, calculate_sum_pi_squared=True, calculate_log_probs=False
+    )
+    out = fused_output_processor(hidden_states=hidden, output_layer=layer, labels=labels, context=context)
+    logits = torch.einsum("sbh,vh->bsv", hidden.double(), layer.weight.double()) / temperature.double()[:, None, None]
+    log_softmax = logits.log_softmax(-1)
+    assert out.log_probs is None and out.entropy.shape == (3, 6)
+    assert (out.token_log_probs - log_softmax.gather(-1, token_ids.long())).abs().max() < 1e-5
+    top = log_softmax.topk(3, dim=-1)
+    assert torch.equal(out.top_ids, top.indices) and (out.top_log_probs - top.values).abs().max() < 1e-5
+    assert (out.sum_pi_squared - log_softmax.exp().pow(2).sum(-1)).abs().max() < 1e-6
+    out.token_log_probs.sum().backward()
+    (want,) = torch.autograd.grad(log_softmax.gather(-1, token_ids.long()).sum(), hidden)
+    assert (hidden.grad - want).abs().max() < 1e-5
+
+
+def test_processor_refuses_token_ids_shaped_unlike_labels():
+    layer = torch.nn.Linear(4, 10, bias=False)
+    context = FusedOutputProcessorContext(token_ids=torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"FusedOutputProcessorContext.token_ids: must be shaped like labels"):
+        fused_output_processor(
+            hidden_states=torch.randn(3, 1, 4), output_layer=layer, labels=torch.zeros(1, 3, dtype=torch.long),
+            context=context,
+        )  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fused_hook import FusedOutputProcessorContext, fused_output_processor
-from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss
+from verl_fused_hook.ops import log_probs_and_entropy, log_probs_entropy_and_loss, token_log_probs
 from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 
@@ -101,6 +101,30 @@ def test_returned_gradient_follows_megatron():
     _run(hidden, unfused, labels, score_mask, g_lp, g_ent, False)
     assert torch.equal(unfused.main_grad, before) and unfused.grad_added_to_main_grad is False
     assert unfused.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("tile_rows", [None, 9])
+def test_token_log_probs_adds_into_main_grad_what_it_would_return(tile_rows):
+    """token_log_probs (distillation's op) with gradient_accumulation_fusion: main_grad gets exactly the d_weight the
+    op returns without it, and megatron's placeholder is returned: the same rule as the op it shares a weight with."""
+    hidden, weight, labels, score_mask, g_lp, g_ent = _inputs()
+    ids = torch.randint(0, TRUE_VOCAB, (N, 5), generator=torch.Generator().manual_seed(5))
+    g_ids = torch.randn(N, 5, generator=torch.Generator().manual_seed(6))
+
+    def run(param, fusion):
+        out = token_log_probs(
+            hidden, param, labels, ids, temperature=T, score_mask=score_mask, vocab_size=TRUE_VOCAB, backend="torch",
+            tile_rows=tile_rows, gradient_accumulation_fusion=fusion,
+        )  # fmt: skip
+        ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum() + (out.token_log_probs * g_ids).sum()).backward()
+
+    returned = torch.nn.Parameter(weight.clone())
+    run(returned, False)
+    param = _as_ddp_parameter(weight)
+    before = param.main_grad.clone()
+    run(param, True)
+    assert torch.allclose(param.main_grad - before, returned.grad, rtol=0, atol=1e-6 * returned.grad.abs().max())
+    assert param.grad_added_to_main_grad is True and param.grad is not None and param.grad.shape == param.shape
 
 
 def test_16_bit_main_grad_is_rounded_once():

@@ -56,6 +56,12 @@ class FusedOutputProcessorContext:
     keep_logits_bytes: without loss_fn, memory the op may hold from forward to backward to keep
         scored rows' logits instead of recomputing them (`log_probs_and_entropy(keep_logits_bytes=...)`;
         0: recompute every row).
+    token_ids: integer [b, s, k] like labels plus a last dim: also return each id's log-prob
+        (`token_log_probs`, differentiable), e.g. a teacher's top-k for distillation.
+    top_k: also return the row's own top_k ids and log-probs (`top_ids`, `top_log_probs`; no gradient).
+    calculate_sum_pi_squared: also return sum_j p_j^2 per row (`sum_pi_squared`; no gradient).
+    calculate_log_probs: False returns `log_probs=None` (labels still say which rows are computed).
+    The last four run the op `token_log_probs` (two passes); not with loss_fn, keep_logits_bytes or as_tuple.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -72,6 +78,16 @@ class FusedOutputProcessorContext:
     loss_chunk_bytes: int | None = None
     loss_row_groups: torch.Tensor | None = field(default=None, repr=False)
     keep_logits_bytes: int = 0
+    token_ids: torch.Tensor | None = field(default=None, repr=False)
+    top_k: int = 0
+    calculate_sum_pi_squared: bool = False
+    calculate_log_probs: bool = True
+
+    @property
+    def asks_token_outputs(self) -> bool:
+        """Whether the processor runs `token_log_probs` (ids' log-probs, top-k, sum pi^2 or no label log-prob)."""
+        asked = (self.token_ids is not None, self.top_k > 0, self.calculate_sum_pi_squared)
+        return any(asked) or not self.calculate_log_probs
 
     def __post_init__(self):
         for name in ("row_gradients", "host_loss_fn", "loss_chunk_bytes", "loss_row_groups"):
@@ -120,6 +136,7 @@ class FusedOutputProcessorContext:
                 "labels"
             )
         check_int("FusedOutputProcessorContext.vocab_size", self.vocab_size, low=1, optional=True)
+        self._check_token_fields(capabilities)
         unsupported = [
             name
             for name, used in (
@@ -140,3 +157,47 @@ class FusedOutputProcessorContext:
                 "(its kernel takes a scalar temperature over every row and column); "
                 f"use backend in {', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).row_selection)}"
             )
+
+    def _check_token_fields(self, capabilities) -> None:
+        check_int("FusedOutputProcessorContext.top_k", self.top_k, low=0)
+        check_bool("FusedOutputProcessorContext.calculate_sum_pi_squared", self.calculate_sum_pi_squared)
+        check_bool("FusedOutputProcessorContext.calculate_log_probs", self.calculate_log_probs)
+        if self.token_ids is not None and (
+            not isinstance(self.token_ids, torch.Tensor)
+            or self.token_ids.is_floating_point()
+            or self.token_ids.is_complex()
+            or self.token_ids.dtype == torch.bool
+            or self.token_ids.dim() != 3
+        ):
+            raise ValueError(
+                "FusedOutputProcessorContext.token_ids: expected None or an integer tensor [b, s, k] shaped like "
+                "labels plus a last dim of ids"
+            )
+        if not self.asks_token_outputs:
+            return
+        asked = next(
+            name
+            for name, used in (
+                ("token_ids", self.token_ids is not None),
+                ("top_k", self.top_k > 0),
+                ("calculate_sum_pi_squared", self.calculate_sum_pi_squared),
+                ("calculate_log_probs", True),
+            )
+            if used
+        )
+        if not capabilities.selected_tokens:
+            raise ValueError(
+                f"FusedOutputProcessorContext.{asked}: needs the op token_log_probs, which backend={self.backend!r} "
+                f"has no kernel for; use backend in "
+                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).selected_tokens)}"
+            )
+        for other, used in (
+            ("loss_fn", self.loss_fn is not None),
+            ("keep_logits_bytes", self.keep_logits_bytes > 0),
+            ("as_tuple", self.as_tuple),
+        ):
+            if used:
+                raise ValueError(
+                    f"FusedOutputProcessorContext.{asked}: runs the op token_log_probs (two passes), which takes no "
+                    f"{other}; set one or the other"
+                )

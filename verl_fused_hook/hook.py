@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .context import FusedOutputProcessorContext
-from .ops import log_probs_and_entropy, log_probs_entropy_and_loss
+from .ops import log_probs_and_entropy, log_probs_entropy_and_loss, token_log_probs
 from .output_layer import (
     adds_weight_grad_to_main_grad,
     check_output_layer_has_no_bias,
@@ -39,9 +39,14 @@ class LogProbsOutput:
     hidden_states: torch.Tensor | None = None
     attentions: object = None
     loss_metrics: Any = None  # the metrics of a fused loss (context.loss_fn)
+    # what context.token_ids / top_k / calculate_sum_pi_squared ask for ([b, s, ...])
+    token_log_probs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
 
 
-def _make_output(log_probs: torch.Tensor, entropy: torch.Tensor | None, hidden_states: torch.Tensor):
+def _make_output(log_probs: torch.Tensor | None, entropy: torch.Tensor | None, hidden_states: torch.Tensor):
     try:
         from verl.utils.model import CausalLMOutputForPPO
     except ImportError:
@@ -67,7 +72,35 @@ def _per_token(value: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed(values: torch.Tensor | None) -> torch.Tensor | None:
-    return values.t().contiguous() if values is not None else None
+    """[s, b, ...] <-> [b, s, ...]"""
+    return values.transpose(0, 1).contiguous() if values is not None else None
+
+
+def _token_outputs(hidden_states, weight, labels_sb, labels, context: FusedOutputProcessorContext, problem: dict):
+    """The op `token_log_probs` for what the context asks (ids' log-probs, top-k, sum pi^2), outputs [b, s, ...]."""
+    token_ids = context.token_ids
+    if token_ids is not None and token_ids.shape[:2] != labels.shape:
+        raise ValueError(
+            f"FusedOutputProcessorContext.token_ids: must be shaped like labels [b, s] = {tuple(labels.shape)} plus "
+            f"a last dim of ids, got {tuple(token_ids.shape)}"
+        )
+    out = token_log_probs(
+        hidden_states,
+        weight,
+        labels_sb,
+        _transposed(None if token_ids is None else token_ids.to(labels.device)),
+        **problem,
+        calculate_log_probs=context.calculate_log_probs,
+        top_k=context.top_k,
+        calculate_sum_pi_squared=context.calculate_sum_pi_squared,
+        tile_rows=context.tile_rows,
+    )
+    output = _make_output(_transposed(out.log_probs), _transposed(out.entropy), hidden_states)
+    output.token_log_probs = _transposed(out.token_log_probs)
+    output.top_ids = _transposed(out.top_ids)
+    output.top_log_probs = _transposed(out.top_log_probs)
+    output.sum_pi_squared = _transposed(out.sum_pi_squared)
+    return output
 
 
 def fused_output_processor(
@@ -89,6 +122,8 @@ def fused_output_processor(
     reduce-scatter under sequence parallelism, all-reduce without (`tp_hidden`).
     With the output layer's `gradient_accumulation_fusion` (megatron's config field) and a DDP-wrapped weight,
     d_weight goes into the weight's `main_grad`, as megatron's layer would put it (ops/weight_gradient.py).
+    With `context.token_ids`, `top_k` or `calculate_sum_pi_squared` the op is `token_log_probs`, and the output
+    also carries `token_log_probs`, `top_ids`, `top_log_probs`, `sum_pi_squared` ([b, s, ...], None when not asked).
     Returns verl's CausalLMOutputForPPO (or LogProbsOutput without verl), or a
     `(log_probs, entropy)` tuple when `context.as_tuple`.
     """
@@ -157,6 +192,8 @@ def fused_output_processor(
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics
         return output
+    if context.asks_token_outputs:
+        return _token_outputs(hidden_states, weight, labels_sb, labels, context, problem)
     log_probs, entropy = log_probs_and_entropy(
         hidden_states,
         weight,

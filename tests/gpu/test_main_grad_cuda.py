@@ -102,6 +102,44 @@ def test_groups_of_rows_add_into_fp32_main_grad():
     assert peak - returned - saved <= backward_plan.IN_PLACE_WALK_BYTES, (peak - returned - saved) / 1024**2
 
 
+def test_token_log_probs_adds_into_fp32_main_grad():
+    """token_log_probs (distillation's op): d_weight into main_grad in groups of rows, against fp64, and not rounded to
+    bf16 as the returned one is; the ids' log-probs and the top-k as without it."""
+    from verl_fused_hook.ops import token_log_probs
+
+    hidden, weight, labels, score_mask, g_lp, g_ent = _inputs()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids = torch.randint(0, TRUE_VOCAB, (N, 8), device="cuda", generator=g)
+    g_ids = torch.randn(N, 8, device="cuda", generator=g)
+
+    def step(w, fusion):
+        out = token_log_probs(
+            hidden, w, labels, ids, temperature=0.8, score_mask=score_mask, vocab_size=TRUE_VOCAB, top_k=4,
+            backend="triton", gradient_accumulation_fusion=fusion,
+        )  # fmt: skip
+        ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum() + (out.token_log_probs * g_ids).sum()).backward()
+        return out
+
+    plain = weight.clone().requires_grad_()
+    want = step(plain, False)
+    fused = weight.clone().requires_grad_()
+    fused.main_grad = torch.full(weight.shape, 0.5, device="cuda")
+    fused.grad_added_to_main_grad = False
+    got = step(fused, True)
+    assert fused.grad_added_to_main_grad is True
+    assert torch.equal(got.token_log_probs, want.token_log_probs) and torch.equal(got.top_ids, want.top_ids)
+    w = weight.double().requires_grad_()
+    logits = hidden.double() @ w[:TRUE_VOCAB].t() / 0.8
+    log_softmax = torch.log_softmax(logits, -1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    loss = (log_softmax.gather(-1, labels[:, None])[:, 0] * g_lp + entropy * g_ent) * score_mask
+    loss = loss.sum() + ((log_softmax.gather(-1, ids) * g_ids).sum(-1) * score_mask).sum()
+    (d_weight,) = torch.autograd.grad(loss, w)
+    errors = {"main_grad": _rel(fused.main_grad.double() - 0.5, d_weight), "returned": _rel(plain.grad, d_weight)}
+    assert errors["main_grad"] <= GRAD_TOL and errors["main_grad"] < errors["returned"], errors
+    assert bool((fused.main_grad[TRUE_VOCAB:] == 0.5).all())
+
+
 def test_verl_backend_refuses_it():
     pytest.importorskip("verl")
     hidden, weight, labels, *_ = _inputs()

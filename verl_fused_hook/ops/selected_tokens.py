@@ -33,7 +33,7 @@ from .token_math import (
     no_column_token_partials,
 )
 from .two_pass import fp32_backward
-from .weight_gradient import WeightGradientSum
+from .weight_gradient import WeightGradientSum, returned_weight_grad
 
 DRIVER = "token_log_probs"
 
@@ -70,6 +70,7 @@ def token_log_probs(
     calculate_sum_pi_squared: bool = False,
     backend: str = "auto",
     tile_rows: int | None = None,
+    gradient_accumulation_fusion: bool = False,
 ) -> TokenLogProbs:
     """Log-probs of `labels` and of every id in `token_ids`, entropy, the row's own top_k and sum pi^2 under
     softmax(hidden @ W.T / temperature), W every rank's `weight` shard; no [rows, vocab] tensor at any point.
@@ -85,6 +86,8 @@ def token_log_probs(
         calculate_sum_pi_squared: also return sum_j p_j^2 (no gradient).
         backend: "auto", "triton" or "torch"; "verl" has no such kernel (ValueError).
         tile_rows: the portable backend's rows per tile, as log_probs_and_entropy's.
+        gradient_accumulation_fusion: True: d_weight goes into `weight.main_grad` and megatron's placeholder is
+            returned, as log_probs_and_entropy's (so that every op call on one weight in a step treats it alike).
 
     Rows not computed (ignore_index, score_mask False) hold 0 in every output (top_ids -1) and get zero gradient.
     Every rank of tp_group returns identical outputs and its own d_weight shard; d_hidden as tp_hidden says.
@@ -103,7 +106,7 @@ def token_log_probs(
     problem = build_problem(
         hidden, weight, labels, temperature=temperature, tp_group=tp_group, score_mask=score_mask,
         ignore_index=ignore_index, vocab_size=vocab_size, calculate_entropy=calculate_entropy, tile_rows=tile_rows,
-        tp_hidden=tp_hidden,
+        tp_hidden=tp_hidden, gradient_accumulation_fusion=gradient_accumulation_fusion,
     )  # fmt: skip
     check_int(
         "top_k",
@@ -219,6 +222,8 @@ class _SelectedTokens(torch.autograd.Function):
         ctx.rebuild_passes = saved.rebuild
         ctx.save_for_backward(*saved.tensors, *statistics, request.token_columns)
         ctx.inputs = (hidden.shape, hidden.dtype, weight.shape, weight.dtype, p.valid_columns, p.calculate_entropy)
+        # d_weight goes to its main_grad (main_grad_dtype is set only for a weight that requires grad)
+        ctx.main_grad_owner = weight if p.main_grad_dtype is not None else None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(t for t in outputs[3:] if t is not None))
         return outputs
@@ -231,14 +236,19 @@ class _SelectedTokens(torch.autograd.Function):
         hidden_shape, hidden_dtype, weight_shape, weight_dtype, valid_columns, calculate_entropy = ctx.inputs
         device = row_max.device
         grad_entropy = grad_entropy if calculate_entropy else None
+        owner, ctx.main_grad_owner = ctx.main_grad_owner, None
         grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and owner is None:
+            grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device)
         nothing_flows = grad_log_probs is None and grad_entropy is None and grad_token_log_probs is None
         if valid_columns == 0 or row_max.numel() == 0 or nothing_flows:
-            return grad_hidden, grad_weight, None, None, None
+            return grad_hidden, grad_weight if owner is None else returned_weight_grad(owner), None, None, None
         passes = ctx.rebuild_passes(*tensors)
         weight_sum = None
-        if grad_weight is not None:
+        if owner is not None:  # main_grad read now, as megatron's layers do
+            weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
+        elif grad_weight is not None:
             weight_sum = WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
         for block in passes.blocks():
             span, rows = block.span, block.rows
@@ -254,6 +264,9 @@ class _SelectedTokens(torch.autograd.Function):
             del d_hidden
         if weight_sum is not None:
             weight_sum.finish()
+        if owner is not None:
+            del weight_sum  # its fp32 buffer (a 16-bit main_grad's) is free before the placeholder is allocated
+            grad_weight = returned_weight_grad(owner)
         return grad_hidden, grad_weight, None, None, None
 
 

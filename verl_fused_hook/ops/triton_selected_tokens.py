@@ -260,6 +260,7 @@ class TritonTokenPasses:
             self.valid_columns,
             p.hidden.requires_grad,
             p.weight.requires_grad,
+            p.main_grad_dtype == torch.float32,
             block_m=grad.block_m,
             block_n=grad.block_n,
         )

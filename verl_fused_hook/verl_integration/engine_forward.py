@@ -5,8 +5,10 @@ temperature and every row, and exists for the packed layout only. Ours lays
 the micro-batch out with verl's own helpers (packed or padded, `layouts.py`),
 then calls the model with `fused_output_processor` and a context carrying
 per-token temperatures, the rows to score, the configured backend and, when
-the step asks for it, verl's loss to compute inside the op. What the step
-asks for arrives in one `HookStep` (forward_step.py).
+the step asks for it, verl's loss to compute inside the op, or the outputs
+beyond log-probs and entropy (the teacher top-k's distillation outputs, sum pi^2:
+the op `token_log_probs`). What the step asks for arrives in one `HookStep`
+(forward_step.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..ops import backend_capabilities
 from ..probe import unwrap_to_gpt
 from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX
 from .cp_loss import context_parallel_options
+from .distillation import forward_kl_topk
 from .forward_step import HookStep, current_step, sample_temperatures
 from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
@@ -69,6 +72,28 @@ def _fused_loss_options(step: HookStep, layout: PackedLayout, labels: torch.Tens
     return options
 
 
+def _token_options(step: HookStep, layout, device, keep_logits_bytes: int) -> dict:
+    """The context fields of a step that needs `token_log_probs`: the teacher's ids laid out like the labels
+    (unrolled, as verl lays out the teacher for its logits processor), the student's top-k of the same k, sum pi^2."""
+    options = {}
+    if step.distillation is not None:
+        distillation = step.distillation
+        options.update(
+            token_ids=layout.pack(distillation.teacher_ids.to(device)),
+            top_k=distillation.top_k,
+            calculate_log_probs=not distillation.distillation_only,
+        )
+    if step.sum_pi_squared:
+        options["calculate_sum_pi_squared"] = True
+    if options and keep_logits_bytes:
+        log_once(
+            logger,
+            "verl_fused_hook: output_processor_keep_logits_gib is not used by steps with distillation_use_topk or "
+            "calculate_sum_pi_squared (the op token_log_probs recomputes every row's logits)",
+        )
+    return options
+
+
 def make_engine_forward(vision_model: bool):
     """The engine forward for one architecture family (language model or VLM), like verl's factory."""
 
@@ -94,8 +119,9 @@ def make_engine_forward(vision_model: bool):
         step: what this step asks for (layout, scored rows, fused loss, MTP inputs); default the
         HookStep of the enclosing `forward_step`, or a plain packed step outside one.
         Returns {"log_probs": jagged, "entropy": jagged (when asked)} like verl's engine
-        forward (plus the fused loss's result under FUSED_LOSS_OUTPUT_KEY), or the hidden
-        states on a non-last pipeline stage.
+        forward (plus the fused loss's result under FUSED_LOSS_OUTPUT_KEY, verl's top-k distillation
+        outputs, "sum_pi_squared"; "log_probs" left out under distillation_only, as verl's unfused path
+        does), or the hidden states on a non-last pipeline stage.
         """
         step = step or current_step() or HookStep()
         gpt = unwrap_to_gpt(model)
@@ -120,6 +146,7 @@ def make_engine_forward(vision_model: bool):
             model_inputs["padding_mask"] = router_padding_mask
 
         fused_loss = step.fused_loss if gpt.post_process else None
+        tokens = _token_options(step, layout, input_ids.device, plan.keep_logits_bytes) if gpt.post_process else {}
         if backend_capabilities(backend).row_selection:
             score_mask = layout.score_mask(step.score_rows)
         else:
@@ -137,7 +164,7 @@ def make_engine_forward(vision_model: bool):
             **(
                 _fused_loss_options(step, layout, model_inputs["labels"])
                 if fused_loss is not None
-                else {"keep_logits_bytes": plan.keep_logits_bytes}
+                else tokens or {"keep_logits_bytes": plan.keep_logits_bytes}
             ),
         )
         output = model(**model_inputs, output_processor=fused_output_processor, output_processor_context=context)
@@ -146,11 +173,22 @@ def make_engine_forward(vision_model: bool):
         counts = counts_of(gpt)
         counts.forwards += 1
         counts.fused_loss_forwards += fused_loss is not None
-        result = {"log_probs": layout.unpack(output.log_probs)}
+        result = {}
+        if output.log_probs is not None:  # None: distillation_only, as verl's path leaves them out
+            result["log_probs"] = layout.unpack(output.log_probs)
         if calculate_entropy:
             result["entropy"] = layout.unpack(output.entropy)
         if fused_loss is not None:
             result[FUSED_LOSS_OUTPUT_KEY] = (output.loss, output.loss_metrics)
+        if step.distillation is not None:
+            teacher_log_probs = layout.pack(step.distillation.teacher_log_probs.to(input_ids.device))
+            outputs = forward_kl_topk(
+                output.token_log_probs, output.top_ids, tokens["token_ids"], teacher_log_probs,
+                step.distillation.log_prob_min_clamp, score_mask,
+            )  # fmt: skip
+            result.update({key: layout.unpack(value) for key, value in outputs.items()})
+        if step.sum_pi_squared:
+            result["sum_pi_squared"] = layout.unpack(output.sum_pi_squared)
         return result
 
     return engine_forward

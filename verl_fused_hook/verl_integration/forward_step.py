@@ -33,7 +33,9 @@ import torch
 from ..checks import is_number
 from ..log_once import log_once
 from ..ops import backend_capabilities
-from ..switch import CONFIG_SCORE_MASK_KEY, HOOK
+from ..probe import unwrap_to_gpt
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, CONFIG_SCORE_MASK_KEY, HOOK
+from .distillation import TopKDistillation, check_teacher_fields, distillation_config_of, topk_distillation
 from .layouts import BSHD, THD
 from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
@@ -51,6 +53,8 @@ class HookStep:
     forced_max_seqlen: int | None = None  # BSHD: verl's pad_bshd_to_minibatch_max length
     fused_loss: FusedLossRequest | None = None  # output_processor_fused_loss: the loss the op computes
     mtp: MtpStepInputs | None = None  # when the model trains its MTP layers
+    distillation: TopKDistillation | None = None  # distillation_use_topk: verl's top-k distillation outputs
+    sum_pi_squared: bool = False  # calculate_sum_pi_squared: sum_j p_j^2 per row in the output
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -63,9 +67,10 @@ def current_step() -> HookStep | None:
 def _reads_response_rows_only(loss_function) -> bool:
     if loss_function is None:
         return True
+    from verl.trainer.distillation.losses import distillation_ppo_loss
     from verl.workers.utils.losses import ppo_loss
 
-    return getattr(loss_function, "func", loss_function) is ppo_loss
+    return getattr(loss_function, "func", loss_function) in (ppo_loss, distillation_ppo_loss)
 
 
 def _prompt_and_response_lengths(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +113,44 @@ def _layout_of(engine, batch) -> dict:
     return {"layout": BSHD, "forced_max_seqlen": tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None)}
 
 
+def _uses_estimator(distillation_config) -> bool:
+    return distillation_config is not None and distillation_config.distillation_loss.loss_settings.use_estimator
+
+
+def token_step(batch, model, loss_function, backend: str) -> tuple[dict, object]:
+    """(HookStep fields for the outputs beyond log-probs and entropy, the batch verl's forward_step is shown).
+
+    Teacher fields are checked here, before the model runs, on every pipeline stage alike (ValueError naming the
+    field); a backend without `token_log_probs` is refused for the steps that need it."""
+    from verl.utils import tensordict_utils as tu
+
+    fields = {}
+    vocab_size = unwrap_to_gpt(model).vocab_size
+    if tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False):
+        only = tu.get_non_tensor_data(batch, key="distillation_only", default=False)
+        fields["distillation"] = topk_distillation(batch, loss_function, vocab_size, only)
+        log_once(
+            logger,
+            "verl_fused_hook: distillation_use_topk: verl's forward_kl_topk outputs (per-token KL, masses, overlap) "
+            "from the op token_log_probs in the hook: the teacher's ids' log-probs and the student's top-k from "
+            "hidden states, no [tokens, vocab] logits (two passes, logits recomputed in backward)",
+        )
+    elif _uses_estimator(distillation_config_of(loss_function)):
+        check_teacher_fields(batch, vocab_size, ids_read=False, entries=1)  # verl's estimators read one per token
+    if tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False):
+        fields["sum_pi_squared"] = True
+        log_once(logger, "verl_fused_hook: calculate_sum_pi_squared: sum_pi_squared from the op token_log_probs")
+        batch = batch.copy()  # the caller's micro-batch keeps its flag
+        tu.assign_non_tensor(batch, calculate_sum_pi_squared=False)
+    if fields and not backend_capabilities(backend).selected_tokens:
+        asked = "distillation_use_topk" if "distillation" in fields else "calculate_sum_pi_squared"
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot run a step with {asked}: it needs the op "
+            "token_log_probs, and verl's kernel returns the label's log-prob and entropy only; use auto"
+        )
+    return fields, batch
+
+
 def make_forward_step(original):
     """Wrap verl's forward_step: in hook mode, run it inside a HookStep; otherwise call it untouched."""
 
@@ -117,6 +160,7 @@ def make_forward_step(original):
         if not (self.engine_config.use_fused_kernels and plan is not None and plan.mode == HOOK):
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
+        tokens, batch = token_step(batch, model, logits_processor_func, plan.backend)
         if not backend_capabilities(plan.backend).row_selection:
             log_once(
                 logger, f"verl_fused_hook: score_mask off, output_processor_backend={plan.backend} scores every row"
@@ -128,15 +172,21 @@ def make_forward_step(original):
         else:
             rows = response_score_rows(batch, logits_processor_func)
         layout = _layout_of(self, batch)
+        # only verl's own postprocess partial says whether this is a training step
+        forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
         fused = None
         if plan.fused_loss and layout["layout"] == BSHD:
             log_once(
                 logger,
                 "verl_fused_hook: output_processor_fused_loss: the padded (BSHD) layout is not fused; two-pass path",
             )
+        elif plan.fused_loss and tokens.get("sum_pi_squared") and not forward_only:
+            log_once(
+                logger,
+                "verl_fused_hook: output_processor_fused_loss: a training step with calculate_sum_pi_squared is not "
+                "fused (sum_pi_squared comes from the op token_log_probs); two-pass path",
+            )
         elif plan.fused_loss:
-            # only verl's own postprocess partial says whether this is a training step
-            forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", True)
             fused = fused_loss_request(self, batch, logits_processor_func, forward_only, plan.fused_loss_chunk_bytes)
         if fused is not None:
             batch = fused.data
@@ -144,7 +194,7 @@ def make_forward_step(original):
                 postprocess_micro_batch_func, loss_function=fused_result_loss
             )
         mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
-        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, **layout))
+        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, **layout, **tokens))
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:

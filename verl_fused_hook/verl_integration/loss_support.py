@@ -14,7 +14,15 @@ when a row's gradient depends on values the chunk already holds:
 - not separable: clip_cov and kl_cov pick the tokens they clip from whole-batch
   statistics of the values;
 - bypass_mode: as its rollout correction: batch-normalized IS weights are not
-  separable, sequence-level IS or rejection sequence-separable, else token-separable.
+  separable, sequence-level IS or rejection sequence-separable, else token-separable;
+- `distillation_ppo_loss` with one of verl's single-sample estimators (k1/kl, k2,
+  k3/low_var_kl, abs, mse: `compute_distillation_loss_reverse_kl_estimator`): each
+  token's loss is `kl_penalty` of its own log-prob and the teacher's (data), clamped
+  per token to +-loss_max_clamp, then either aggregated (`agg_loss`) or used, detached,
+  as the advantage of verl's vanilla policy loss (`use_policy_gradient`): token-separable;
+  plus `ppo_loss` when `use_task_rewards` (its own separability). `forward_kl_topk` is
+  not fused: its per-token KL comes from the op `token_log_probs` in the hook
+  (distillation.py), which the loss-inside op does not compute.
 
 Every aggregation (`agg_loss`: its normalizers are masks and batch sizes, never
 values), entropy coefficient, KL loss and rollout importance weights keep that
@@ -144,16 +152,56 @@ def _bound(loss_function, verl_function) -> dict | None:
     return None
 
 
+def distillation_loss_name(config, distillation_config) -> str:
+    loss = distillation_config.distillation_loss
+    return (
+        f"distillation_ppo_loss(loss_mode={loss.loss_mode}, use_policy_gradient={loss.use_policy_gradient}, "
+        f"use_task_rewards={loss.use_task_rewards}, loss_agg_mode={config.loss_agg_mode})"
+    )
+
+
+def distillation_separability(config, distillation_config) -> tuple[str | None, str | None]:
+    """(TOKEN or SEQUENCE, None) when `distillation_ppo_loss` with these configs can go inside the op, else
+    (None, why not)."""
+    from verl.trainer.distillation.losses import (
+        compute_distillation_loss_reverse_kl_estimator,
+        get_distillation_loss_fn,
+    )
+
+    loss = distillation_config.distillation_loss
+    if loss.loss_settings.use_topk:
+        return None, (
+            f"distillation loss_mode={loss.loss_mode} (its per-token KL comes from the op token_log_probs in the "
+            "hook, not from inside the loss-inside op)"
+        )
+    if get_distillation_loss_fn(loss.loss_mode) is not compute_distillation_loss_reverse_kl_estimator:
+        return None, f"distillation loss_mode={loss.loss_mode} (fused: verl's single-sample KL estimators)"
+    if config.loss_agg_mode not in SUPPORTED_AGG_MODES:
+        return None, f"loss_agg_mode={config.loss_agg_mode} (fused: {', '.join(SUPPORTED_AGG_MODES)})"
+    if loss.use_task_rewards:  # ppo_loss's value is part of the loss
+        return ppo_loss_separability(config)
+    return TOKEN, None
+
+
 def _separability_of(loss_function) -> tuple[str | None, Any, str]:
-    """(TOKEN/SEQUENCE or None, the bound ActorConfig, the loss's name or why it is not fused)."""
+    """(TOKEN/SEQUENCE or None, the bound ActorConfig when its fast row gradients apply, the loss's name or why it
+    is not fused)."""
+    from verl.trainer.distillation.losses import distillation_ppo_loss
     from verl.workers.utils.losses import ppo_loss, sft_loss
 
     if _bound(loss_function, sft_loss) is not None:
         return TOKEN, None, "sft_loss"
+    keywords = _bound(loss_function, distillation_ppo_loss)
+    if keywords is not None and keywords.get("config") is not None and keywords.get("distillation_config") is not None:
+        config, distillation_config = keywords["config"], keywords["distillation_config"]
+        kind, reason = distillation_separability(config, distillation_config)
+        name = distillation_loss_name(config, distillation_config)
+        # the fast row gradients are ppo_loss's alone: the op differentiates the whole loss per chunk
+        return kind, None, name if kind is not None else f"{name}: {reason} is not fused"
     keywords = _bound(loss_function, ppo_loss)
     if keywords is None or keywords.get("config") is None:
         name = getattr(getattr(loss_function, "func", loss_function), "__name__", repr(loss_function))
-        return None, None, f"loss {name} is not ppo_loss or sft_loss"
+        return None, None, f"loss {name} is not ppo_loss, distillation_ppo_loss or sft_loss"
     config = keywords["config"]
     kind, reason = ppo_loss_separability(config)
     return kind, config, ppo_loss_name(config) if kind is not None else f"{reason} is not separable"

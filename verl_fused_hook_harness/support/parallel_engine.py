@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 
 from verl_fused_hook.switch import ENV_VAR
+from verl_fused_hook.verl_integration.distillation import TOPK_OUTPUT_KEYS
 
+from .distillation import PRESETS, add_teacher, distillation_config, step_flags
+from .distillation import loss_function as distillation_loss_function
 from .grpo_batches import RolloutShape, packed, rollout
 from .hf_model import CONFIGS, TINY_QWEN2, config_folder
 
@@ -52,6 +55,8 @@ UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS = "unfused", "hook", "hook-no-mask"
 LEGACY = "legacy"  # verl's legacy fused forward (VERL_FUSED_USE_OP_HOOK=0; on the CPU with the portable kernel)
 SIDES = (UNFUSED, HOOK, HOOK_NO_MASK, HOOK_FUSED_LOSS)
 REFERENCE = "reference"  # verl's unfused path on the case's reference layout
+# The per-token model outputs a side's result holds on the response rows (those the step's loss read)
+MODEL_OUTPUT_KEYS = ("log_probs", "entropy", *TOPK_OUTPUT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class ParallelCase:
     backend: str = "auto"  # the hook sides' output_processor_backend
     hf_path: str | None = None  # the model's HF config (default: the tiny Qwen2, or the tiny Qwen3-MoE with experts)
     overrides: tuple = ()  # more transformer config overrides, as (key, value) pairs
+    # verl's distillation_ppo_loss instead of ppo_loss: a setup of support/distillation.PRESETS, the teacher's
+    # top-k in the batch and the trainer's distillation flags
+    distillation: str | None = None
 
     def __post_init__(self):
         if self.world % (self.tp * self.cp * self.pp) or (self.world // self.pp) % (self.ep * self.tp):
@@ -173,20 +181,27 @@ def build_side_engine(case: ParallelCase, side: str):
 
 def step_batch(case: ParallelCase, index: int, vocab_size: int, dp_size: int, fused_kernels: bool):
     """The GRPO batch of data index `index` (verl's packed layout, old and reference log-probs near typical
-    values); global_batch_size counts every DP rank's sequences."""
+    values, with distillation the teacher's top-k and the trainer's flags); global_batch_size counts every DP
+    rank's sequences."""
     fields = rollout(SHAPE, vocab_size, SEED + index, step=1)
     generator = torch.Generator().manual_seed(SEED + 100 + index)
     for key in ("old_log_probs", "ref_log_prob"):
         fields[key] = -6.9 + 0.3 * torch.randn(fields["responses"].shape, generator=generator)
+    flags = {}
+    if case.distillation is not None:
+        config = distillation_config(**PRESETS[case.distillation])
+        add_teacher(fields, config, vocab_size, SEED + index)
+        flags = step_flags(config)
     return packed(
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=SHAPE.sequences * dp_size,
         use_remove_padding=not case.padded, use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO_BATCH,
-        use_fused_kernels=fused_kernels,
+        use_fused_kernels=fused_kernels, **flags,
     )  # fmt: skip
 
 
-def ppo_loss_function(case: ParallelCase):
-    """verl's ppo_loss as a GRPO run configures it (clipped PG, entropy bonus, low-var KL)."""
+def case_loss_function(case: ParallelCase):
+    """verl's ppo_loss as a GRPO run configures it (clipped PG, entropy bonus, low-var KL), or with `distillation`
+    verl's distillation_ppo_loss around it, as verl's worker binds it."""
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -196,6 +211,8 @@ def ppo_loss_function(case: ParallelCase):
         loss_agg_mode=case.loss_agg_mode, rollout_n=SHAPE.n,
     )  # fmt: skip
     config = replace(config, policy_loss=replace(config.policy_loss, loss_mode=case.loss_mode))
+    if case.distillation is not None:
+        return distillation_loss_function(config, distillation_config(**PRESETS[case.distillation]))
     return functools.partial(ppo_loss, config=config)
 
 
@@ -295,7 +312,7 @@ def run_side(
         data = step_batch(case, data_index, engine.model_config.hf_config.vocab_size, engine.get_data_parallel_size(),
                           side_options(side)["fused"])  # fmt: skip
         with engine.train_mode(), repeatable_on_cuda(case, engine):
-            output, grads = train_batch(engine, data, ppo_loss_function(case))
+            output, grads = train_batch(engine, data, case_loss_function(case))
     result = {
         "losses": [float(loss) for loss in output.get("loss", [])],
         "metrics": {key: _plain(value) for key, value in output.get("metrics", {}).items()},
@@ -306,7 +323,7 @@ def run_side(
     if report is not None:
         result["observed"] = report()
     model_output = output.get("model_output", {})
-    for key in ("log_probs", "entropy"):
+    for key in MODEL_OUTPUT_KEYS:
         if key in model_output:
             result[key] = no_padding_2_padding(model_output[key].detach().cpu(), data).float()
     release_engines(engine)

@@ -49,6 +49,7 @@ class EngineSetup:
     ep: int = 1
     use_fused_kernels: bool = True  # False: verl's unfused path (full logits), the parity tests' reference
     use_remove_padding: bool = True  # False: verl's padded (BSHD) layout
+    pad_bshd_to_minibatch_max: bool = True  # verl's default: padded micro-batches to the mini-batch's longest
     transformer_overrides: dict | None = None  # more of verl's override_transformer_config (e.g. MoE, MTP)
     mtp: bool = False  # actor_rollout_ref.model.mtp.enable (and enable_train)
     distributed_optimizer: bool = True  # False: every rank holds its full DP-averaged gradients after a step
@@ -86,6 +87,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
         use_fused_kernels=setup.use_fused_kernels,
         use_remove_padding=setup.use_remove_padding,
+        pad_bshd_to_minibatch_max=setup.pad_bshd_to_minibatch_max,
         forward_only=forward_only,
         tensor_model_parallel_size=setup.tp,  # with TP > 1 mbridge's conversion turns sequence parallelism on
         pipeline_model_parallel_size=setup.pp,

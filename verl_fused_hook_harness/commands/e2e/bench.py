@@ -60,9 +60,12 @@ Usage: verl-fused-hook e2e-bench [--hf-config PATH | --moe] [--sizes 16384,32768
                                  [--grad-accum-fusion] [--batch-invariant]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
+       verl-fused-hook e2e-bench --distillation forward_kl_topk|k3|... [--topk 128] [--modes ...] [--out DIR]
 (--mtp N: verl as it ships with MTP training vs hook mode's fused MTP loss, e2e/mtp.py;
  --fused-loss: the actor update through verl's forward_step with ppo_loss, output_processor_fused_loss off vs on,
- e2e/fused_loss.py)
+ e2e/fused_loss.py;
+ --distillation: the actor update with verl's distillation_ppo_loss, verl's unfused path vs hook mode,
+ e2e/distillation.py)
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ from ...support.modes import kernel_backends
 from ...support.reports import gib, ms, write_report
 from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
 from ...support.verl_engine import megatron_engine, reset_fused_mode
-from . import bshd, fused_loss, mtp
+from . import bshd, distillation, fused_loss, mtp
 from .common import (
     Clock,
     Primed,
@@ -395,6 +398,16 @@ def main(argv=None) -> int:
         "off vs on (fused_loss.json/.md)",
     )
     parser.add_argument(
+        "--distillation",
+        choices=distillation.LOSS_MODES,
+        default=None,
+        metavar="LOSS_MODE",
+        help="distillation benchmark instead: an actor update with verl's distillation_ppo_loss of this "
+        f"loss_mode ({', '.join(distillation.LOSS_MODES)}), verl's unfused path vs hook mode "
+        "(e2e_distillation.json/.md)",
+    )
+    parser.add_argument("--topk", type=int, default=128, help="with --distillation forward_kl_topk: the teacher's k")
+    parser.add_argument(
         "--layers",
         type=int,
         default=None,
@@ -437,16 +450,26 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error("--policy-loss: only with --fused-loss")
     if args.fused_loss and (args.mtp or args.layout == "bshd"):
         parser.error("--fused-loss runs on the packed layout without MTP; drop --mtp / --layout bshd")
-    if args.fused_loss:
+    if args.distillation and (args.mtp or args.fused_loss or args.layout == "bshd"):
+        parser.error("--distillation runs on the packed layout alone; drop --mtp / --fused-loss / --layout bshd")
+    if args.topk < 1:
+        parser.error(f"--topk: expected >= 1, got {args.topk}")
+    if args.distillation:
+        layout_modes = distillation.DISTILLATION_MODES
+    elif args.fused_loss:
         layout_modes = fused_loss.LOSS_MODES
     elif args.layout == "bshd":
         layout_modes = bshd.BSHD_MODES
     else:
         layout_modes = MODES
-    where = f" with {'--fused-loss' if args.fused_loss else f'--layout {args.layout}'}"
+    flavour = "--distillation" if args.distillation else "--fused-loss" if args.fused_loss else None
+    where = f" with {flavour or f'--layout {args.layout}'}"
     names = [m.name for m in layout_modes]
     args.modes = set(known_names(parser, "--modes", args.modes, names, where) if args.modes else names)
-    reference = fused_loss.TWO_PASS if args.fused_loss else REFERENCE[args.layout]
+    if args.distillation:
+        reference = distillation.REFERENCE
+    else:
+        reference = fused_loss.TWO_PASS if args.fused_loss else REFERENCE[args.layout]
     if reference not in args.modes:
         parser.error(f"--modes: {reference} is the reference every other mode is compared with; keep it")
     if args.mtp < 0 or args.vocab_size < 1:
@@ -467,6 +490,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     """The benchmark the checked arguments ask for."""
     if args.mtp:
         print(mtp.markdown_table(mtp.run_mtp(args)))
+    elif args.distillation:
+        print(distillation.markdown_table(distillation.run_distillation(args)))
     elif args.fused_loss:
         print(fused_loss.markdown_table(fused_loss.run_fused_loss(args)))
     else:
