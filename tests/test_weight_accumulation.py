@@ -1,4 +1,4 @@
-"""What the loss-inside op's fp32 d_weight accumulator buys (CPU, against fp64): measured for docs/op.md.
+"""What the loss-inside op's fp32 d_weight accumulator buys (CPU, against fp64): measured for results/EXPERIMENTS.md.
 
 With more than one chunk, d_weight is a sum of one GEMM per chunk; the op adds them in an fp32 buffer
 (V_local x H x 4 bytes) and rounds once into the bf16 d_weight (weight_gradient.py). Alternatives that spare

@@ -4,8 +4,9 @@ Why two passes: the upstream gradient is known only in backward, so the forward 
 fp32 numbers per scored row (row max, log of the shifted sum-exp, shifted mean logit) and the
 backward recomputes each block's logits from them (four GEMMs in all; three for the rows whose
 logits `keep_logits_bytes` lets the Triton backend keep). The driver walks a
-backend's blocks; across tensor-parallel ranks only the per-row statistics travel: one MAX and
-one SUM all-reduce per call, plus the d_hidden reduction `tp_hidden` asks for.
+backend's blocks; across tensor-parallel ranks only the per-row statistics travel: one SUM all-reduce of every
+rank's partials in its own slot, merged in rank order (batch invariant), plus the d_hidden reduction `tp_hidden`
+asks for.
 
 The op computes in fp32 whatever autocast the caller runs under, in its backward too: autocast would turn the
 tile GEMMs into bf16 ones. The forward disables it around its work; a backward runs with the autocast state of
