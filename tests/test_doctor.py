@@ -55,12 +55,13 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     # no Transformer Engine here: verl's engine could not build a model (a warning), the harness builds local
     assert checks["TE"] == (
         "warn Transformer Engine does not import (ModuleNotFoundError: No module named 'transformer_engine'): "
-        "verl's Megatron engine builds every model through mbridge, which hard-codes TE's layer spec, so an engine "
-        "build fails here"
+        "verl's Megatron engine builds its models with TE's layer spec (Megatron-Bridge by default, mbridge with "
+        "vanilla_mbridge=True: both build TE's spec only), so an engine build fails here"
     )
     assert checks["layer spec"].startswith(
-        "ok verl's engine: te (mbridge hard-codes it), which cannot build here; the harness's commands: local (auto: "
-        "no CUDA device (Transformer Engine's layers run on GPUs only); transformer_engine does not import"
+        "ok verl's engine: te (its model bridges build TE's spec only), which cannot build here; the harness's "
+        "commands: local (auto: no CUDA device (Transformer Engine's layers run on GPUs only); transformer_engine "
+        "does not import"
     )
     assert done.stdout.rstrip().endswith("doctor: OK (14 checks, 1 warnings)")
     assert len(done.stdout.splitlines()) == 15  # the checks and the verdict: upstream notices are summarised
@@ -114,16 +115,16 @@ def test_the_layer_spec_lines_follow_the_facts():
     te, no_te = Presence(True, "2.20.2"), Presence(False, "ImportError: libcudnn.so.9: cannot open shared object file")
     found = {(f.topic, f.status): f.text for f in layer_spec_findings(te, cuda=True)}
     assert found[("TE", "ok")].startswith(
-        "Transformer Engine 2.20.2 imports (verl's Megatron engine builds every model"
+        "Transformer Engine 2.20.2 imports (verl's Megatron engine builds its models with TE's layer spec"
     )
     assert found[("layer spec", "ok")] == (
-        "verl's engine: te (mbridge hard-codes it); the harness's commands: te (auto: Transformer Engine 2.20.2 "
-        "imports and CUDA is here)"
+        "verl's engine: te (its model bridges build TE's spec only); the harness's commands: te (auto: "
+        "Transformer Engine 2.20.2 imports and CUDA is here)"
     )
     found = {(f.topic, f.status): f.text for f in layer_spec_findings(te, cuda=False)}
     assert found[("layer spec", "ok")].startswith(
-        "verl's engine: te (mbridge hard-codes it), which cannot build here; the harness's commands: local (auto: "
-        "no CUDA device"
+        "verl's engine: te (its model bridges build TE's spec only), which cannot build here; the harness's commands: "
+        "local (auto: no CUDA device"
     )
     found = {(f.topic, f.status): f.text for f in layer_spec_findings(no_te, cuda=True)}
     assert found[("TE", "warn")].startswith("Transformer Engine does not import (ImportError: libcudnn.so.9")

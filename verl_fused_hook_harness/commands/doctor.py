@@ -11,7 +11,7 @@ status is 1 when something would fail at start-up:
 - device and backends: the GPU, which op backend `auto` picks for the job's hidden size and dtype,
   and why each other backend would not run;
 - Transformer Engine and the layer spec: whether TE imports (its version, or why not; verl's engine builds
-  through mbridge, which hard-codes TE's layer spec) and which spec a model build uses here and why;
+  TE's layer spec only, through Megatron-Bridge or mbridge) and which spec a model build uses here and why;
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
@@ -165,7 +165,10 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
 
 def layer_spec_findings(te: Presence, cuda: bool) -> list[Finding]:
     """The Transformer Engine and layer-spec lines for these facts (whether TE imports, whether CUDA is here)."""
-    needed = "verl's Megatron engine builds every model through mbridge, which hard-codes TE's layer spec"
+    needed = (
+        "verl's Megatron engine builds its models with TE's layer spec (Megatron-Bridge by default, mbridge with "
+        "vanilla_mbridge=True: both build TE's spec only)"
+    )
     if te.importable:
         te_line = Finding("TE", OK, f"Transformer Engine {te.detail} imports ({needed})")
     else:
@@ -173,7 +176,9 @@ def layer_spec_findings(te: Presence, cuda: bool) -> list[Finding]:
             "TE", WARN, f"Transformer Engine does not import ({te.detail}): {needed}, so an engine build fails here"
         )
     choice = choose_layer_spec(AUTO, cuda=cuda, te=te)
-    verl_build = "te (mbridge hard-codes it)" + (", which cannot build here" if te_missing(cuda=cuda, te=te) else "")
+    verl_build = "te (its model bridges build TE's spec only)" + (
+        ", which cannot build here" if te_missing(cuda=cuda, te=te) else ""
+    )
     text = f"verl's engine: {verl_build}; the harness's commands: {choice.spec} ({choice.reason})"
     return [te_line, Finding("layer spec", OK, text)]
 

@@ -1,9 +1,10 @@
 """verl's `MegatronEngine._build_megatron_module` on megatron-core's local layer spec (train-parity's engines).
 
-STAND-IN, named as such. verl builds the model through mbridge, which hard-codes
-Transformer Engine's layer spec (FACTS), and TE does not build on the CPU or
-without it. This does what verl's build step does, with the local spec: verl's
-own `verl.utils.megatron_utils.get_model` builds the GPTModel from the engine's
+STAND-IN, named as such. verl builds the model through Megatron-Bridge or
+mbridge (`vanilla_mbridge=True`), both with Transformer Engine's layer spec only
+(FACTS), and TE does not build on the CPU or without it. This does what verl's
+build step does, with the local spec: verl's own
+`verl.utils.megatron_utils.get_model` builds the GPTModel from the engine's
 transformer config (through a model provider), sets the TP attributes, wraps it
 in `Float16Module` for bf16 and in Megatron's DDP with verl's DDP overrides
 (`_resolve_override_ddp_config`). The weights are random from a seed (verl would

@@ -1,7 +1,8 @@
 """Which layer spec a model build uses (megatron-core's local spec or Transformer Engine's), and the options that
 only Transformer Engine's spec takes: megatron's `batch_invariant_mode` and `gradient_accumulation_fusion`.
 
-Why one module: verl builds every model through mbridge, which hard-codes Transformer Engine's layer spec; the
+Why one module: verl builds models with Transformer Engine's layer spec only (Megatron-Bridge, or mbridge with
+`vanilla_mbridge=True`); the
 harness also builds on megatron-core's local spec (with its CPU attention stand-in), which is what runs on the CPU
 and on a GPU without TE. ab-parity, e2e-bench, train-parity and doctor decide alike. Each decision is a function
 of the machine's facts given as arguments (`choose_layer_spec`, `batch_invariant_refusal`,

@@ -8,8 +8,8 @@ LR scheduler, checkpoint manager, offload), then `train_batch` /
 Only `_build_megatron_module` is replaced, by one of two builds of the same
 random model: on Transformer Engine's spec `build_through_mbridge`, verl's own
 build up to its checkpoint load (there is no checkpoint for a random model);
-on the local spec the stand-in of `stand_ins/local_spec_build.py` (mbridge
-hard-codes TE's layer spec, which does not build without TE). verl and
+on the local spec the stand-in of `stand_ins/local_spec_build.py` (verl's
+bridges build TE's layer spec only, which does not build without TE). verl and
 megatron-core load on first use.
 """
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import traceback
 
 import torch
 
@@ -44,10 +43,8 @@ from .common import (
     build_model,
     free_step_memory,
     header_with_temperature,
-    mark_out_of_memory,
     prepare_process,
     spread,
-    time_in_rounds,
 )
 from .fused_loss import (
     LossStep,
@@ -56,7 +53,9 @@ from .fused_loss import (
     enable_loss_mode,
     grpo_actor_config,
     loss_snapshot,
+    recorded_failure,
     sample_log_probs,
+    time_loss_steps,
 )
 
 DISTILLATION_MODES = (
@@ -206,7 +205,7 @@ def run_distillation(args) -> dict:
         for mode in modes:
             row = {"mode": mode.name, "kernel": kernels[mode.kernel], "fused_loss": mode.fused_loss}
             entry["modes"].append(row)
-            try:
+            with recorded_failure(model, tokens, row):
                 row["resolved"] = enable_distillation_mode(model, engines[mode.name], mode)
                 step = LossStep(model, engines[mode.name], data, distillation_loss, mode, device, kernels["ours"])
                 sample = _prime(step, row, repeatable, args, reference)
@@ -216,27 +215,7 @@ def run_distillation(args) -> dict:
                 switch = functools.partial(enable_distillation_mode, model, engines[mode.name], mode)
                 primed.append(Primed(step, row, switch, {"train": step.train}))
                 del step, sample
-            except torch.OutOfMemoryError:
-                mark_out_of_memory(model, tokens, row, 21)
-            except Exception as error:  # reported in the table and the log; the other modes still run
-                row["error"] = f"{type(error).__name__}: {error}"[:300]
-                traceback.print_exc()
-            free_step_memory(model)
-        time_in_rounds(
-            primed,
-            clock,
-            args.repeats,
-            {"train": functools.partial(free_step_memory, model)},
-            lambda p: mark_out_of_memory(model, tokens, p.row, 21),
-            ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards),
-        )
-        for row in (p.row for p in primed):
-            if "train_s" in row:
-                print(
-                    f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
-                    f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}",
-                    flush=True,
-                )
+        time_loss_steps(model, tokens, primed, clock, args.repeats)
         del primed, data
         reference = None
         free_step_memory(model)

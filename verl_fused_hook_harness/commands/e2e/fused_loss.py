@@ -313,6 +313,41 @@ def prime_loss_mode(step: LossStep, row: dict, entry: dict, repeatable, args, re
     return sample
 
 
+@contextlib.contextmanager
+def recorded_failure(model, tokens: int, row: dict):
+    """Prime one mode; its out-of-memory or error goes into its row (the table and the log) and the other modes
+    still run. Frees the step's memory either way."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        mark_out_of_memory(model, tokens, row, 21)
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {error}"[:300]
+        traceback.print_exc()
+    free_step_memory(model)
+
+
+def time_loss_steps(model, tokens: int, primed: list, clock, repeats: int) -> None:
+    """Time the primed modes' training steps in rounds (with the loss-inside op's call count) and print each one's
+    time, peak and loss."""
+    time_in_rounds(
+        primed,
+        clock,
+        repeats,
+        {"train": functools.partial(free_step_memory, model)},
+        lambda p: mark_out_of_memory(model, tokens, p.row, 21),
+        ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards),
+    )
+    free_step_memory(model)
+    for row in (p.row for p in primed):
+        if "train_s" in row:
+            print(
+                f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
+                f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}",
+                flush=True,
+            )
+
+
 def _parity_note(parity: dict | None) -> str:
     if parity is None:
         return ""
@@ -352,44 +387,17 @@ def run_fused_loss(args) -> dict:
         for mode in modes:
             row = {"mode": mode.name, "kernel": kernels[mode.kernel], "fused_loss": mode.fused_loss}
             entry["modes"].append(row)
-            try:
+            with recorded_failure(model, tokens, row):
                 row["resolved"] = enable_loss_mode(model, engines[mode.name], mode)
                 step = LossStep(model, engines[mode.name], data, loss_function, mode, device, kernels["ours"])
                 sample = prime_loss_mode(step, row, entry, repeatable, args, reference)
                 if mode.name == TWO_PASS:
                     reference = sample
                 print(f"[{tokens}] {mode.name:<21} warmed up{_parity_note(row.get(PARITY_KEY))}", flush=True)
-                primed.append(
-                    Primed(
-                        step,
-                        row,
-                        functools.partial(enable_loss_mode, model, engines[mode.name], mode),
-                        {"train": step.train},
-                    )
-                )
+                switch = functools.partial(enable_loss_mode, model, engines[mode.name], mode)
+                primed.append(Primed(step, row, switch, {"train": step.train}))
                 del step, sample
-            except torch.OutOfMemoryError:
-                mark_out_of_memory(model, tokens, row, 21)
-            except Exception as error:  # reported in the table and the log; the other modes still run
-                row["error"] = f"{type(error).__name__}: {error}"[:300]
-                traceback.print_exc()
-            free_step_memory(model)
-        time_in_rounds(
-            primed,
-            clock,
-            args.repeats,
-            {"train": functools.partial(free_step_memory, model)},
-            lambda p: mark_out_of_memory(model, tokens, p.row, 21),
-            ("fused_loss_calls", lambda: counts_of(model).fused_loss_forwards),
-        )
-        free_step_memory(model)
-        for row in (p.row for p in primed):
-            if "train_s" in row:
-                print(
-                    f"[{tokens}] {row['mode']:<21} fwd+loss+bwd {ms(row['train_s'])} peak "
-                    f"{gib(row['train_peak_bytes'])} loss {row['loss']:.6g}",
-                    flush=True,
-                )
+        time_loss_steps(model, tokens, primed, clock, args.repeats)
         del primed
         reference = None
         del data

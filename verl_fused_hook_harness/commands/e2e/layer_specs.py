@@ -3,11 +3,11 @@
 the table that sets each spec's times and the output layer's shares side by side.
 
 Why: every earlier GPU figure ran megatron-core's local spec with the harness's attention, while verl builds
-Transformer Engine's spec (mbridge hard-codes it). Timing both specs' models in one process, their repeats in one
-set of rounds, keeps a drift of the GPU's clock from favouring either. The output layer's share of a step is the
-step's time less the time of the same step without it, over the step: `DecoderOnlyStep` hands the model the inputs
-hook mode's engine forward hands it (the runtime's `PackedLayout` over verl's THD packing) and, through megatron's
-`output_processor` hook, takes the final norm's output as it is (no output weight, no log-softmax), then
+Transformer Engine's spec (its model bridges build no other). Timing both specs' models in one process, their
+repeats in one set of rounds, keeps a drift of the GPU's clock from favouring either. The output layer's share of a
+step is the step's time less the time of the same step without it, over the step: `DecoderOnlyStep` hands the model
+the inputs hook mode's engine forward hands it (the runtime's `PackedLayout` over verl's THD packing) and, through
+megatron's `output_processor` hook, takes the final norm's output as it is (no output weight, no log-softmax), then
 backpropagates a mean of it. What it leaves out is the output layer, the log-probs' unpacking and the loss.
 """
 

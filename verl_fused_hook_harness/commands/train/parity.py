@@ -44,7 +44,7 @@ runs verl's own build up to that load: `make_megatron_module`, mbridge's
 `get_model` with TE's layer spec, seeded weights (support/train_engine.py).
 `--layer-spec local` runs the stand-in (`stand_ins/local_spec_build.py`): verl's own
 `get_model` with a provider that builds the GPTModel with megatron-core's local spec
-and seeded random weights (mbridge hard-codes TE's spec, which needs TE and CUDA).
+and seeded random weights (verl's bridges build TE's spec only, which needs TE and CUDA).
 `--batch-invariant` turns on megatron's batch_invariant_mode (TE and FlashAttention
 3 or 4 only; refused at start-up otherwise, support/layer_spec.py). verl's `load_checkpoint` runs inside
 `support.train_engine.load_checkpoint_for_resume`, which works around two faults
