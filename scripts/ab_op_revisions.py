@@ -6,6 +6,10 @@ revision's `verl_fused_hook` is unpacked under a package name of its own, so bot
 
     python scripts/ab_op_revisions.py --base f29c1ef --out results/ab_batch_invariance.json
 
+Where the checkout has no git history (a device machine gets the working tree only), make the base's archive here
+and carry it: `mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar`, then
+`--base f29c1ef --base-archive build/ab/f29c1ef.tar` (build/ is git-ignored: name it in the call's carry).
+
 Each round times, in alternating order, the forward alone (no grad, the old-log-prob pass; median of 3 calls) and a
 forward+backward; the JSON holds every timing, the medians and new/base ratios, and per shape the largest
 difference of 777 rows' log-probs and entropy alone against the same rows last in the whole batch.
@@ -33,10 +37,15 @@ STANDARD_SHAPES = (
 PROBE_ROWS = 777
 
 
-def load_revision(revision: str, folder: Path):
-    """`verl_fused_hook.ops` as of `revision`, imported as `verl_fused_hook_base.ops`."""
-    archive = subprocess.run(["git", "archive", revision, "verl_fused_hook"], cwd=ROOT, capture_output=True, check=True)
-    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+def load_revision(revision: str, folder: Path, archive_path: Path | None = None):
+    """`verl_fused_hook.ops` as of `revision` (from `git archive`, or the archive made of it at `archive_path`),
+    imported as `verl_fused_hook_base.ops`."""
+    if archive_path is None:
+        command = ["git", "archive", revision, "verl_fused_hook"]
+        archive = subprocess.run(command, cwd=ROOT, capture_output=True, check=True).stdout
+    else:
+        archive = archive_path.read_bytes()
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
     (folder / "verl_fused_hook").rename(folder / "verl_fused_hook_base")
     sys.path.insert(0, str(folder))
@@ -101,6 +110,11 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision of the op to compare against")
+    parser.add_argument(
+        "--base-archive",
+        type=Path,
+        help="`git archive BASE verl_fused_hook` saved to a file, for a checkout without git history",
+    )
     parser.add_argument("--shapes", default=STANDARD_SHAPES, help="N,H,V;... (default: the six standard shapes)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -110,7 +124,7 @@ def main(argv=None) -> int:
     import verl_fused_hook.ops as new_ops
 
     with tempfile.TemporaryDirectory() as folder:
-        ops = {"base": load_revision(args.base, Path(folder)), "new": new_ops}
+        ops = {"base": load_revision(args.base, Path(folder), args.base_archive), "new": new_ops}
         report = {"base": args.base, "rounds": args.rounds, "device": torch.cuda.get_device_name(), "shapes": {}}
         for shape in args.shapes.split(";"):
             n, h, v = (int(x) for x in shape.split(","))
