@@ -14,6 +14,7 @@ import torch
 from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
 
 from verl_fused_hook import TokenLogProbs, token_log_probs
+from verl_fused_hook_harness.support.memory import PeakMemory
 
 VALUE_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -267,3 +268,34 @@ def test_ids_of_rows_not_computed_are_not_read():
         case.hidden, case.weight, case.labels, ids, score_mask=mask, vocab_size=case.vocab_size, backend="torch"
     )
     assert torch.count_nonzero(out.token_log_probs[2]) == 0
+
+
+def test_memory_does_not_grow_with_tokens_beyond_the_ids():
+    """Peak live bytes of a forward+backward at N=2k vs N=16k (V=32k, k=32, top-32, sum pi^2, portable backend):
+    no [N, V] tensor, and growth from N only the [N, k] ids, outputs and their gradients, d_hidden and O(N)
+    vectors."""
+    vocab, h, k, tile_rows = 32768, 64, 32, 256
+    tile_bytes = tile_rows * vocab * 4
+    weight = torch.randn(vocab, h, requires_grad=True)
+    measured = {}
+    for n in (2048, 16384):
+        hidden = torch.randn(n, h, requires_grad=True)
+        labels = torch.randint(0, vocab, (n,))
+        ids = torch.randint(0, vocab, (n, k))
+        with PeakMemory() as peak:
+            out = token_log_probs(
+                hidden, weight, labels, ids, top_k=k, calculate_sum_pi_squared=True, backend="torch",
+                tile_rows=tile_rows,
+            )  # fmt: skip
+            (out.log_probs.sum() + out.entropy.sum() + out.token_log_probs.sum()).backward()
+        measured[n] = (peak.peak, peak.largest)
+        weight.grad = None
+        del out
+    (peak_small, largest_small), (peak_large, largest_large) = measured[2048], measured[16384]
+    assert largest_small <= tile_bytes and largest_large <= tile_bytes  # no [N, V] tensor ever
+    # per row: d_hidden and hidden's fp32 copies (2 h fp32), the [N, k] ids (int64), token log-probs, their
+    # gradient and saved copies (fp32), top-k ids (int64) and log-probs (fp32), O(1) vectors
+    per_row = 2 * h * 4 + k * (8 + 8 + 4 * 4) + 256
+    growth = peak_large - peak_small
+    assert growth <= (16384 - 2048) * per_row, (growth, (16384 - 2048) * per_row)
+    assert peak_large <= 4 * tile_bytes + 2 * vocab * h * 4 + 16384 * per_row
