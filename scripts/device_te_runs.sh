@@ -21,14 +21,11 @@
 #   step 5 (~7 min): step 3 at 64k tokens
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:?run on the device machine: its results go to \$OUT}"
-LIMIT=530  # seconds a step's commands may take together: a device call is cut at 600
-STARTED=$(date +%s)
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_steps.sh
+source scripts/device_steps.sh
 
 setup() {
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
+    install_wheels
     bash scripts/device_te.sh install || exit 1
     if [ ! -f /tmp/te_build.done ]; then  # no prebuilt extension for this torch in build/te: compile, hand it back
         bash scripts/device_te.sh build > "$OUT/te_build.log" 2>&1 || { tail -n 40 "$OUT/te_build.log"; exit 1; }
@@ -39,21 +36,6 @@ setup() {
     source /tmp/te_env.sh
     python3 -c "import transformer_engine, transformer_engine_torch as tex; print('transformer_engine', \
 transformer_engine.__version__, 'cuDNN', tex.get_cudnn_version())" || exit 1
-}
-
-# One command with what is left of the step's time (at most its own limit), its output in the step's log.
-run() {
-    local budget=$(( LIMIT - ($(date +%s) - STARTED) ))
-    [ "$budget" -gt "$1" ] && budget=$1
-    shift
-    if [ "$budget" -lt 30 ]; then
-        echo "SKIPPED (no time left in this call): $*"
-        return
-    fi
-    echo "=== $* (at most ${budget}s)"
-    local start=$(date +%s)
-    timeout "$budget" python3 -m verl_fused_hook_harness.cli "$@"
-    echo "=== exit $? after $(( $(date +%s) - start ))s"
 }
 
 QWEN7B=verl_fused_hook_harness/configs/qwen2_5_7b_2layer
