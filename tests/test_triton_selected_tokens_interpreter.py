@@ -90,7 +90,7 @@ def _op_cases() -> list[dict]:
     from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
     from test_triton_interpreter import _interpret_on_cpu
 
-    from verl_fused_hook.ops import token_log_probs, triton_selected_tokens
+    from verl_fused_hook.ops import backward_plan, token_log_probs, triton_backend, triton_selected_tokens
 
     _interpret_on_cpu()
     results = []
@@ -132,6 +132,41 @@ def _op_cases() -> list[dict]:
         if top_k:
             result["top_ids_exact"] = bool(torch.equal(out.top_ids, want["top_ids"]))
         results.append(result)
+
+    # d_weight added into an fp32 main_grad (megatron's DDP protocol), the rows walked in groups of one row block
+    backward_plan.IN_PLACE_WALK_BYTES = 1
+    case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16)
+    want = reference(case, top_k=0)
+    hidden, weight = case.hidden.clone().requires_grad_(), torch.nn.Parameter(case.weight.clone())
+    weight.main_grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5))
+    weight.grad_added_to_main_grad = False
+    before = weight.main_grad.clone()
+    out = token_log_probs(
+        hidden, weight, case.labels, case.token_ids, temperature=case.temperature, score_mask=case.score_mask,
+        vocab_size=case.vocab_size, calculate_sum_pi_squared=True, backend="triton", gradient_accumulation_fusion=True,
+    )  # fmt: skip
+    upstream_loss(out, case).backward()
+    results.append(
+        {
+            "case": "d_weight into main_grad in row groups",
+            "d_hidden": rel(hidden.grad, want["d_hidden"]),
+            "d_weight": rel(weight.main_grad.double() - before.double(), want["d_weight"]),
+            "placeholder": bool(weight.grad_added_to_main_grad) and weight.grad is not None,
+            "off_rows_zero": bool((hidden.grad[~scored_rows(case)] == 0).all()),
+            "row_groups": len(
+                backward_plan.row_groups(
+                    int(scored_rows(case).sum()),
+                    64,
+                    case.vocab_size,
+                    True,
+                    True,
+                    True,
+                    block_m=triton_backend.GRAD_CONFIG.block_m,
+                    block_n=triton_backend.GRAD_CONFIG.block_n,
+                )  # fmt: skip
+            ),
+        }
+    )
     return results
 
 
@@ -161,7 +196,7 @@ def test_selected_token_kernels_in_the_interpreter():
 
 def test_token_log_probs_triton_path_in_the_interpreter():
     cases = _run_interpreted("_op_cases")
-    assert len(cases) == 3
+    assert len(cases) == 4
     for case in cases:
         label = case["case"]
         assert case["off_rows_zero"], label
@@ -169,3 +204,4 @@ def test_token_log_probs_triton_path_in_the_interpreter():
             assert case.get(field, 0.0) <= VALUE_TOL, (label, field, case)
         assert case.get("top_ids_exact", True), case
         assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
+        assert case.get("placeholder", True) and case.get("row_groups", 2) > 1, case
