@@ -163,7 +163,7 @@ def _op_cases() -> list[dict]:
                     True,
                     block_m=triton_backend.GRAD_CONFIG.block_m,
                     block_n=triton_backend.GRAD_CONFIG.block_n,
-                )  # fmt: skip
+                )
             ),
         }
     )
