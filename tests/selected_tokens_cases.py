@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_fused_hook import TokenLogProbs, token_log_probs
+
 
 @dataclass
 class Case:
@@ -117,6 +119,28 @@ def upstream_loss(out, case: Case) -> torch.Tensor:
         + (out.entropy * case.g_ent).sum()
         + (out.token_log_probs * case.g_tokens).sum()
     )
+
+
+def run_case(
+    case: Case, weight: torch.Tensor | None = None, **options
+) -> tuple[TokenLogProbs, torch.Tensor, torch.Tensor]:
+    """`token_log_probs` on the case (labels, ids, temperatures, mask, vocabulary) and a fresh leaf copy of its hidden
+    states and weight (or `weight` as given), then backward through `upstream_loss`: (outputs, d_hidden, weight.grad).
+    """
+    hidden = case.hidden.clone().requires_grad_()
+    weight = case.weight.clone().requires_grad_() if weight is None else weight
+    out = token_log_probs(
+        hidden,
+        weight,
+        case.labels,
+        case.token_ids,
+        temperature=case.temperature,
+        score_mask=case.score_mask,
+        vocab_size=case.vocab_size,
+        **options,
+    )
+    upstream_loss(out, case).backward()
+    return out, hidden.grad, weight.grad
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

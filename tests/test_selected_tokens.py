@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
+from selected_tokens_cases import make_case, max_abs, reference, rel, run_case, scored_rows
 
 from verl_fused_hook import TokenLogProbs, token_log_probs
 from verl_fused_hook_harness.support.memory import PeakMemory
@@ -21,24 +21,7 @@ GRAD_TOL = 1e-5
 
 
 def run(case, top_k=0, backend="torch", tile_rows=8, **kwargs) -> tuple[TokenLogProbs, torch.Tensor, torch.Tensor]:
-    hidden = case.hidden.clone().requires_grad_()
-    weight = case.weight.clone().requires_grad_()
-    out = token_log_probs(
-        hidden,
-        weight,
-        case.labels,
-        case.token_ids,
-        temperature=case.temperature,
-        score_mask=case.score_mask,
-        vocab_size=case.vocab_size,
-        top_k=top_k,
-        calculate_sum_pi_squared=True,
-        backend=backend,
-        tile_rows=tile_rows,
-        **kwargs,
-    )
-    upstream_loss(out, case).backward()
-    return out, hidden.grad, weight.grad
+    return run_case(case, top_k=top_k, calculate_sum_pi_squared=True, backend=backend, tile_rows=tile_rows, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -87,10 +87,10 @@ def _kernel_cases() -> dict:
 def _op_cases() -> list[dict]:
     """Run in the subprocess: the whole op through the Triton passes, against fp64."""
     import torch
-    from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
+    from selected_tokens_cases import make_case, max_abs, reference, rel, run_case, scored_rows
     from test_triton_interpreter import _interpret_on_cpu
 
-    from verl_fused_hook.ops import backward_plan, token_log_probs, triton_backend, triton_selected_tokens
+    from verl_fused_hook.ops import backward_plan, triton_backend, triton_selected_tokens
 
     _interpret_on_cpu()
     results = []
@@ -104,26 +104,13 @@ def _op_cases() -> list[dict]:
         case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16, **options)
         top_k = 5 if chunk_bytes else 0
         want = reference(case, top_k=top_k)
-        hidden, weight = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
-        out = token_log_probs(
-            hidden,
-            weight,
-            case.labels,
-            case.token_ids,
-            temperature=case.temperature,
-            score_mask=case.score_mask,
-            vocab_size=case.vocab_size,
-            top_k=top_k,
-            calculate_sum_pi_squared=True,
-            backend="triton",
-        )
-        upstream_loss(out, case).backward()
+        out, d_hidden, d_weight = run_case(case, top_k=top_k, calculate_sum_pi_squared=True, backend="triton")
         off = ~scored_rows(case)
         result = {
             "case": name,
-            "d_hidden": rel(hidden.grad, want["d_hidden"]),
-            "d_weight": rel(weight.grad, want["d_weight"]),
-            "off_rows_zero": bool((hidden.grad[off] == 0).all() and (out.token_log_probs[off] == 0).all()),
+            "d_hidden": rel(d_hidden, want["d_hidden"]),
+            "d_weight": rel(d_weight, want["d_weight"]),
+            "off_rows_zero": bool((d_hidden[off] == 0).all() and (out.token_log_probs[off] == 0).all()),
         }
         for field in ("log_probs", "entropy", "token_log_probs", "sum_pi_squared") + (
             ("top_log_probs",) if top_k else ()
@@ -137,22 +124,20 @@ def _op_cases() -> list[dict]:
     backward_plan.IN_PLACE_WALK_BYTES = 1
     case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16)
     want = reference(case, top_k=0)
-    hidden, weight = case.hidden.clone().requires_grad_(), torch.nn.Parameter(case.weight.clone())
+    weight = torch.nn.Parameter(case.weight.clone())
     weight.main_grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5))
     weight.grad_added_to_main_grad = False
     before = weight.main_grad.clone()
-    out = token_log_probs(
-        hidden, weight, case.labels, case.token_ids, temperature=case.temperature, score_mask=case.score_mask,
-        vocab_size=case.vocab_size, calculate_sum_pi_squared=True, backend="triton", gradient_accumulation_fusion=True,
-    )  # fmt: skip
-    upstream_loss(out, case).backward()
+    out, d_hidden, _ = run_case(
+        case, weight, calculate_sum_pi_squared=True, backend="triton", gradient_accumulation_fusion=True
+    )
     results.append(
         {
             "case": "d_weight into main_grad in row groups",
-            "d_hidden": rel(hidden.grad, want["d_hidden"]),
+            "d_hidden": rel(d_hidden, want["d_hidden"]),
             "d_weight": rel(weight.main_grad.double() - before.double(), want["d_weight"]),
             "placeholder": bool(weight.grad_added_to_main_grad) and weight.grad is not None,
-            "off_rows_zero": bool((hidden.grad[~scored_rows(case)] == 0).all()),
+            "off_rows_zero": bool((d_hidden[~scored_rows(case)] == 0).all()),
             "row_groups": len(
                 backward_plan.row_groups(
                     int(scored_rows(case).sum()),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from selected_tokens_cases import make_case, max_abs, reference, rel, scored_rows, upstream_loss
+from selected_tokens_cases import make_case, max_abs, reference, rel, run_case, scored_rows, upstream_loss
 
 from verl_fused_hook.ops import token_log_probs
 from verl_fused_hook_harness.support.distributed import run_in_processes
@@ -28,23 +28,7 @@ TOP_K = 32
 
 
 def _run(case, top_k=TOP_K, **options):
-    hidden = case.hidden.clone().requires_grad_()
-    weight = case.weight.clone().requires_grad_()
-    out = token_log_probs(
-        hidden,
-        weight,
-        case.labels,
-        case.token_ids,
-        temperature=case.temperature,
-        score_mask=case.score_mask,
-        vocab_size=case.vocab_size,
-        top_k=top_k,
-        calculate_sum_pi_squared=True,
-        backend="triton",
-        **options,
-    )
-    upstream_loss(out, case).backward()
-    return out, hidden.grad, weight.grad
+    return run_case(case, top_k=top_k, calculate_sum_pi_squared=True, backend="triton", **options)
 
 
 def _check_top(out, want_log_softmax_rows, case):
