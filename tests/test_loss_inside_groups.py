@@ -265,20 +265,25 @@ def test_row_groups_must_be_contiguous_and_shaped_like_labels():
 # --- chunks sized from free memory ------------------------------------------------------------------------------
 
 
-def _cost_and_fixed(b: Batch, dtype=torch.float32):
-    """The portable passes' ChunkCost and the call's fixed bytes (gradients, per-row vectors, margin) for `b`."""
-    p = build_problem(
-        b.hidden.to(dtype),
-        b.weight.to(dtype),
-        b.labels,
+def _problem(b: Batch, hidden, weight, labels=None, vocab_size=None):
+    """The loss-inside call's checked problem for batch `b` (temperature 0.8, its score mask) with these tensors."""
+    return build_problem(
+        hidden,
+        weight,
+        b.labels if labels is None else labels,
         temperature=0.8,
         tp_group=None,
         score_mask=b.score_mask,
         ignore_index=-100,
-        vocab_size=None,
+        vocab_size=vocab_size,
         calculate_entropy=True,
         tile_rows=None,
     )
+
+
+def _cost_and_fixed(b: Batch, dtype=torch.float32):
+    """The portable passes' ChunkCost and the call's fixed bytes (gradients, per-row vectors, margin) for `b`."""
+    p = _problem(b, b.hidden.to(dtype), b.weight.to(dtype))
     cost = loss_inside_cost(p, True)
     fixed = (
         cost.fixed_bytes
@@ -354,18 +359,7 @@ def test_the_free_memory_the_plan_calls_enough_plans_as_plenty_does(monkeypatch,
     cost = chunking.ChunkCost(
         cost.stored_row_bytes, cost.transient_row_bytes, cost.fixed_bytes, 128, row_multiple, cost.budget_bytes
     )
-    p = build_problem(
-        b.hidden.requires_grad_(True),
-        b.weight.requires_grad_(True),
-        b.labels,
-        temperature=0.8,
-        tp_group=None,
-        score_mask=b.score_mask,
-        ignore_index=-100,
-        vocab_size=None,
-        calculate_entropy=True,
-        tile_rows=None,
-    )
+    p = _problem(b, b.hidden.requires_grad_(True), b.weight.requires_grad_(True))
     asked = []
 
     def plan(available):
@@ -501,18 +495,7 @@ def _rank_call(rank, b: Batch, loss_fn, available, **kwargs):
 def _rank_room(rank, b: Batch, rows: int) -> int:
     """A free-memory reading that holds `rows` rows of this rank's chunk and no more."""
     valid = min(SHARD, V - rank * SHARD)
-    p = build_problem(
-        b.hidden,
-        b.weight[:SHARD],
-        b.labels % valid,
-        temperature=0.8,
-        tp_group=None,
-        score_mask=b.score_mask,
-        ignore_index=-100,
-        vocab_size=valid,
-        calculate_entropy=True,
-        tile_rows=None,
-    )
+    p = _problem(b, b.hidden, b.weight[:SHARD], b.labels % valid, valid)
     cost = loss_inside_cost(p, True)
     fixed = (
         cost.fixed_bytes
