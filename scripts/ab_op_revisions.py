@@ -4,7 +4,8 @@ Why: a kernel or dispatch change is judged by an A/B in rounds on the same warm 
 several percent between runs), and its batch invariance by a row's bits alone and inside a batch. The other
 revision's `verl_fused_hook` is unpacked under a package name of its own, so both run in one process.
 
-    python scripts/ab_op_revisions.py --base f29c1ef --out results/ab_batch_invariance.json
+    python scripts/ab_op_revisions.py --base f29c1ef --new-options '{"batch_invariant": true}' \
+        --out results/ab_batch_invariance.json
 
 Where the checkout has no git history (a device machine gets the working tree only), make the base's archive here
 and carry it: `mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar`, then
@@ -18,6 +19,7 @@ difference of 777 rows' log-probs and entropy alone against the same rows last i
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import statistics
@@ -64,6 +66,7 @@ def elapsed_ms(fn, calls: int = 1) -> float:
 
 
 def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
+    """`ops_by_name`: "base" and "new", each a `log_probs_and_entropy` (options bound)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16()
@@ -72,11 +75,11 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
 
     def forward(ops):
         with torch.no_grad():
-            ops.log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend="triton")
+            ops(hidden, weight, labels, temperature=0.7, backend="triton")
 
     def step(ops):
         h_grad.grad = w_grad.grad = None
-        lp, ent = ops.log_probs_and_entropy(h_grad, w_grad, labels, temperature=0.7, backend="triton")
+        lp, ent = ops(h_grad, w_grad, labels, temperature=0.7, backend="triton")
         (lp.sum() + 0.01 * ent.sum()).backward()
 
     times = {f"{kind}_{name}": [] for kind in ("forward", "step") for name in ops_by_name}
@@ -93,10 +96,8 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
     rows = torch.cat([torch.arange(PROBE_ROWS, n, device="cuda"), torch.arange(PROBE_ROWS, device="cuda")])
     for name, ops in ops_by_name.items():
         with torch.no_grad():
-            alone = ops.log_probs_and_entropy(
-                hidden[:PROBE_ROWS], weight, labels[:PROBE_ROWS], temperature=0.7, backend="triton"
-            )
-            inside = ops.log_probs_and_entropy(hidden[rows], weight, labels[rows], temperature=0.7, backend="triton")
+            alone = ops(hidden[:PROBE_ROWS], weight, labels[:PROBE_ROWS], temperature=0.7, backend="triton")
+            inside = ops(hidden[rows], weight, labels[rows], temperature=0.7, backend="triton")
         probe[name] = max((a - b[-PROBE_ROWS:]).abs().max().item() for a, b in zip(alone, inside))
     return {
         "times_ms": times,
@@ -117,6 +118,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--shapes", default=STANDARD_SHAPES, help="N,H,V;... (default: the six standard shapes)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--new-options",
+        type=json.loads,
+        default={},
+        help="keyword arguments of the working tree's op, as JSON (e.g. '{\"batch_invariant\": true}')",
+    )
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -124,8 +131,18 @@ def main(argv=None) -> int:
     import verl_fused_hook.ops as new_ops
 
     with tempfile.TemporaryDirectory() as folder:
-        ops = {"base": load_revision(args.base, Path(folder), args.base_archive), "new": new_ops}
-        report = {"base": args.base, "rounds": args.rounds, "device": torch.cuda.get_device_name(), "shapes": {}}
+        base = load_revision(args.base, Path(folder), args.base_archive)
+        ops = {
+            "base": base.log_probs_and_entropy,
+            "new": functools.partial(new_ops.log_probs_and_entropy, **args.new_options),
+        }
+        report = {
+            "base": args.base,
+            "new_options": args.new_options,
+            "rounds": args.rounds,
+            "device": torch.cuda.get_device_name(),
+            "shapes": {},
+        }
         for shape in args.shapes.split(";"):
             n, h, v = (int(x) for x in shape.split(","))
             result = measure(ops, n, h, v, args.rounds)

@@ -135,3 +135,57 @@ def test_triton_split_layout_and_merges_do_not_depend_on_the_batch_in_the_interp
     cases = _run_interpreted("_interpreted_batch_invariance")
     assert cases["splits"] > 1, cases  # the merge of several splits is exercised
     assert cases["same_bits"], cases
+
+
+def test_the_split_layout_follows_the_row_count_unless_batch_invariant():
+    """The Triton forward's vocabulary splits (host side, no kernel): off, the fastest modelled layout for the
+    call's rows, so a row's partial sums are added in other groupings in other batches; on, one layout per shard
+    width. 501 column tiles (128256 columns) on 132 SMs, 32768 rows: 18 splits of 28 against the fixed 8 of 63
+    (the shape where the H200 measured the guarantee's cost, results/ab_batch_invariance.json)."""
+    from verl_fused_hook.ops.triton_backend import tiles_per_split
+
+    assert tiles_per_split(501, 132, 32768 // 128) == 28
+    assert tiles_per_split(501, 132) == 63
+    assert {tiles_per_split(501, 132, rows // 128) for rows in (2048, 8192, 32768, 131072)} != {63}
+    assert tiles_per_split(594, 132) == 18 == tiles_per_split(594, 132, 8192 // 128)
+
+
+def test_the_flag_is_checked_and_carried():
+    from verl_fused_hook import FusedOutputProcessorContext
+    from verl_fused_hook.ops import arguments, backend_unavailable_at_build
+
+    hidden, weight, labels, temperature = _inputs(torch.float32, rows=20)
+    with pytest.raises(ValueError, match="^batch_invariant: expected a bool, got 'yes'$"):
+        log_probs_and_entropy(hidden, weight, labels, batch_invariant="yes")
+    with pytest.raises(ValueError, match="^FusedOutputProcessorContext.batch_invariant: expected a bool"):
+        FusedOutputProcessorContext(batch_invariant=1)
+    problems = [
+        arguments.build_problem(
+            hidden,
+            weight,
+            labels,
+            temperature=1.0,
+            tp_group=None,
+            score_mask=None,
+            ignore_index=-100,
+            vocab_size=None,
+            calculate_entropy=True,
+            tile_rows=None,
+            batch_invariant=flag,
+        )  # fmt: skip
+        for flag in (False, True)
+    ]
+    assert [p.batch_invariant for p in problems] == [False, True]
+    # the portable backend cannot promise it on a GPU (cuBLAS picks kernels by shape): refused at model build
+    assert backend_unavailable_at_build("torch", hidden_size=H, device_type="cuda", batch_invariant=True).startswith(
+        "batch_invariant=True: on CUDA the portable backend"
+    )
+    assert backend_unavailable_at_build("torch", hidden_size=H, device_type="cpu", batch_invariant=True) is None
+    assert backend_unavailable_at_build("triton", hidden_size=H, device_type="cuda", batch_invariant=True) != (
+        backend_unavailable_at_build("torch", hidden_size=H, device_type="cuda", batch_invariant=True)
+    )
+    # on the CPU the portable backend is invariant either way: the flag leaves its values' bits alone
+    on, off = (
+        _probe_values(hidden, weight, labels, temperature, slice(None), batch_invariant=f) for f in (True, False)
+    )
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])

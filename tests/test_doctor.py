@@ -49,8 +49,9 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")
     assert checks["invariance"] == (
-        "ok cpu float32, backend torch: 77 rows alone and among 5 and 1000 others (first, last, others masked): "
-        "the same bits"
+        "ok cpu float32, backend torch, batch_invariant=True: 77 rows alone and among 5 and 1000 others (first, "
+        "last, others masked): the same bits (opt-in: "
+        "actor_rollout_ref.model.fused_kernel_options.output_processor_batch_invariant=true)"
     )
     # no Transformer Engine here: verl's engine could not build a model (a warning), the harness builds local
     assert checks["TE"] == (
@@ -89,7 +90,8 @@ def test_doctor_fails_on_a_bad_switch_and_on_a_misspelt_entry():
     plan = lines(done)["plan"]
     assert "output_processor_fused_los is not a verl_fused_hook entry; did you mean " in plan
     assert plan.endswith(
-        "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib"
+        "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib, "
+        "output_processor_batch_invariant"
     )
 
 
@@ -132,3 +134,24 @@ def test_the_layer_spec_lines_follow_the_facts():
         "the harness's commands: local (auto: transformer_engine does not import (ImportError: libcudnn.so.9: cannot "
         "open shared object file))"
     )
+
+
+def _visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_the_probe_process_sees_no_gpu_and_this_one_keeps_its_environment(monkeypatch):
+    """The hook probe's CPU model must not meet a GPU (megatron-core moves RoPE's frequencies to CUDA when it is
+    there: the probe failed so on the H200); the doctor's own environment is left as it was."""
+    import concurrent.futures
+    import multiprocessing
+
+    from verl_fused_hook_harness.commands.doctor import _environment_of_new_processes
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        with _environment_of_new_processes(CUDA_VISIBLE_DEVICES=""):
+            seen = pool.submit(_visible_devices)
+        assert seen.result(timeout=120) == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"

@@ -99,7 +99,7 @@ def _ppo_loss(micro_batch: int, sequences: int):
 
 def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
     from verl_fused_hook.switch import ENV_VAR
-    from verl_fused_hook.verl_integration.model_plan import counts_of
+    from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook_harness.support.grpo_batches import packed
@@ -119,7 +119,7 @@ def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
         total_steps=2,
         lr=1e-4,
         offload=False,
-        fused_kernel_options={"output_processor_fused_loss": True},
+        fused_kernel_options={"output_processor_fused_loss": True, "output_processor_batch_invariant": True},
     )
     with cuda_names_on_cpu():
         actor = build_engine(setup)
@@ -145,6 +145,7 @@ def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
         "ppo_kl": _values(metrics["actor/ppo_kl"]),
         "pg_clipfrac": _values(metrics["actor/pg_clipfrac"]),
         "fused_loss_forwards": fused,
+        "batch_invariant": [plan_of(model).batch_invariant for model in actor.module],
     }
 
 
@@ -161,5 +162,6 @@ def test_first_on_policy_step_has_ratio_exactly_one(dtype):
     assert result["same_bits"] == {1: True, 2: True, 6: True} and result["reordered_same_bits"], result
     # the update (micro-batches of 3, loss inside the op) recomputes exactly the old log-probs (micro-batches of 2)
     assert result["fused_loss_forwards"] == 2, result
+    assert result["batch_invariant"] == [True], result  # the config entry reached the model's plan (the ops' flag)
     assert result["ppo_kl"] and all(value == 0.0 for value in result["ppo_kl"]), result
     assert result["pg_clipfrac"] and all(value == 0.0 for value in result["pg_clipfrac"]), result

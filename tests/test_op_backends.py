@@ -34,7 +34,7 @@ def test_choices_and_capabilities():
     assert BACKEND_CHOICES == ("auto", "triton", "torch", "verl")
     for name in ("auto", "triton"):
         assert backend_capabilities(name) == dataclasses.replace(EVERYTHING, keep_logits=True), name
-    assert backend_capabilities("torch") == EVERYTHING
+    assert backend_capabilities("torch") == dataclasses.replace(EVERYTHING, batch_invariant_on_cuda=False)
     assert backend_capabilities("verl") == BackendCapabilities(
         per_row_temperature=False,
         row_selection=False,

@@ -226,3 +226,25 @@ def test_edit_distance():
         1,
         0,
     ]
+
+
+def test_batch_invariant_entry_in_hook_mode_reaches_the_plan():
+    assert resolve_plan({}, environ={ENV_VAR: "1"}).batch_invariant is False
+    plan = resolve_plan({"output_processor_batch_invariant": True}, environ={ENV_VAR: "1"})
+    assert plan.batch_invariant is True
+    assert plan.log_line("E").endswith("output_processor_batch_invariant=true")
+    off = resolve_plan({"output_processor_batch_invariant": True}, environ={ENV_VAR: "0"})
+    assert off.batch_invariant is False
+    assert off.note == (
+        "actor_rollout_ref.model.fused_kernel_options.output_processor_batch_invariant=true ignored outside hook mode"
+    )
+
+
+@pytest.mark.parametrize("value", [1, "true"])
+def test_batch_invariant_entry_must_be_a_bool(value):
+    with pytest.raises(ValueError) as error:
+        resolve_plan({"output_processor_batch_invariant": value}, environ={ENV_VAR: "1"})
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.fused_kernel_options.output_processor_batch_invariant={value!r} is not allowed; "
+        "use true, false or null (off)"
+    )

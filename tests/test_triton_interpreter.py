@@ -572,7 +572,13 @@ def _interpreted_batch_invariance() -> dict:
 
     def values(rows: torch.Tensor, **options):
         lp, ent = log_probs_and_entropy(
-            hidden[rows], weight, labels[rows], temperature=temperature[rows], backend="triton", **options
+            hidden[rows],
+            weight,
+            labels[rows],
+            temperature=temperature[rows],
+            backend="triton",
+            batch_invariant=True,
+            **options,
         )
         return lp[-probe:], ent[-probe:]
 
@@ -593,6 +599,7 @@ def _interpreted_batch_invariance() -> dict:
             temperature=temperature[rows],
             backend="triton",
             keep_logits_bytes=16 * (v * 2 + 64),
+            batch_invariant=True,
         )
         same &= torch.equal(lp[-probe:].detach(), alone[0]) and torch.equal(ent[-probe:].detach(), alone[1])
     col_tiles = -(-v // triton_backend.FORWARD_CONFIG.block_n)

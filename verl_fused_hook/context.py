@@ -62,6 +62,8 @@ class FusedOutputProcessorContext:
     calculate_sum_pi_squared: also return sum_j p_j^2 per row (`sum_pi_squared`; no gradient).
     calculate_log_probs: False returns `log_probs=None` (labels still say which rows are computed).
     The last four run the op `token_log_probs` (two passes); not with loss_fn, keep_logits_bytes or as_tuple.
+    batch_invariant: every forward value of a row the same bits whatever batch computes it (exact on-policy
+        training; the ops' `batch_invariant`, docs/op.md).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -82,6 +84,7 @@ class FusedOutputProcessorContext:
     top_k: int = 0
     calculate_sum_pi_squared: bool = False
     calculate_log_probs: bool = True
+    batch_invariant: bool = False
 
     @property
     def asks_token_outputs(self) -> bool:
@@ -107,6 +110,7 @@ class FusedOutputProcessorContext:
         _check_temperature_field(self.temperature)
         check_bool("FusedOutputProcessorContext.calculate_entropy", self.calculate_entropy)
         check_bool("FusedOutputProcessorContext.as_tuple", self.as_tuple)
+        check_bool("FusedOutputProcessorContext.batch_invariant", self.batch_invariant)
         if self.score_mask is not None and (
             not isinstance(self.score_mask, torch.Tensor)
             or self.score_mask.dtype != torch.bool

@@ -167,6 +167,7 @@ def fused_output_processor(
         calculate_entropy=context.calculate_entropy,
         backend=context.backend,
         gradient_accumulation_fusion=adds_weight_grad_to_main_grad(output_layer, weight, context.backend),
+        batch_invariant=context.batch_invariant,
     )
     if context.loss_fn is not None:
         if context.loss_row_groups is not None and context.loss_row_groups.shape != labels.shape:

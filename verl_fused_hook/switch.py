@@ -17,7 +17,9 @@ The op backend comes only from `...fused_kernel_options.output_processor_backend
 and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: the op's),
 `...output_processor_score_mask` (default true: only the rows verl reads are scored; false scores every row),
 and `...output_processor_keep_logits_gib` (default null: none; the memory the op may hold from the output
-layer's forward to its backward to keep logits instead of recomputing them, where the loss is not fused).
+layer's forward to its backward to keep logits instead of recomputing them, where the loss is not fused),
+`...output_processor_batch_invariant` (default false: a sequence's log-probs may differ in the last bits between
+micro-batches; true: the same bits whatever batch computes them, for exact on-policy training; docs/op.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ CONFIG_FUSED_LOSS_KEY = "output_processor_fused_loss"
 CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
 CONFIG_KEEP_LOGITS_KEY = "output_processor_keep_logits_gib"
+CONFIG_BATCH_INVARIANT_KEY = "output_processor_batch_invariant"
 CONFIG_KEYS = (
     CONFIG_HOOK_KEY,
     CONFIG_BACKEND_KEY,
@@ -48,6 +51,7 @@ CONFIG_KEYS = (
     CONFIG_FUSED_LOSS_CHUNK_KEY,
     CONFIG_SCORE_MASK_KEY,
     CONFIG_KEEP_LOGITS_KEY,
+    CONFIG_BATCH_INVARIANT_KEY,
 )
 # Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
 # near miss of ours (at most this many single-letter edits away).
@@ -73,6 +77,7 @@ class FusedForwardPlan:
     fused_loss_chunk_bytes: int | None = None  # the op's chunk of stored logits (None: its default)
     score_mask: bool = True  # hook mode scores only the rows the step's loss reads (where it can tell)
     keep_logits_bytes: int = 0  # hook mode's op keeps logits for its backward within this (0: recomputes them)
+    batch_invariant: bool = False  # hook mode's op gives a row the same bits whatever batch computes it
 
     @property
     def is_set(self) -> bool:
@@ -91,6 +96,8 @@ class FusedForwardPlan:
                 text += f", {CONFIG_SCORE_MASK_KEY}=false"
             if self.keep_logits_bytes:
                 text += f", {CONFIG_KEEP_LOGITS_KEY}={self.keep_logits_bytes / 1024**3:g}"
+            if self.batch_invariant:
+                text += f", {CONFIG_BATCH_INVARIANT_KEY}=true"
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -146,6 +153,11 @@ def _parse_config_bool(options: Mapping | None, key: str, null_means: str) -> bo
 def parse_config_fused_loss(options: Mapping | None) -> bool | None:
     """`fused_kernel_options.output_processor_fused_loss` as a bool, or None when absent/null."""
     return _parse_config_bool(options, CONFIG_FUSED_LOSS_KEY, "off")
+
+
+def parse_config_batch_invariant(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_batch_invariant` as a bool, or None when absent/null."""
+    return _parse_config_bool(options, CONFIG_BATCH_INVARIANT_KEY, "off")
 
 
 def parse_config_score_mask(options: Mapping | None) -> bool | None:
@@ -220,6 +232,7 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     fused_loss_chunk = parse_config_fused_loss_chunk(options)
     score_mask = parse_config_score_mask(options)
     keep_logits = parse_config_keep_logits(options)
+    batch_invariant = parse_config_batch_invariant(options)
 
     notes = []
     if env_mode is not None:
@@ -254,6 +267,8 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_SCORE_MASK_KEY} ignored outside hook mode")
     if keep_logits is not None and mode != HOOK:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} ignored outside hook mode")
+    if batch_invariant and mode != HOOK:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true ignored outside hook mode")
     if keep_logits is not None and mode == HOOK and not backend_capabilities(backend).keep_logits:
         raise ValueError(
             f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} needs a backend that keeps logits: "
@@ -269,4 +284,5 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         fused_loss_chunk_bytes=fused_loss_chunk if fused_loss else None,
         score_mask=score_mask is not False,
         keep_logits_bytes=keep_logits if keep_logits is not None and mode == HOOK else 0,
+        batch_invariant=bool(batch_invariant) and mode == HOOK,
     )

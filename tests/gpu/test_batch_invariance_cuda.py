@@ -3,7 +3,8 @@ bits whatever batch computes it, and gradients with the same bits run to run. Ev
 
 Rows are probed alone and then first or last among other rows (N not a multiple of a tile), with other rows masked,
 per-row temperatures, a padded vocabulary, kept logits for some rows, d_weight into megatron's main_grad, inside the
-fused loss under different chunk plans, and over two TP ranks sharing the GPU (gloo).
+fused loss under different chunk plans, and over two TP ranks sharing the GPU (gloo); all with the ops'
+batch_invariant=True (the guarantee is opt-in: off, the forward picks its vocabulary splits per row count).
 Run: python -m pytest -q tests/gpu/test_batch_invariance_cuda.py
 """
 
@@ -33,7 +34,9 @@ def _inputs(rows: int, h: int, v: int, seed: int):
 
 
 def _values(hidden, weight, labels, temperature, where, **options):
-    lp, ent = log_probs_and_entropy(hidden, weight, labels, temperature=temperature, backend="triton", **options)
+    lp, ent = log_probs_and_entropy(
+        hidden, weight, labels, temperature=temperature, backend="triton", batch_invariant=True, **options
+    )
     return lp[where].detach(), ent[where].detach()
 
 
@@ -91,6 +94,7 @@ def test_the_fused_loss_computes_the_two_pass_values_whatever_its_chunks(chunk_r
         loss_fn=lambda lp, ent: ((lp - 0.01 * ent).mean(), {}),
         loss_name="lp",
         chunk_rows=chunk_rows,
+        batch_invariant=True,
     )
     assert torch.equal(result.log_probs, two_pass[0]) and torch.equal(result.entropy, two_pass[1])
 
@@ -104,6 +108,13 @@ def test_gradients_are_bitwise_reproducible():
         (lp.sum() - 0.1 * ent.sum()).backward()
         grads.append((h.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_the_portable_backend_refuses_the_guarantee_on_cuda():
+    """cuBLAS picks its kernels by shape: the portable backend cannot promise a row's bits, and says so."""
+    hidden, weight, labels, temperature = _inputs(64, 256, 1000, seed=10)
+    with pytest.raises(ValueError, match="batch_invariant=True: on CUDA the portable backend"):
+        log_probs_and_entropy(hidden, weight, labels, temperature=temperature, backend="torch", batch_invariant=True)
 
 
 def _tp_worker(rank, world_size, hidden, weight, labels, temperature):
@@ -121,6 +132,7 @@ def _tp_worker(rank, world_size, hidden, weight, labels, temperature):
             tp_group=dist.group.WORLD,
             backend="triton",
             vocab_size=151930,
+            batch_invariant=True,
         )
         return lp[-PROBE:].cpu(), ent[-PROBE:].cpu()
 

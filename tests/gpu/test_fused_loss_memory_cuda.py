@@ -5,6 +5,9 @@ more chunks, the same result within bf16 rounding), and when not even one row bl
 fits the call takes the two-pass path and says so. Peak memory of each call stays within what was free.
 Row groups: a GSPO-like sequence-level loss over sequences of very different lengths, chunks of whole
 sequences, against the two-pass op plus autograd.
+Run in a process of its own (`python -m pytest tests/gpu/test_fused_loss_memory_cuda.py`): the tests read the CUDA
+caching allocator's state, and other modules run before them in one process leave free pieces cached (on the H200
+1.0-1.4 GB) that their segments cannot be placed around.
 """
 
 from __future__ import annotations
@@ -131,7 +134,9 @@ def _strand(size: int) -> torch.Tensor:
         if block["state"] == "inactive"
     ]
     kept = max(pieces, default=0) + 2 * 2**20
-    assert kept <= size // 4, f"the cache already holds a free piece of {max(pieces)} bytes"
+    assert kept <= size // 4, (
+        f"the cache already holds a free piece of {max(pieces)} bytes: run this module in a process of its own"
+    )
     segment = torch.empty(size, dtype=torch.uint8, device="cuda")
     del segment
     return torch.empty(kept, dtype=torch.uint8, device="cuda")

@@ -134,6 +134,7 @@ def test_every_output_of_a_row_is_the_same_alone_and_in_a_batch():
                 top_k=128,
                 calculate_sum_pi_squared=True,
                 backend="triton",
+                batch_invariant=True,
             )
         return out
 

@@ -42,7 +42,9 @@ class LogProbProblem:
     global vocabulary (None: V_local * tp size, no padding anywhere);
     keep_logits_bytes: memory the two-pass op may hold from forward to backward to keep scored
     rows' logits (fp16) instead of recomputing them (0: recompute every row); main_grad_dtype: None, or the
-    dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py).
+    dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py);
+    batch_invariant: a row's forward values must not depend on the rest of the batch (the Triton forward then
+    fixes its vocabulary splits by the shard's width, not the row count; the portable backend refuses it on CUDA).
     """
 
     hidden: torch.Tensor
@@ -60,6 +62,7 @@ class LogProbProblem:
     vocab_size: int | None = None
     keep_logits_bytes: int = 0
     main_grad_dtype: torch.dtype | None = None
+    batch_invariant: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -186,6 +189,7 @@ def build_problem(
     tp_hidden: str = "replicated",
     keep_logits_bytes: int = 0,
     gradient_accumulation_fusion: bool = False,
+    batch_invariant: bool = False,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it).
 
@@ -220,6 +224,7 @@ def build_problem(
     check_int("tile_rows", tile_rows, low=1, optional=True, expected="must be an int >= 1 or None")
     check_int("keep_logits_bytes", keep_logits_bytes, low=0, expected="must be an int >= 0 (0: recompute every row)")
     check_bool("gradient_accumulation_fusion", gradient_accumulation_fusion)
+    check_bool("batch_invariant", batch_invariant)
     # no gradient (a frozen weight, or a no-grad forward such as a reference model's, maybe never DDP-wrapped): no
     # main_grad to check
     wants_main_grad = gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled()
@@ -288,6 +293,7 @@ def build_problem(
         vocab_size=vocab_size,
         keep_logits_bytes=keep_logits_bytes,
         main_grad_dtype=main_grad_dtype,
+        batch_invariant=batch_invariant,
     )
     return problem
 

@@ -133,7 +133,7 @@ class BackendCapabilities:
     score_mask or ignore_index; padded_vocabulary: vocab_size below V_local * tp size;
     label_is_max: return_label_is_max=True; loss_inside: `log_probs_entropy_and_loss`;
     keep_logits: the two-pass op's keep_logits_bytes (others recompute every row); selected_tokens:
-    `token_log_probs` (ids' log-probs, top-k, sum pi^2).
+    `token_log_probs` (ids' log-probs, top-k, sum pi^2); batch_invariant_on_cuda: batch_invariant=True on a GPU.
     """
 
     per_row_temperature: bool = True
@@ -143,6 +143,7 @@ class BackendCapabilities:
     loss_inside: bool = True
     keep_logits: bool = False
     selected_tokens: bool = True
+    batch_invariant_on_cuda: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,12 @@ class Backend:
         return module.unavailable_reason(problem)
 
 
+# Why the portable backend refuses batch_invariant=True on a GPU (on the CPU its row blocks are padded: invariant).
+BATCH_VARIANT_ON_CUDA = (
+    "batch_invariant=True: on CUDA the portable backend's cuBLAS GEMMs and torch reductions pick their kernels by "
+    "shape, so a row's values depend on its batch; use backend triton (or verl, whose kernel is invariant)"
+)
+
 BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
@@ -174,7 +181,12 @@ BACKENDS: dict[str, Backend] = {
         BackendCapabilities(keep_logits=True),
         selected_tokens_module=".triton_selected_tokens",
     ),
-    "torch": Backend("torch", ".torch_backend", BackendCapabilities(), selected_tokens_module=".torch_backend"),
+    "torch": Backend(
+        "torch",
+        ".torch_backend",
+        BackendCapabilities(batch_invariant_on_cuda=False),
+        selected_tokens_module=".torch_backend",
+    ),
     "verl": Backend(
         "verl",
         ".verl_backend",
@@ -208,13 +220,17 @@ def backend_capabilities(backend: str) -> BackendCapabilities:
     return BackendCapabilities(keep_logits=True) if backend == "auto" else BACKENDS[backend].capabilities
 
 
-def backend_unavailable_at_build(backend: str, *, hidden_size: int, device_type: str) -> str | None:
+def backend_unavailable_at_build(
+    backend: str, *, hidden_size: int, device_type: str, batch_invariant: bool = False
+) -> str | None:
     """None when `backend` can run a model of this hidden size on this device type ("cuda", "cpu"),
     else why not; needs no tensors, so a job can stop at model build instead of its first step.
     Inputs known only per step (dtype, masks, temperatures) are checked per call."""
     check_backend_name(backend)
     if backend == "auto":
         return None
+    if batch_invariant and device_type == "cuda" and not BACKENDS[backend].capabilities.batch_invariant_on_cuda:
+        return BATCH_VARIANT_ON_CUDA
     try:
         module = BACKENDS[backend].load()
     except ImportError as error:
@@ -252,7 +268,8 @@ def resolve_backend(name: str, problem: LogProbProblem, driver: str = "log_probs
             )
         else:
             logger.debug("%s: backend=auto skips %r: %s", driver, candidate, reason)
-    raise ValueError("backend='auto' found no usable backend")  # unreachable: torch always runs
+    reasons = "; ".join(f"{name}: {BACKENDS[name].unavailable_reason(problem)}" for name in PREFERENCE)
+    raise ValueError(f"backend='auto' found no backend that runs this call here ({reasons})")
 
 
 def describe_backends(hidden: torch.Tensor, weight: torch.Tensor) -> dict[str, str | None]:

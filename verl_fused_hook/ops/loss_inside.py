@@ -359,6 +359,7 @@ def log_probs_entropy_and_loss(
     chunk_bytes: int | None = None,
     row_groups: torch.Tensor | None = None,
     gradient_accumulation_fusion: bool = False,
+    batch_invariant: bool = False,
 ) -> FusedLossResult:
     """`loss_fn(log_probs, entropy)` of `log_probs_and_entropy`'s outputs, its gradient computed in the same pass.
 
@@ -392,6 +393,8 @@ def log_probs_entropy_and_loss(
         gradient_accumulation_fusion: True: the loss's backward adds d_weight (scaled) into `weight.main_grad`
             and returns Megatron's placeholder, as `log_probs_and_entropy`'s does. d_weight is computed in the
             forward, before that scale is known, so its buffer is kept as without it.
+        batch_invariant: the log-probs, entropy (and so the ratio the loss clips) of a row the same bits
+            whatever batch or chunk plan computes them, as `log_probs_and_entropy`'s.
 
     Returns FusedLossResult: `loss` back-propagates into hidden and weight (d_hidden as `tp_hidden` says);
     `metrics` come from the final evaluation. Backward raises LossGradientError if a gradient reaches the
@@ -425,6 +428,7 @@ def log_probs_entropy_and_loss(
         tile_rows=chunk_rows,
         tp_hidden=tp_hidden,
         gradient_accumulation_fusion=gradient_accumulation_fusion,
+        batch_invariant=batch_invariant,
     )
     call = LossCall(
         loss_fn=loss_fn,

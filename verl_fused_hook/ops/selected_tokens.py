@@ -71,6 +71,7 @@ def token_log_probs(
     backend: str = "auto",
     tile_rows: int | None = None,
     gradient_accumulation_fusion: bool = False,
+    batch_invariant: bool = False,
 ) -> TokenLogProbs:
     """Log-probs of `labels` and of every id in `token_ids`, entropy, the row's own top_k and sum pi^2 under
     softmax(hidden @ W.T / temperature), W every rank's `weight` shard; no [rows, vocab] tensor at any point.
@@ -88,6 +89,8 @@ def token_log_probs(
         tile_rows: the portable backend's rows per tile, as log_probs_and_entropy's.
         gradient_accumulation_fusion: True: d_weight goes into `weight.main_grad` and megatron's placeholder is
             returned, as log_probs_and_entropy's (so that every op call on one weight in a step treats it alike).
+        batch_invariant: every forward output of a row the same bits whatever batch computes it, as
+            log_probs_and_entropy's.
 
     Rows not computed (ignore_index, score_mask False) hold 0 in every output (top_ids -1) and get zero gradient.
     Every rank of tp_group returns identical outputs and its own d_weight shard; d_hidden as tp_hidden says.
@@ -107,6 +110,7 @@ def token_log_probs(
         hidden, weight, labels, temperature=temperature, tp_group=tp_group, score_mask=score_mask,
         ignore_index=ignore_index, vocab_size=vocab_size, calculate_entropy=calculate_entropy, tile_rows=tile_rows,
         tp_hidden=tp_hidden, gradient_accumulation_fusion=gradient_accumulation_fusion,
+        batch_invariant=batch_invariant,
     )  # fmt: skip
     check_int(
         "top_k",

@@ -53,9 +53,10 @@ logger = logging.getLogger(__name__)
 
 # Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
 SPLIT_OVERHEAD_TILES = 0.5
-# The row counts the forward's split layout is chosen for (`tiles_per_split`): the layout is fixed per shard
-# width, whatever rows a call has. H200, 151936 columns: 33 splits of 18 tiles, modelled within 1.7% of the best
-# layout for each count (the forward is a quarter of a forward+backward).
+# The row counts the batch-invariant split layout is chosen for (`tiles_per_split`): fixed per shard width,
+# whatever rows a call has. H200, 151936 columns: 33 splits of 18 tiles, modelled within 1.7% of the best layout
+# for each count; measured (results/ab_batch_invariance.json) 0.98-1.01x the per-row-count layout's
+# forward+backward at five standard shapes, 1.012x (forward 1.043x) at 32768 x 8192 x 128256 (8 splits of 63).
 REFERENCE_ROWS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
 # split, 132 programs would each stream their own 1 MiB row block per tile.
@@ -193,26 +194,42 @@ def _modelled_time(per: int, row_blocks: int, col_tiles: int, slots: int) -> int
     return -(-(row_blocks * splits) // slots) * (per + SPLIT_OVERHEAD_TILES)
 
 
-@functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
-def tiles_per_split(col_tiles: int, slots: int) -> int:
-    """Column tiles per program of the forward kernel, from the shard's width and the GPU alone.
-
-    Why not from the row count too: a row's statistics are added split by split, so a layout that followed N would
-    give a row other bits in another batch (batch invariance: the old log-probs and the update's forward then
-    differ in the last bits). Of the layouts with at least MIN_SPLITS splits (L2 locality) and no empty last split,
-    the one whose modelled time is on average closest to the best layout at each of REFERENCE_ROWS."""
-    candidates = [
+def _split_candidates(col_tiles: int) -> list[int]:
+    """Tiles per split with at least MIN_SPLITS splits (L2 locality) and no empty last split."""
+    return [
         per
         for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1)
         if -(-col_tiles // per) * per - col_tiles < per
     ]
-    row_blocks = [-(-rows // FORWARD_CONFIG.block_m) for rows in REFERENCE_ROWS]
-    best = [min(_modelled_time(per, blocks, col_tiles, slots) for per in candidates) for blocks in row_blocks]
+
+
+@functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
+def tiles_per_split(col_tiles: int, slots: int, row_blocks: int | None = None) -> int:
+    """Column tiles per program of the forward kernel.
+
+    With `row_blocks` (the call's rows in blocks): the layout of least modelled time for that many rows, the
+    fastest. None (batch_invariant): from the shard's width and the GPU alone, since a row's statistics are added
+    split by split and a layout that followed N would give a row other bits in another batch (the old log-probs
+    and the update's forward then differ in the last bits): the candidate whose modelled time is on average
+    closest to the best layout at each of REFERENCE_ROWS."""
+    candidates = _split_candidates(col_tiles)
+    if row_blocks is not None:
+        return min(candidates, key=lambda per: (_modelled_time(per, row_blocks, col_tiles, slots), per))
+    reference_blocks = [-(-rows // FORWARD_CONFIG.block_m) for rows in REFERENCE_ROWS]
+    best = [min(_modelled_time(per, blocks, col_tiles, slots) for per in candidates) for blocks in reference_blocks]
 
     def mean_excess(per: int) -> float:
-        return sum(_modelled_time(per, blocks, col_tiles, slots) / fastest for blocks, fastest in zip(row_blocks, best))
+        return sum(
+            _modelled_time(per, blocks, col_tiles, slots) / fastest for blocks, fastest in zip(reference_blocks, best)
+        )
 
     return min(candidates, key=mean_excess)
+
+
+def split_layout(p: LogProbProblem, rows: int, col_tiles: int, device) -> int:
+    """Tiles per split of the forward kernel for `rows` rows of `p` (fixed by the width when p.batch_invariant)."""
+    slots = num_sms(device) * FORWARD_CONFIG.ctas_per_sm
+    return tiles_per_split(col_tiles, slots, None if p.batch_invariant else -(-rows // FORWARD_CONFIG.block_m))
 
 
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
@@ -236,7 +253,7 @@ def local_statistics(
     c = FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = tiles_per_split(col_tiles, num_sms(hidden.device) * c.ctas_per_sm)
+    per = split_layout(p, n, col_tiles, hidden.device)
     splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](

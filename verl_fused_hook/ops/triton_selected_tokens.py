@@ -40,8 +40,8 @@ from .triton_backend import (
     StoredLogits,
     descriptor,
     recomputed_gradients,
+    split_layout,
     stored_layout,
-    tiles_per_split,
     tma_ready,
 )
 from .weight_gradient import WeightGradientSum
@@ -86,7 +86,7 @@ def statistics_with_squares(
     c = backend.FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = tiles_per_split(col_tiles, backend.num_sms(hidden.device) * c.ctas_per_sm)
+    per = split_layout(p, n, col_tiles, hidden.device)
     splits = -(-col_tiles // per)
     parts = torch.empty(5 if squares else 4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](

@@ -18,7 +18,7 @@ import logging
 from ..log_once import note
 from ..ops import backend_unavailable_at_build
 from ..probe import require_output_processor_support, unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, HOOK, LEGACY, resolve_plan
 from .engine_forward import make_engine_forward
 from .forward_step import make_forward_step, make_resolve_fused_temperature
 from .model_plan import VERL_MODE_ATTRIBUTE, in_hook_mode, plan_of, set_plan
@@ -32,15 +32,19 @@ logger = logging.getLogger(__name__)
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 
 
-def _check_backend_at_build(backend: str, gpt) -> None:
+def _check_backend_at_build(backend: str, gpt, batch_invariant: bool) -> None:
     """Fail at model build, not at the first step, when the configured backend cannot run this model here."""
     import torch
 
     reason = backend_unavailable_at_build(
-        backend, hidden_size=gpt.config.hidden_size, device_type="cuda" if torch.cuda.is_available() else "cpu"
+        backend,
+        hidden_size=gpt.config.hidden_size,
+        device_type="cuda" if torch.cuda.is_available() else "cpu",
+        batch_invariant=batch_invariant,
     )
     if reason is not None:
-        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} cannot run here: {reason}")
+        invariant = f" with {CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true" if batch_invariant else ""
+        raise ValueError(f"{CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend}{invariant} cannot run here: {reason}")
 
 
 def _make_patch_fused_forward(verl_patch):
@@ -53,7 +57,7 @@ def _make_patch_fused_forward(verl_patch):
             setattr(unwrap_to_gpt(model), VERL_MODE_ATTRIBUTE, "legacy")  # verl then monkey-patches forward
             return verl_patch(model)
         gpt = require_output_processor_support(model)
-        _check_backend_at_build(plan.backend, gpt)
+        _check_backend_at_build(plan.backend, gpt, plan.batch_invariant)
         setattr(gpt, VERL_MODE_ATTRIBUTE, "hook")  # verl's unpatch/mode helpers then leave forward alone
 
     return patch_fused_forward

@@ -161,6 +161,7 @@ def make_engine_forward(vision_model: bool):
             calculate_entropy=bool(calculate_entropy),
             score_mask=score_mask,
             backend=backend,
+            batch_invariant=plan.batch_invariant,
             **(
                 _fused_loss_options(step, layout, model_inputs["labels"])
                 if fused_loss is not None

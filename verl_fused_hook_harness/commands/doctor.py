@@ -16,8 +16,8 @@ status is 1 when something would fail at start-up:
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
 - op self-check: log-probs, entropy and both gradients against fp64 on the device at hand;
-- batch invariance: rows' log-probs and entropy alone and inside bigger batches (first, last, others masked) on
-  the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
+- batch invariance: with the opt-in batch_invariant, rows' log-probs and entropy alone and inside bigger batches
+  (first, last, others masked) on the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
 
 Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [--verbose] [OVERRIDE ...]
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import importlib.metadata
 import multiprocessing
 import os
@@ -37,7 +38,7 @@ from packaging.version import Version
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import describe_backends
-from verl_fused_hook.switch import CONFIG_PREFIX, ENV_VAR, resolve_plan
+from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
 from ..support.layer_spec import AUTO, Presence, choose_layer_spec, te_missing, transformer_engine
@@ -132,13 +133,33 @@ def _hook_probe_in_this_process() -> Finding:
 
 
 def check_hook_probe() -> Finding:
-    """The probe in a fresh process: the CPU stand-ins it needs must not leak into this one."""
+    """The probe in a fresh process: the CPU stand-ins it needs must not leak into this one. The process sees no
+    GPU: megatron-core moves RoPE's frequencies to `torch.cuda.current_device()` whenever CUDA is there (on the
+    H200 the CPU model's forward then failed with "found at least two devices, cuda:0 and cpu")."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         try:
-            return pool.submit(_hook_probe_in_this_process).result(timeout=600)
+            with _environment_of_new_processes(CUDA_VISIBLE_DEVICES=""):
+                probe = pool.submit(_hook_probe_in_this_process)  # the worker starts here, with that environment
+            return probe.result(timeout=600)
         except Exception as error:  # the probe's own failure is the finding
             return Finding("hook probe", FAIL, f"{type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def _environment_of_new_processes(**values: str):
+    """os.environ with `values` while processes are started, then as it was (this process's CUDA is set up from
+    the environment it read earlier, or reads it later, after the restore)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Finding]:
@@ -276,8 +297,9 @@ def check_op(dtype: torch.dtype) -> Finding:
 
 
 def check_batch_invariance(dtype: torch.dtype) -> Finding:
-    """The probe rows' values alone and inside batches must be the same bits: whatever micro-batch computes a
-    sequence, its log-probs are the same (the PPO ratio of the first on-policy step is exactly 1)."""
+    """With batch_invariant=True (`output_processor_batch_invariant=true`) the probe rows' values alone and inside
+    batches must be the same bits: whatever micro-batch computes a sequence, its log-probs are the same (the PPO
+    ratio of the first on-policy step is exactly 1)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = dtype if device == "cuda" else torch.float32
     shape = INVARIANCE_PROBE
@@ -293,7 +315,12 @@ def check_batch_invariance(dtype: torch.dtype) -> Finding:
     def values(rows: torch.Tensor, where: slice, score_mask=None):
         with torch.no_grad():
             lp, ent = log_probs_and_entropy(
-                hidden[rows], weight, labels[rows], temperature=shape["temperature"], score_mask=score_mask
+                hidden[rows],
+                weight,
+                labels[rows],
+                temperature=shape["temperature"],
+                score_mask=score_mask,
+                batch_invariant=True,
             )
         return lp[where], ent[where]
 
@@ -311,13 +338,13 @@ def check_batch_invariance(dtype: torch.dtype) -> Finding:
         ):
             worst = max(worst, (lp - alone[0]).abs().max().item(), (ent - alone[1]).abs().max().item())
     backend = describe_backends(hidden, weight)["auto"]
-    setting = f"{device} {str(dtype).removeprefix('torch.')}, backend {backend}"
+    setting = f"{device} {str(dtype).removeprefix('torch.')}, backend {backend}, batch_invariant=True"
     if worst == 0.0:
         return Finding(
             "invariance",
             OK,
             f"{setting}: {shape['rows']} rows alone and among {' and '.join(map(str, shape['others']))} others "
-            "(first, last, others masked): the same bits",
+            f"(first, last, others masked): the same bits (opt-in: {CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true)",
         )
     return Finding(
         "invariance",
