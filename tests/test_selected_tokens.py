@@ -282,3 +282,31 @@ def test_memory_does_not_grow_with_tokens_beyond_the_ids():
     growth = peak_large - peak_small
     assert growth <= (16384 - 2048) * per_row, (growth, (16384 - 2048) * per_row)
     assert peak_large <= 4 * tile_bytes + 2 * vocab * h * 4 + 16384 * per_row
+
+
+@pytest.mark.parametrize("wanted", [24, 144, 400])
+def test_top_k_candidates_come_from_the_rows_best_tiles(wanted):
+    """The Triton path's top-k candidates (host side, plain torch: `approximate_candidates`) ranked only within each
+    row's `wanted` tiles of largest max, plus a partial last tile, are exactly the `wanted` largest approximations of
+    every column: some rows with their best columns spread, bunched into one tile, or in the partial tile. 400
+    candidates are too many for that (more than a quarter of the columns' tiles): every column is ranked."""
+    from verl_fused_hook.ops.triton_backend import StoredLogits
+    from verl_fused_hook.ops.triton_selected_tokens import approximate_candidates
+
+    width, columns, rows = 256, 200 * 256 + 37, 6
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, columns, generator=generator) * 3
+    logits[1, 512:768] += 20  # every large value in one tile
+    logits[2, -37:] += 20  # the largest in the partial last tile
+    logits[3, ::257] += 15  # one large value in nearly every tile
+    tiles = -(-columns // width)
+    padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), float("-inf"))], 1)
+    tile_max = padded.view(rows, tiles, width).amax(2)
+    shifted = (logits - tile_max.repeat_interleave(width, 1)[:, :columns]).half()
+    store = StoredLogits(shifted, tile_max, width)
+    approximate = shifted.float() + tile_max.repeat_interleave(width, 1)[:, :columns]
+    expected = torch.topk(approximate, wanted, dim=1).values  # fp16 rounding ties: compare values, not ids
+    found = approximate_candidates(store, wanted)
+    assert found.shape == (rows, wanted) and found.dtype == torch.int64
+    assert all(len(set(row.tolist())) == wanted for row in found)
+    assert torch.equal(approximate.gather(1, found).sort(1, descending=True).values, expected)

@@ -120,6 +120,24 @@ def _op_cases() -> list[dict]:
             result["top_ids_exact"] = bool(torch.equal(out.top_ids, want["top_ids"]))
         results.append(result)
 
+    # top-3 of 2003 columns (62 whole tiles of 32 and a partial one): candidates from each row's 19 best tiles only
+    triton_selected_tokens.TOP_K_CHUNK_BYTES = 1024**3
+    case = make_case(n=40, h=64, padded=2016, vocab=2003, k=4, dtype=torch.float16)
+    want = reference(case, top_k=3)
+    out, d_hidden, d_weight = run_case(case, top_k=3, backend="triton")
+    results.append(
+        {
+            "case": "top-3 from the best tiles",
+            "d_hidden": rel(d_hidden, want["d_hidden"]),
+            "d_weight": rel(d_weight, want["d_weight"]),
+            "off_rows_zero": bool((d_hidden[~scored_rows(case)] == 0).all()),
+            "top_log_probs": max_abs(out.top_log_probs, want["top_log_probs"]),
+            "top_ids_exact": bool(torch.equal(out.top_ids, want["top_ids"])),
+            "best_tiles_path": 62 > 3 + triton_selected_tokens.TOP_K_SLACK
+            and 8 * (3 + triton_selected_tokens.TOP_K_SLACK) * 32 <= 4 * 2003,
+        }
+    )
+
     # d_weight added into an fp32 main_grad (megatron's DDP protocol), the rows walked in groups of one row block
     backward_plan.IN_PLACE_WALK_BYTES = 1
     case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16)
@@ -181,7 +199,7 @@ def test_selected_token_kernels_in_the_interpreter():
 
 def test_token_log_probs_triton_path_in_the_interpreter():
     cases = _run_interpreted("_op_cases")
-    assert len(cases) == 4
+    assert len(cases) == 5
     for case in cases:
         label = case["case"]
         assert case["off_rows_zero"], label
@@ -190,3 +208,4 @@ def test_token_log_probs_triton_path_in_the_interpreter():
         assert case.get("top_ids_exact", True), case
         assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
         assert case.get("placeholder", True) and case.get("row_groups", 2) > 1, case
+        assert case.get("best_tiles_path", True), case  # the case's shape takes approximate_candidates' tile path
