@@ -607,12 +607,12 @@ def _interpreted_batch_invariance() -> dict:
     return {"same_bits": bool(same), "splits": splits}
 
 
-def _run_interpreted(function: str):
-    """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
+def _run_interpreted(function: str, module: str = Path(__file__).stem):
+    """`function()` of the test module `module` (this one by default) in a fresh interpreter-mode subprocess; its
+    JSON result."""
     tests = Path(__file__).resolve().parent
     code = (
-        f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
-        f"print(json.dumps(t.{function}()))"
+        f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {module} as t; print(json.dumps(t.{function}()))"
     )
     env = dict(
         os.environ,

@@ -10,13 +10,10 @@ addmm, the availability check) are its `_interpret_on_cpu`. Tolerances: fp32 val
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_triton_interpreter import _run_interpreted as run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
@@ -174,20 +171,7 @@ def _op_cases() -> list[dict]:
 
 
 def _run_interpreted(function: str):
-    """`function()` of this module in a fresh interpreter-mode subprocess; its JSON result."""
-    tests = Path(__file__).resolve().parent
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(tests)!r}); import {Path(__file__).stem} as t; "
-        f"print(json.dumps(t.{function}()))"
-    )
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(function, Path(__file__).stem)
 
 
 def test_selected_token_kernels_in_the_interpreter():
