@@ -146,6 +146,13 @@ class BackendCapabilities:
     batch_invariant_on_cuda: bool = True
 
 
+# Why the portable backend refuses batch_invariant=True on a GPU (on the CPU its row blocks are padded: invariant).
+BATCH_VARIANT_ON_CUDA = (
+    "batch_invariant=True: on CUDA the portable backend's cuBLAS GEMMs and torch reductions pick their kernels by "
+    "shape, so a row's values depend on its batch; use backend triton (or verl, whose kernel is invariant)"
+)
+
+
 @dataclass(frozen=True)
 class Backend:
     """`module` holds the backend's functions; `whole_problem`: a WholeProblemBackend, else a BlockBackend;
@@ -161,18 +168,14 @@ class Backend:
         return importlib.import_module(self.module, package=__package__)
 
     def unavailable_reason(self, problem: LogProbProblem) -> str | None:
+        if problem.batch_invariant and problem.hidden.is_cuda and not self.capabilities.batch_invariant_on_cuda:
+            return BATCH_VARIANT_ON_CUDA
         try:
             module = self.load()
         except ImportError as error:
             return f"cannot be imported ({error})"
         return module.unavailable_reason(problem)
 
-
-# Why the portable backend refuses batch_invariant=True on a GPU (on the CPU its row blocks are padded: invariant).
-BATCH_VARIANT_ON_CUDA = (
-    "batch_invariant=True: on CUDA the portable backend's cuBLAS GEMMs and torch reductions pick their kernels by "
-    "shape, so a row's values depend on its batch; use backend triton (or verl, whose kernel is invariant)"
-)
 
 BACKENDS: dict[str, Backend] = {
     "triton": Backend(

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .arguments import LogProbProblem
-from .backends import BATCH_VARIANT_ON_CUDA, RowBlock, SavedPasses
+from .backends import RowBlock, SavedPasses
 from .chunking import ChunkCost
 from .softmax_math import (
     LogitGradientInputs,
@@ -51,7 +51,7 @@ STATISTICS_ROW_MULTIPLE = 8
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
-    return BATCH_VARIANT_ON_CUDA if p.batch_invariant and p.hidden.is_cuda else None
+    return None
 
 
 def build_unavailable_reason(hidden_size: int, device_type: str) -> str | None:
