@@ -226,10 +226,11 @@ def tiles_per_split(col_tiles: int, slots: int, row_blocks: int | None = None) -
     return min(candidates, key=mean_excess)
 
 
-def split_layout(p: LogProbProblem, rows: int, col_tiles: int, device) -> int:
-    """Tiles per split of the forward kernel for `rows` rows of `p` (fixed by the width when p.batch_invariant)."""
+def split_layout(p: LogProbProblem, row_blocks: int, col_tiles: int, device) -> int:
+    """Tiles per split of the forward kernel for `row_blocks` blocks of `p`'s rows (fixed by the width when
+    p.batch_invariant)."""
     slots = num_sms(device) * FORWARD_CONFIG.ctas_per_sm
-    return tiles_per_split(col_tiles, slots, None if p.batch_invariant else -(-rows // FORWARD_CONFIG.block_m))
+    return tiles_per_split(col_tiles, slots, None if p.batch_invariant else row_blocks)
 
 
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
@@ -253,7 +254,7 @@ def local_statistics(
     c = FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = split_layout(p, n, col_tiles, hidden.device)
+    per = split_layout(p, row_blocks, col_tiles, hidden.device)
     splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](

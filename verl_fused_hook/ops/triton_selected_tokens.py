@@ -86,7 +86,7 @@ def statistics_with_squares(
     c = backend.FORWARD_CONFIG
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = split_layout(p, n, col_tiles, hidden.device)
+    per = split_layout(p, row_blocks, col_tiles, hidden.device)
     splits = -(-col_tiles // per)
     parts = torch.empty(5 if squares else 4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
