@@ -287,18 +287,23 @@ def test_memory_does_not_grow_with_tokens_beyond_the_ids():
 @pytest.mark.parametrize("wanted", [24, 144, 400])
 def test_top_k_candidates_come_from_the_rows_best_tiles(wanted):
     """The Triton path's top-k candidates (host side, plain torch: `approximate_candidates`) ranked only within each
-    row's `wanted` tiles of largest max, plus a partial last tile, are exactly the `wanted` largest approximations of
-    every column: some rows with their best columns spread, bunched into one tile, or in the partial tile. 400
-    candidates are too many for that (more than a quarter of the columns' tiles): every column is ranked."""
+    row's `wanted` tiles of largest max and their `wanted` groups of largest max, plus a partial last tile, are
+    exactly the `wanted` largest approximations of every column: rows with their best columns spread, bunched into
+    one tile, into one group of 16, or in the partial tile. 400 candidates are too many for that (their tiles more
+    than half the columns): every column is ranked."""
     from verl_fused_hook.ops.triton_backend import StoredLogits
-    from verl_fused_hook.ops.triton_selected_tokens import approximate_candidates
+    from verl_fused_hook.ops.triton_selected_tokens import _ranks_best_tiles, approximate_candidates
 
-    width, columns, rows = 256, 200 * 256 + 37, 6
+    width, columns, rows = 256, 600 * 256 + 37, 8
+    assert _ranks_best_tiles(columns, width, wanted) == (wanted < 400)
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(rows, columns, generator=generator) * 3
     logits[1, 512:768] += 20  # every large value in one tile
     logits[2, -37:] += 20  # the largest in the partial last tile
     logits[3, ::257] += 15  # one large value in nearly every tile
+    logits[4, 1040:1056] += 20  # the 16 largest in one group
+    logits[5, 3000:3400:3] += 20  # many groups of two tiles
+    logits[6] = logits[6].half().float()  # many equal values (ties in the approximations)
     tiles = -(-columns // width)
     padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), float("-inf"))], 1)
     tile_max = padded.view(rows, tiles, width).amax(2)

@@ -130,8 +130,9 @@ def _op_cases() -> list[dict]:
             "off_rows_zero": bool((d_hidden[~scored_rows(case)] == 0).all()),
             "top_log_probs": max_abs(out.top_log_probs, want["top_log_probs"]),
             "top_ids_exact": bool(torch.equal(out.top_ids, want["top_ids"])),
-            "best_tiles_path": 62 > 3 + triton_selected_tokens.TOP_K_SLACK
-            and 8 * (3 + triton_selected_tokens.TOP_K_SLACK) * 32 <= 4 * 2003,
+            "best_tiles_path": triton_selected_tokens._ranks_best_tiles(
+                2003, 32, 3 + triton_selected_tokens.TOP_K_SLACK
+            ),
         }
     )
 

@@ -50,9 +50,12 @@ from .weight_gradient import WeightGradientSum
 # is missed only if more than TOP_K_SLACK others overtake it by fp16 rounding (2^-11 of its distance to its tile's
 # max, in raw units).
 TOP_K_SLACK = 16
-# Memory of one chunk of rows under top_k: the kept fp16 logits and tile maxima, and the fp32 approximations topk
-# reads (6 bytes a column, plus 4 a column tile).
+# Memory of one chunk of rows under top_k: the kept fp16 logits and tile maxima, and what the candidates' selection
+# reads and writes (`_selection_bytes`).
 TOP_K_CHUNK_BYTES = 1024**3
+# Columns per group of a tile that the candidates' selection ranks by its largest approximation between ranking
+# tiles and ranking columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
+GROUP_COLUMNS = 16
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
@@ -62,10 +65,30 @@ def _top_k_chunk_rows(columns: int, top_k: int) -> int | None:
     """Rows per forward chunk (whole row blocks of the statistics kernel) under top_k, None without top_k."""
     if not top_k:
         return None
-    pitch, tiles = stored_layout(columns, backend.FORWARD_CONFIG.block_n)
-    per_row = 2 * pitch + 4 * tiles + 4 * columns
+    width = backend.FORWARD_CONFIG.block_n
+    pitch, tiles = stored_layout(columns, width)
+    per_row = 2 * pitch + 4 * tiles + _selection_bytes(columns, width, min(top_k + TOP_K_SLACK, columns))
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, TOP_K_CHUNK_BYTES // per_row // block_m * block_m)
+
+
+def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
+    """Whether `approximate_candidates` ranks only the best tiles: more whole tiles than candidates, and those
+    tiles at most half the columns (otherwise every column is ranked)."""
+    return columns // width > wanted and 8 * wanted * width <= 4 * columns
+
+
+def _selection_bytes(columns: int, width: int, wanted: int) -> int:
+    """Bytes per row `approximate_candidates` allocates: every column in fp32, or the best tiles in fp16, their
+    groups' maxima and the best groups' columns in fp32, the partial tile, and the int64 indices."""
+    if not _ranks_best_tiles(columns, width, wanted):
+        return 4 * columns + 8 * wanted
+    group = _group_columns(width)
+    return 2 * wanted * width + 4 * wanted * (width // group) + 8 * wanted * group + 4 * width + 32 * wanted
+
+
+def _group_columns(width: int) -> int:
+    return GROUP_COLUMNS if width % GROUP_COLUMNS == 0 else width
 
 
 def statistics_with_squares(
@@ -148,33 +171,43 @@ def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tens
 
 def approximate_candidates(store: StoredLogits, wanted: int) -> Tensor:
     """The shard columns of each row's `wanted` largest fp16 approximations (raw logit rounded relative to its tile's
-    max, plus that max), int64 [rows, wanted].
+    max, plus that max), int64 [rows, wanted], in no particular order.
 
     Why not one topk over every column: a tile's approximations never exceed its max, and each tile's max column is
     its max exactly, so the `wanted` largest all lie in the `wanted` tiles of largest max (or in a partial last tile,
-    always read): at k=128 of 151936 columns a quarter of the columns is read, converted and ranked. Where that
-    would not be a fraction of them (few tiles, large k), every column is ranked."""
+    always read); by the same argument within those tiles, in their `wanted` groups of GROUP_COLUMNS columns of
+    largest approximation. At k=128 of 151936 columns the ranks run over 594 tile maxima, 2304 group maxima and
+    2304 columns instead of 151936 (or 36864, the best tiles' columns). Where the best tiles would not be a fraction
+    of the columns (few tiles, large k), every column is ranked."""
     rows, columns = store.shifted.shape
     width = store.tile_columns
     whole = columns // width
-    if whole > wanted and 8 * wanted * width <= 4 * columns:
-        tiles = torch.topk(store.tile_max[:, :whole], wanted, dim=1).indices  # [rows, wanted]
-        body = store.shifted[:, : whole * width].view(rows, whole, width)
-        picked = body.gather(1, tiles[:, :, None].expand(rows, wanted, width)).float()
-        picked.add_(store.tile_max.gather(1, tiles)[:, :, None])
-        approximate = picked.view(rows, wanted * width)
-        tile_of = tiles
-        if columns > whole * width:  # the partial last tile, whole
-            tail = store.shifted[:, whole * width :].float().add_(store.tile_max[:, whole : whole + 1])
-            approximate = torch.cat([approximate, tail], 1)
-            tile_of = torch.cat([tiles, tiles.new_full((rows, 1), whole)], 1)
-        best = torch.topk(approximate, wanted, dim=1).indices
-        return tile_of.gather(1, best // width) * width + best % width
-    approximate = store.shifted.float()  # raw logits to fp16 rounding (their order is z's: T > 0), tile max added
-    approximate[:, : whole * width].view(rows, whole, width).add_(store.tile_max[:, :whole, None])
-    if columns > whole * width:
-        approximate[:, whole * width :].add_(store.tile_max[:, whole : whole + 1])
-    return torch.topk(approximate, wanted, dim=1).indices
+    if not _ranks_best_tiles(columns, width, wanted):
+        approximate = store.shifted.float()  # raw logits to fp16 rounding (their order is z's: T > 0), tile max added
+        approximate[:, : whole * width].view(rows, whole, width).add_(store.tile_max[:, :whole, None])
+        if columns > whole * width:
+            approximate[:, whole * width :].add_(store.tile_max[:, whole : whole + 1])
+        return torch.topk(approximate, wanted, dim=1, sorted=False).indices
+    group = _group_columns(width)
+    per_tile = width // group
+    tiles = torch.topk(store.tile_max[:, :whole], wanted, dim=1, sorted=False).indices  # [rows, wanted]
+    body = store.shifted[:, : whole * width].view(rows, whole, width)
+    grouped = body.gather(1, tiles[:, :, None].expand(rows, wanted, width)).view(rows, wanted * per_tile, group)
+    tile_max = store.tile_max.gather(1, tiles)
+    # fp16 -> fp32 and + max are monotonic: a group's largest approximation is its largest fp16 value's
+    group_best = grouped.amax(2).float().view(rows, wanted, per_tile).add_(tile_max[:, :, None])
+    groups = torch.topk(group_best.view(rows, wanted * per_tile), wanted, dim=1, sorted=False).indices
+    slot = groups // per_tile  # which of the row's best tiles
+    approximate = grouped.gather(1, groups[:, :, None].expand(rows, wanted, group)).float()
+    approximate = approximate.add_(tile_max.gather(1, slot)[:, :, None]).view(rows, wanted * group)
+    first_column = tiles.gather(1, slot) * width + groups % per_tile * group  # [rows, wanted]
+    if columns > whole * width:  # the partial last tile, whole
+        tail = store.shifted[:, whole * width :].float().add_(store.tile_max[:, whole : whole + 1])
+        approximate = torch.cat([approximate, tail], 1)
+    best = torch.topk(approximate, wanted, dim=1, sorted=False).indices
+    in_groups = best < wanted * group
+    from_group = first_column.gather(1, (best // group).clamp_max(wanted - 1)) + best % group
+    return torch.where(in_groups, from_group, best - wanted * group + whole * width)
 
 
 def top_candidates(
