@@ -13,10 +13,10 @@
 #   step 1 (~4 min): doctor; ab-parity on the TE spec (verl's kernel both sides: identical; vs verl's unfused path
 #                    within bf16 tolerance), its MTP and padded (BSHD) scenarios; the --batch-invariant and
 #                    --grad-accum-fusion refusals as the device gives them
-#   step 2 (~3 min): train-parity on the TE spec, Qwen2.5-0.5B shapes (24 layers): 4 GRPO steps, checkpoint, resume
-#   step 3 (~6 min): e2e-bench, Qwen2.5-7B shapes at 28 layers with full recompute, TE and local spec in the same
+#   step 2 (~5 min): train-parity on the TE spec, Qwen2.5-0.5B shapes (24 layers): 4 GRPO steps, checkpoint, resume
+#   step 3 (~6.5 min): e2e-bench, Qwen2.5-7B shapes at 28 layers with full recompute, TE and local spec in the same
 #                    rounds, every mode and the decoder alone (the output layer's share), 4k/16k/32k tokens
-#   step 4 (~5 min): e2e-bench, Qwen2.5-0.5B shapes (24 layers), the same at 4k-64k tokens; the loss inside the op
+#   step 4 (~4 min): e2e-bench, Qwen2.5-0.5B shapes (24 layers), the same at 4k-64k tokens; the loss inside the op
 #                    on the TE spec (7B shapes, 28 layers, 16k tokens)
 #   step 5 (~7 min): step 3 at 64k tokens
 set -uo pipefail
