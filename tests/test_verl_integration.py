@@ -191,6 +191,29 @@ def test_verl_backend_without_cuda_stops_the_build(monkeypatch):
     assert not hasattr(model, "_verl_fused_hook_plan")
 
 
+def test_portable_backend_with_batch_invariance_stops_the_build_on_a_cuda_machine(monkeypatch):
+    """On a CUDA machine the portable backend cannot promise batch invariance, so verl's build stops, naming both
+    entries. FAKE, named: `torch.cuda.is_available` answers True while the build step runs (the check reads only
+    the device type; the tiny model stays on the CPU). On the CPU the same entries build (the backend is invariant
+    there)."""
+    monkeypatch.setenv(ENV_VAR, "1")
+    options = {"output_processor_backend": "torch", "output_processor_batch_invariant": True}
+    model = tiny_model()
+    engine = megatron_engine([model], fused_kernel_options=options)
+    with monkeypatch.context() as cuda_machine:
+        cuda_machine.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(
+            ValueError,
+            match=r"fused_kernel_options\.output_processor_backend=torch with actor_rollout_ref\.model\."
+            r"fused_kernel_options\.output_processor_batch_invariant=true cannot run here: batch_invariant=True: "
+            r"on CUDA the portable backend's cuBLAS GEMMs",
+        ):
+            engine._maybe_enable_fused_kernels()
+    cpu_model = tiny_model()
+    megatron_engine([cpu_model], fused_kernel_options=options)._maybe_enable_fused_kernels()
+    assert cpu_model._verl_fused_hook_plan.batch_invariant and cpu_model._verl_fused_hook_plan.backend == "torch"
+
+
 class _GPTWithoutHook(GPTModel):
     """A GPTModel as megatron-core < 0.18 shipped it: forward without the hook parameters."""
 
