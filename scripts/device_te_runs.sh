@@ -19,6 +19,10 @@
 #   step 4 (~4 min): e2e-bench, Qwen2.5-0.5B shapes (24 layers), the same at 4k-64k tokens; the loss inside the op
 #                    on the TE spec (7B shapes, 28 layers, 16k tokens)
 #   step 5 (~7 min): step 3 at 64k tokens
+#   step 6 (~6 min): megatron's batch_invariant_mode with FlashAttention 3 (carry build/fa3 too: its fa3_site.tar.xz
+#                    from `scripts/device_fa3.sh build` and `keep`): FA3's smoke check, ab-parity on the TE spec
+#                    under the mode, and train-parity with the old log-probs in micro-batches of 2 and the update
+#                    in 5: every step exactly on-policy (actor/ppo_kl and actor/pg_clipfrac 0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -34,6 +38,9 @@ setup() {
     fi
     # shellcheck disable=SC1091
     source /tmp/te_env.sh
+    if [ -f build/fa3/fa3_site.tar.xz ]; then  # FlashAttention 3 for batch_invariant_mode (scripts/device_fa3.sh)
+        bash scripts/device_fa3.sh install /tmp/site build/fa3/fa3_site.tar.xz || exit 1
+    fi
     python3 -c "import transformer_engine, transformer_engine_torch as tex; print('transformer_engine', \
 transformer_engine.__version__, 'cuDNN', tex.get_cudnn_version())" || exit 1
 }
@@ -74,13 +81,21 @@ step5() {
         --sizes 65536 "${E2E[@]}" --out "$OUT/e2e_7b_64k"
 }
 
+step6() {
+    run_command 60 bash scripts/device_fa3.sh smoke
+    run 150 ab-parity --device cuda --tp 1 --layer-spec te --dtype bf16 --batch-invariant --json "$OUT/ab_te_invariant.json"
+    run 300 train-parity --device cuda --layer-spec te --batch-invariant --steps 2 --no-resume --prompts 2 --n 5 \
+        --prompt-lengths 32,128 --response-lengths 64,256 --micro-batch 5 --old-log-prob-micro-batch 2 --offload off \
+        --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_invariant"
+}
+
 case "${1:-}" in
-1 | 2 | 3 | 4 | 5)
+1 | 2 | 3 | 4 | 5 | 6)
     setup
     "step$1" 2>&1 | tee "$OUT/step$1.log"
     ;;
 *)
-    echo "usage: $0 STEP (1-5; see the top of this file)" >&2
+    echo "usage: $0 STEP (1-6; see the top of this file)" >&2
     exit 2
     ;;
 esac

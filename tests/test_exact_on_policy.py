@@ -100,6 +100,7 @@ def _ppo_loss(micro_batch: int, sequences: int):
 def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
     from verl_fused_hook.switch import ENV_VAR
     from verl_fused_hook.verl_integration.model_plan import counts_of, plan_of
+    from verl_fused_hook_harness.commands.train.runs import metric_values
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook_harness.support.grpo_batches import packed
@@ -142,17 +143,11 @@ def _on_policy_worker(rank: int, world_size: int, dtype: str) -> dict:
         "same_bits": {micro: bool(torch.equal(values, per_packing[2])) for micro, values in per_packing.items()},
         "reordered_same_bits": bool(torch.equal(back, per_packing[2])),
         "response_tokens": int(fields["response_mask"].sum()),
-        "ppo_kl": _values(metrics["actor/ppo_kl"]),
-        "pg_clipfrac": _values(metrics["actor/pg_clipfrac"]),
+        "ppo_kl": metric_values(metrics["actor/ppo_kl"]),
+        "pg_clipfrac": metric_values(metrics["actor/pg_clipfrac"]),
         "fused_loss_forwards": fused,
         "batch_invariant": [plan_of(model).batch_invariant for model in actor.module],
     }
-
-
-def _values(metric) -> list[float]:
-    """Every micro-batch's value of one of verl's metrics (a Metric, or a list of them or of numbers)."""
-    items = metric if isinstance(metric, list) else [metric]
-    return [float(value) for item in items for value in (item.values if hasattr(item, "values") else [item])]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

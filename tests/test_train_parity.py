@@ -53,9 +53,12 @@ TP1_MODES = "legacy,hook-auto,hook-auto-mask,hook-auto-fused-loss"
 
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory):
-    """Every CPU mode at TP=1 with offload on and off, once for the tests below: (folder, report, stdout)."""
+    """Every CPU mode at TP=1 with offload on and off, the old log-probs in micro-batches of 2 (the update's: 5),
+    once for the tests below: (folder, report, stdout)."""
     out = tmp_path_factory.mktemp("train_parity_tp1")
-    report, stdout = run_command(out, "--tp", "1", "--modes", TP1_MODES, "--offload", "both")
+    report, stdout = run_command(
+        out, "--tp", "1", "--modes", TP1_MODES, "--offload", "both", "--old-log-prob-micro-batch", "2"
+    )
     return out, report, stdout
 
 
@@ -175,6 +178,34 @@ def test_merge_refuses_other_configurations_and_conflicting_runs(tp1_run, tmp_pa
     assert "--merge reads finished reports; --modes apply to training runs only" in capsys.readouterr().err
 
 
+def test_on_policy_check_reads_every_micro_batchs_ppo_kl(tp1_run):
+    """Every step records each update micro-batch's actor/ppo_kl and actor/pg_clipfrac. Under megatron's
+    batch_invariant_mode (TE with FlashAttention 3/4: GPU only) with the old log-probs in another packing, the report
+    requires all of them to be exactly 0; here the CPU run's rows are relabelled as such a run (the configuration's
+    two fields) to exercise the check; without batch invariance it is not made."""
+    _, report, _ = tp1_run
+    runs = json.loads(json.dumps(report["runs"]))
+    assert report["configuration"]["old_log_prob_micro_batch"] == 2
+    assert not any("on-policy" in c["check"] for c in report["evaluation"]["checks"])
+    for rows in runs.values():
+        for row in rows:
+            assert len(row["ppo_kl"]) == len(row["pg_clipfrac"]) == 2, row  # 10 sequences in micro-batches of 5
+            assert all(abs(v) < 1e-3 for v in row["ppo_kl"]), row  # the same weights: at most packing's rounding
+            row["ppo_kl"], row["pg_clipfrac"] = [0.0, 0.0], [0.0, 0.0]
+    invariant = report["configuration"] | {"batch_invariant": True}
+    checks = [c for c in train_parity_report.evaluate(runs, invariant)["checks"] if "on-policy" in c["check"]]
+    assert len(checks) == len(runs) and all(c["ok"] for c in checks), checks
+    assert "old log-probs in micro-batches of 2, the update in 5" in checks[0]["check"]
+    runs["hook-auto/offload-off"][2]["ppo_kl"][1] = 1e-12
+    runs["legacy/resumed"][0]["pg_clipfrac"][0] = 0.1
+    failed = {
+        c["check"].split(":")[0]: c["differing_steps"]
+        for c in train_parity_report.evaluate(runs, invariant)["checks"]
+        if "on-policy" in c["check"] and not c["ok"]
+    }
+    assert failed == {"hook-auto/offload-off": [3], "legacy/resumed": [3]}
+
+
 def test_gap_checks_and_sentences_follow_the_numbers(tp1_run):
     """A mode whose numbers drift from legacy's: the gap per step, the bound, and the sentence explaining it."""
     _, report, _ = tp1_run
@@ -246,6 +277,7 @@ def test_rollout_is_grpo_shaped_and_uses_verls_advantages():
         (["--modes", "hook-verl"], "hook-verl runs verl's Triton kernel and needs CUDA"),
         (["--modes", "legacy,fast"], "--modes: unknown ['fast']"),
         (["--micro-batch", "3"], "--micro-batch 3: must divide prompts*n = 10"),
+        (["--old-log-prob-micro-batch", "4"], "--old-log-prob-micro-batch 4: must be >= 1 and divide prompts*n = 10"),
         (["--prompt-lengths", "5"], "--prompt-lengths: expected LO,HI"),
         (["--response-lengths", "4,2"], "RolloutShape.response_lengths: expected 1 <= low <= high"),
     ],

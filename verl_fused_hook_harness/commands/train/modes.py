@@ -30,11 +30,14 @@ def one_kernel_mode(device: str) -> str:
     return "hook-verl" if device == "cuda" else "hook-auto"
 
 
-def fused_kernel_options(mode: Mode) -> dict:
-    """The engine's `fused_kernel_options` for a mode (the environment switch picks hook or legacy)."""
+def fused_kernel_options(mode: Mode, *, batch_invariant: bool = False) -> dict:
+    """The engine's `fused_kernel_options` for a mode (the environment switch picks hook or legacy); with
+    `batch_invariant` (megatron's batch_invariant_mode) the op's own batch invariance too."""
     if not mode.hook:
         return {}
     options = {"output_processor_backend": BACKENDS[mode.kernel]}
+    if batch_invariant:
+        options["output_processor_batch_invariant"] = True
     if mode.fused_loss:
         options["output_processor_fused_loss"] = True
     if not mode.score_mask:

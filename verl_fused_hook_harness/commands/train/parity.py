@@ -46,8 +46,10 @@ runs verl's own build up to that load: `make_megatron_module`, mbridge's
 `get_model` with a provider that builds the GPTModel with megatron-core's local spec
 and seeded random weights (verl's bridges build TE's spec only, which needs TE and CUDA).
 `--batch-invariant` turns on megatron's batch_invariant_mode (TE and FlashAttention
-3 or 4 only; refused at start-up otherwise, support/layer_spec.py). verl's `load_checkpoint` runs inside
-`support.train_engine.load_checkpoint_for_resume`, which works around two faults
+3 or 4 only; refused at start-up otherwise, support/layer_spec.py); with `--old-log-prob-micro-batch` the old
+log-probs come in another packing than the update's, as verl's log_prob_micro_batch_size_per_gpu does, and the
+report then checks every step exactly on-policy (actor/ppo_kl and actor/pg_clipfrac 0). verl's `load_checkpoint`
+runs inside `support.train_engine.load_checkpoint_for_resume`, which works around two faults
 of megatron-core's distributed optimizer on PyTorch's Adam (used without Apex or
 TE): a fresh optimizer cannot be loaded into (its state is primed with zeros
 first), and the load leaves each parameter's Adam step at 0 (it is set from the
@@ -83,6 +85,7 @@ across them; checks whose runs are missing are listed as pending.
 
 Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--pp N] [--ep N] [--hf-config PATH] [--steps K]
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
+         [--old-log-prob-micro-batch M]
          [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
          [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--layer-spec auto|local|te] [--batch-invariant]
          [--out DIR] [--verbose]
@@ -143,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lengths", default=None, help="LO,HI tokens (default 64,256 CUDA, 3,9 CPU)")
     parser.add_argument("--response-lengths", default=None, help="LO,HI tokens (default 128,512 CUDA, 2,10 CPU)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 5)")
+    parser.add_argument(
+        "--old-log-prob-micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch of the old log-probs (verl's log_prob_micro_batch_size_per_gpu; default: "
+        "--micro-batch's). With --batch-invariant the report checks that every step is exactly on-policy "
+        "(actor/ppo_kl and actor/pg_clipfrac 0)",
+    )
     parser.add_argument(
         "--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default: all the device runs)"
     )
@@ -232,6 +243,9 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
     micro_batch = args.micro_batch or 5
     if shape.sequences % micro_batch:
         parser.error(f"--micro-batch {micro_batch}: must divide prompts*n = {shape.sequences}")
+    old_micro = args.old_log_prob_micro_batch
+    if old_micro is not None and (old_micro < 1 or shape.sequences % old_micro):
+        parser.error(f"--old-log-prob-micro-batch {old_micro}: must be >= 1 and divide prompts*n = {shape.sequences}")
     experts = getattr(load_hf_config(hf_path), "num_experts", None) or 0
     if args.ep > 1 and (not experts or experts % args.ep):
         parser.error(f"--ep {args.ep}: needs an MoE --hf-config whose experts divide by it (this one has {experts})")
@@ -260,6 +274,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         ep=args.ep,
         layer_spec=layer_spec,
         batch_invariant=args.batch_invariant,
+        old_log_prob_micro_batch=old_micro,
     )
     return plan
 

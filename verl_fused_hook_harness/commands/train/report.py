@@ -133,12 +133,25 @@ def _fused_loss_check(key: str, rows: list[dict], micro_batches: int) -> list[di
     return [{"check": f"{key}: ppo_loss outside the op", "ok": False, "differing_steps": wrong}] if wrong else []
 
 
+def _on_policy_check(key: str, rows: list[dict], packings: str) -> dict:
+    """Exact on-policy: the update recomputed the old log-probs (another packing) to the bit, so every
+    micro-batch's PPO KL and clip fraction is exactly 0 on every step."""
+    wrong = [
+        row["step"]
+        for row in rows
+        if not row.get("ppo_kl") or any(v != 0.0 for v in row["ppo_kl"] + (row.get("pg_clipfrac") or []))
+    ]
+    label = f"{key}: on-policy ({packings}): actor/ppo_kl and actor/pg_clipfrac exactly 0"
+    return {"check": label, "ok": not wrong, "differing_steps": wrong, "passed_as": "every step"}
+
+
 def evaluate(runs: dict, configuration: dict, run_info: dict | None = None) -> dict:
     """Every identity and bounded gap that the runs present allow, and the runs still missing for the rest.
 
     Per mode: offload on == off, resumed == the run its checkpoint came from (steps K/2+1..K); vs legacy:
     identical for the mode computing with legacy's kernel, else the gap within GAP_BOUNDS["vs legacy"];
-    a mode with a twin (the fused loss) also within GAP_BOUNDS["vs twin"] of it."""
+    a mode with a twin (the fused loss) also within GAP_BOUNDS["vs twin"] of it. Under megatron's
+    batch_invariant_mode with the old log-probs in another packing: every run exactly on-policy."""
     run_info = run_info or {}
     dtype, device = configuration["dtype"], configuration["device"]
     resumed_steps = f"steps {configuration['checkpoint_step'] + 1}-{configuration['steps']}"
@@ -147,6 +160,10 @@ def evaluate(runs: dict, configuration: dict, run_info: dict | None = None) -> d
     micro_batches = configuration["shape"]["prompts"] * configuration["shape"]["n"] // configuration["micro_batch"]
     for key, rows in runs.items():
         checks += _fused_loss_check(key, rows, micro_batches)
+    old_micro = configuration.get("old_log_prob_micro_batch")
+    if configuration.get("batch_invariant") and old_micro is not None:
+        packings = f"old log-probs in micro-batches of {old_micro}, the update in {configuration['micro_batch']}"
+        checks += [_on_policy_check(key, rows, packings) for key, rows in runs.items()]
     for name in ordered_modes({key.split("/")[0] for key in runs}):
         plain = runs.get(f"{name}/offload-off")
         if f"{name}/offload-on" in runs and plain is not None:

@@ -68,6 +68,8 @@ class Plan:
     ep: int = 1  # expert-parallel size (an MoE config; data-parallel ranks = EP, each holding the same batch)
     layer_spec: str = LOCAL  # the resolved spec: TE builds through verl's and mbridge's build (train_engine.py)
     batch_invariant: bool = False  # megatron's batch_invariant_mode (TE with FlashAttention 3/4 only)
+    # the old log-probs' micro-batch (verl's log_prob_micro_batch_size_per_gpu), None: micro_batch's packing
+    old_log_prob_micro_batch: int | None = None
 
     @property
     def world(self) -> int:
@@ -86,6 +88,8 @@ class Plan:
         # earlier reports: the local spec, batch invariance off
         spec = {"layer_spec": self.layer_spec} if self.layer_spec != LOCAL else {}
         spec |= {"batch_invariant": True} if self.batch_invariant else {}
+        if self.old_log_prob_micro_batch is not None:  # earlier reports: the update's packing
+            spec["old_log_prob_micro_batch"] = self.old_log_prob_micro_batch
         return {
             "device": self.device, "tp": self.tp, **layout, **spec, "dtype": self.dtype, "steps": self.steps,
             "hf_config": config_identity(Path(self.hf_path)),
@@ -121,7 +125,7 @@ def mode_context(mode: Mode, device: str, batch_invariant: bool = False):
 def build_engines(plan: Plan, mode: Mode, offload: bool):
     """(actor, reference) engines of one mode; the environment switch is read by verl's build step."""
     os.environ[ENV_VAR] = "1" if mode.hook else "0"
-    options = fused_kernel_options(mode)
+    options = fused_kernel_options(mode, batch_invariant=plan.batch_invariant)
     setup = EngineSetup(
         hf_path=plan.hf_path,
         tp=plan.tp,
@@ -164,24 +168,26 @@ def ppo_loss_function(plan: Plan):
 # ---------------------------------------------------------------- one step
 
 
-def engine_keys(plan: Plan) -> dict:
-    """The non-tensor entries verl's TrainingWorker adds to every batch."""
+def engine_keys(plan: Plan, micro_batch: int | None = None) -> dict:
+    """The non-tensor entries verl's TrainingWorker adds to every batch (micro-batches of `micro_batch`
+    sequences, by default the update's)."""
     return dict(
         use_remove_padding=True,
         use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=plan.micro_batch,
+        micro_batch_size_per_gpu=micro_batch or plan.micro_batch,
         use_fused_kernels=True,
     )
 
 
-def forward_only_log_probs(engine, fields, plan: Plan, *, entropy: bool):
+def forward_only_log_probs(engine, fields, plan: Plan, *, entropy: bool, micro_batch: int | None = None):
     """Forward-only log-probs as the trainer computes old/reference log-probs, padded [batch, response]; under
     PP only the last stage computes them, and every stage gets them (verl's driver hands the next call's batch
     to every rank)."""
     from megatron.core import parallel_state
     from verl.workers.utils.padding import no_padding_2_padding
 
-    data = packed(fields, TEMPERATURE, calculate_entropy=entropy, compute_loss=False, **engine_keys(plan))
+    keys = engine_keys(plan, micro_batch)
+    data = packed(fields, TEMPERATURE, calculate_entropy=entropy, compute_loss=False, **keys)
     with engine.eval_mode():
         output = engine.infer_batch(data, loss_function=None)
     if plan.pp == 1:
@@ -224,7 +230,9 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         allocated = torch.cuda.memory_allocated()
     started = time.perf_counter()
     fields = rollout(plan.shape, actor.model_config.hf_config.vocab_size, plan.seed, step)
-    fields["old_log_probs"] = forward_only_log_probs(actor, fields, plan, entropy=True)
+    fields["old_log_probs"] = forward_only_log_probs(
+        actor, fields, plan, entropy=True, micro_batch=plan.old_log_prob_micro_batch
+    )
     fields["ref_log_prob"] = forward_only_log_probs(reference, fields, plan, entropy=False)
     data = packed(
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=plan.shape.sequences, **engine_keys(plan)
@@ -241,7 +249,8 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started - checksum_seconds  # the step, not our checksum
     losses = output.get("loss")  # none on the stages before the last
-    grad_norm = output.get("metrics", {}).get("grad_norm")
+    metrics = output.get("metrics", {})
+    grad_norm = metrics.get("grad_norm")
     return {
         "step": step,
         "loss": None if losses is None else float(sum(losses) if isinstance(losses, list) else losses),
@@ -249,11 +258,23 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         "param_checksum": checksum,
         "param_sum": total,
         "old_log_prob_sum": float(fields["old_log_probs"].double().sum()),
+        # every micro-batch's PPO KL and clip fraction: 0 when the update recomputes the old log-probs exactly
+        "ppo_kl": metric_values(metrics.get("actor/ppo_kl")),
+        "pg_clipfrac": metric_values(metrics.get("actor/pg_clipfrac")),
         "fused_loss_calls": update_fused_loss_calls,  # micro-batches whose ppo_loss ran inside the op
         "seconds": seconds,
         "peak_bytes": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
         "allocated_bytes_at_start": allocated,  # weights, grads and optimizer state held between steps
     }
+
+
+def metric_values(metric) -> list[float] | None:
+    """Every micro-batch's value of one of verl's metrics (a Metric, or a list of them or of numbers); None
+    where the rank has none (the stages before the last)."""
+    if metric is None:
+        return None
+    items = metric if isinstance(metric, list) else [metric]
+    return [float(value) for item in items for value in (item.values if hasattr(item, "values") else [item])]
 
 
 # ---------------------------------------------------------------- one process group
