@@ -284,17 +284,34 @@ def test_memory_does_not_grow_with_tokens_beyond_the_ids():
     assert peak_large <= 4 * tile_bytes + 2 * vocab * h * 4 + 16384 * per_row
 
 
+def test_ties_at_the_top_k_boundary_take_the_lower_ids_with_batch_invariant():
+    """300 equal logits and a top_k of 5 among them: with batch_invariant the 5 lowest of those ids, every row,
+    alone or among others (torch.topk alone may take any 5 of the 300, and differently by the row count)."""
+    hidden = torch.ones(6, 4)
+    weight = torch.zeros(1000, 4)
+    tied = torch.randperm(1000, generator=torch.Generator().manual_seed(0))[:300]
+    weight[tied] = 1.0
+    weight[tied[0]] = 2.0  # one clear maximum, then the tie at the boundary
+    labels = torch.zeros(6, dtype=torch.long)
+    expected = [tied[0].item(), *sorted(tied[1:].tolist())[:4]]
+    for rows in (1, 6):
+        out = token_log_probs(hidden[:rows], weight, labels[:rows], top_k=5, backend="torch", batch_invariant=True)
+        assert out.top_ids.tolist() == [expected] * rows
+
+
+@pytest.mark.parametrize("distinct", [False, True])
 @pytest.mark.parametrize("wanted", [24, 144, 400])
-def test_top_k_candidates_come_from_the_rows_best_tiles(wanted):
+def test_top_k_candidates_come_from_the_rows_best_tiles(wanted, distinct):
     """The Triton path's top-k candidates (host side, plain torch: `approximate_candidates`) ranked only within each
     row's `wanted` tiles of largest max and their `wanted` groups of largest max, plus a partial last tile, are
     exactly the `wanted` largest approximations of every column: rows with their best columns spread, bunched into
     one tile, into one group of 16, or in the partial tile. 400 candidates are too many for that (their tiles more
-    than half the columns): every column is ranked."""
+    than half the columns): every column is ranked. With `distinct` (batch_invariant) the set is the first `wanted`
+    by (approximation, then lower column): rows full of equal values included, and the same rows alone."""
     from verl_fused_hook.ops.triton_backend import StoredLogits
     from verl_fused_hook.ops.triton_selected_tokens import _ranks_best_tiles, approximate_candidates
 
-    width, columns, rows = 256, 600 * 256 + 37, 8
+    width, columns, rows = 256, 600 * 256 + 37, 10
     assert _ranks_best_tiles(columns, width, wanted) == (wanted < 400)
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(rows, columns, generator=generator) * 3
@@ -304,6 +321,9 @@ def test_top_k_candidates_come_from_the_rows_best_tiles(wanted):
     logits[4, 1040:1056] += 20  # the 16 largest in one group
     logits[5, 3000:3400:3] += 20  # many groups of two tiles
     logits[6] = logits[6].half().float()  # many equal values (ties in the approximations)
+    logits[7] = 0.0  # every value equal
+    logits[8] = (logits[8] > 2).float() * 5  # ~350 equal maxima in many tiles, the rest equal too
+    logits[9, ::7] = 4.0  # equal values in every tile and group at the top
     tiles = -(-columns // width)
     padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), float("-inf"))], 1)
     tile_max = padded.view(rows, tiles, width).amax(2)
@@ -311,7 +331,15 @@ def test_top_k_candidates_come_from_the_rows_best_tiles(wanted):
     store = StoredLogits(shifted, tile_max, width)
     approximate = shifted.float() + tile_max.repeat_interleave(width, 1)[:, :columns]
     expected = torch.topk(approximate, wanted, dim=1).values  # fp16 rounding ties: compare values, not ids
-    found = approximate_candidates(store, wanted)
+    found = approximate_candidates(store, wanted, distinct)
     assert found.shape == (rows, wanted) and found.dtype == torch.int64
     assert all(len(set(row.tolist())) == wanted for row in found)
     assert torch.equal(approximate.gather(1, found).sort(1, descending=True).values, expected)
+    if distinct:
+        by_column = torch.sort(approximate, dim=1, descending=True, stable=True).indices[:, :wanted]  # ties: lower first
+        assert torch.equal(found.sort(1).values, by_column.sort(1).values)
+        for row in (6, 7, 8, 9):
+            alone = StoredLogits(shifted[row : row + 1], tile_max[row : row + 1], width)
+            assert torch.equal(
+                approximate_candidates(alone, wanted, distinct).sort(1).values, by_column[row : row + 1].sort(1).values
+            )

@@ -80,10 +80,26 @@ def square_sum(z: Tensor) -> Tensor:
     return shifted.mul_(2).exp_().sum(dim=1)
 
 
-def shard_top_candidates(z: Tensor, top_k: int, vocab_start: int) -> tuple[Tensor, Tensor]:
-    """The `top_k` largest logits of z [R, C] and their global ids, padded with -inf / -1 past C columns."""
-    values, columns = torch.topk(z, min(top_k, z.shape[1]), dim=1)
-    return pad_candidates(values, columns + vocab_start, top_k)
+def top_positions(values: Tensor, columns: Tensor | None, wanted: int, distinct: bool) -> Tensor:
+    """Positions of the `wanted` largest of [R, c] `values` per row, in no particular order. torch.topk may break
+    ties differently by the number of rows (its CUDA kernel picks an algorithm by it); with `distinct` equal values
+    rank by lower `columns` (int64, broadcastable to values, distinct within a row; unused without `distinct`)
+    first, so the set chosen is a function of the row alone (batch_invariant), for a topk over int64 keys."""
+    if not distinct:
+        return torch.topk(values, wanted, dim=1, sorted=False).indices
+    keys = values.float().view(torch.int32).to(torch.int64)
+    keys.bitwise_xor_((keys >> 63) & 0x7FFFFFFF)  # fp32 order as signed integers: negatives' magnitudes mirrored
+    keys.mul_(2**32).add_(2**32 - 1).sub_(columns)  # then lower column first
+    return torch.topk(keys, wanted, dim=1, sorted=False).indices
+
+
+def shard_top_candidates(z: Tensor, top_k: int, vocab_start: int, distinct: bool) -> tuple[Tensor, Tensor]:
+    """The `top_k` largest logits of z [R, C] and their global ids, highest first, padded with -inf / -1 past C
+    columns; equal logits by lower id first with `distinct` (`top_positions`)."""
+    columns = torch.arange(z.shape[1], device=z.device)
+    positions = top_positions(z, columns, min(top_k, z.shape[1]), distinct)
+    values, ids = select_top(z.gather(1, positions), positions + vocab_start, positions.shape[1])
+    return pad_candidates(values, ids, top_k)
 
 
 def merge_square_sums(part_max: Tensor, part_sum: Tensor, part_square: Tensor, row_max: Tensor) -> Tensor:

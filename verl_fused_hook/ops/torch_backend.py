@@ -193,7 +193,9 @@ class SelectedTokenPasses(PortablePasses):
         if request.sum_squares:
             squares = square_sum(z)[:count]
         if request.top_k:
-            top_values, top_ids = shard_top_candidates(z[:count], request.top_k, self.p.vocab_start)
+            top_values, top_ids = shard_top_candidates(
+                z[:count], request.top_k, self.p.vocab_start, self.p.batch_invariant
+            )
         ones = torch.ones_like(inv_temp)  # z holds 1/T already
         partials = partial_statistics(z, label_col, ones, entropy=self.p.calculate_entropy, keep_raw=False)
         return Partials(*(part[:count] for part in partials)), TokenPartials(token_logits, squares, top_values, top_ids)

@@ -35,6 +35,7 @@ from .token_math import (
     merge_square_sums,
     pad_candidates,
     select_top,
+    top_positions,
 )
 from .triton_backend import (
     StoredLogits,
@@ -61,13 +62,14 @@ TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
 
 
-def _top_k_chunk_rows(columns: int, top_k: int) -> int | None:
+def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool) -> int | None:
     """Rows per forward chunk (whole row blocks of the statistics kernel) under top_k, None without top_k."""
     if not top_k:
         return None
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
-    per_row = 2 * pitch + 4 * tiles + _selection_bytes(columns, width, min(top_k + TOP_K_SLACK, columns))
+    selection = _selection_bytes(columns, width, min(top_k + TOP_K_SLACK, columns), distinct)
+    per_row = 2 * pitch + 4 * tiles + selection
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, TOP_K_CHUNK_BYTES // per_row // block_m * block_m)
 
@@ -78,13 +80,17 @@ def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
     return columns // width > wanted and 8 * wanted * width <= 4 * columns
 
 
-def _selection_bytes(columns: int, width: int, wanted: int) -> int:
+def _selection_bytes(columns: int, width: int, wanted: int, distinct: bool) -> int:
     """Bytes per row `approximate_candidates` allocates: every column in fp32, or the best tiles in fp16, their
-    groups' maxima and the best groups' columns in fp32, the partial tile, and the int64 indices."""
+    groups' maxima and the best groups' columns in fp32, the partial tile, and the int64 indices; with `distinct`
+    the largest rank's int64 keys, their temporary and columns."""
+    keys = 24 * columns if distinct else 0
     if not _ranks_best_tiles(columns, width, wanted):
-        return 4 * columns + 8 * wanted
+        return 4 * columns + 8 * wanted + keys
     group = _group_columns(width)
-    return 2 * wanted * width + 4 * wanted * (width // group) + 8 * wanted * group + 4 * width + 32 * wanted
+    if distinct:
+        keys = 24 * (wanted * group + width)
+    return 2 * wanted * width + 4 * wanted * (width // group) + 8 * wanted * group + 4 * width + 32 * wanted + keys
 
 
 def _group_columns(width: int) -> int:
@@ -169,53 +175,70 @@ def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tens
     return out
 
 
-def approximate_candidates(store: StoredLogits, wanted: int) -> Tensor:
+def approximate_candidates(store: StoredLogits, wanted: int, distinct: bool) -> Tensor:
     """The shard columns of each row's `wanted` largest fp16 approximations (raw logit rounded relative to its tile's
-    max, plus that max), int64 [rows, wanted], in no particular order.
+    max, plus that max), int64 [rows, wanted], in no particular order; equal approximations by lower column first
+    with `distinct` (`top_positions`: the set then depends on the row alone).
 
     Why not one topk over every column: a tile's approximations never exceed its max, and each tile's max column is
     its max exactly, so the `wanted` largest all lie in the `wanted` tiles of largest max (or in a partial last tile,
     always read); by the same argument within those tiles, in their `wanted` groups of GROUP_COLUMNS columns of
-    largest approximation. At k=128 of 151936 columns the ranks run over 594 tile maxima, 2304 group maxima and
-    2304 columns instead of 151936 (or 36864, the best tiles' columns). Where the best tiles would not be a fraction
-    of the columns (few tiles, large k), every column is ranked."""
+    largest approximation. With `distinct` a tile or group ranks by its max, then by its first column, which keeps
+    that argument for equal values. At k=128 of 151936 columns the ranks run over 594 tile maxima, 2304 group maxima
+    and 2304 columns instead of 151936 (or 36864, the best tiles' columns). Where the best tiles would not be a
+    fraction of the columns (few tiles, large k), every column is ranked."""
     rows, columns = store.shifted.shape
     width = store.tile_columns
     whole = columns // width
+    device = store.shifted.device
     if not _ranks_best_tiles(columns, width, wanted):
         approximate = store.shifted.float()  # raw logits to fp16 rounding (their order is z's: T > 0), tile max added
         approximate[:, : whole * width].view(rows, whole, width).add_(store.tile_max[:, :whole, None])
         if columns > whole * width:
             approximate[:, whole * width :].add_(store.tile_max[:, whole : whole + 1])
-        return torch.topk(approximate, wanted, dim=1, sorted=False).indices
+        return top_positions(approximate, torch.arange(columns, device=device), wanted, distinct)
     group = _group_columns(width)
     per_tile = width // group
-    tiles = torch.topk(store.tile_max[:, :whole], wanted, dim=1, sorted=False).indices  # [rows, wanted]
+    tiles = top_positions(store.tile_max[:, :whole], torch.arange(whole, device=device), wanted, distinct)
     body = store.shifted[:, : whole * width].view(rows, whole, width)
     grouped = body.gather(1, tiles[:, :, None].expand(rows, wanted, width)).view(rows, wanted * per_tile, group)
     tile_max = store.tile_max.gather(1, tiles)
     # fp16 -> fp32 and + max are monotonic: a group's largest approximation is its largest fp16 value's
     group_best = grouped.amax(2).float().view(rows, wanted, per_tile).add_(tile_max[:, :, None])
-    groups = torch.topk(group_best.view(rows, wanted * per_tile), wanted, dim=1, sorted=False).indices
+    group_first = None  # each group's first column, the tie-break of `distinct`
+    if distinct:
+        group_first = (tiles[:, :, None] * width + torch.arange(0, width, group, device=device)).view(rows, -1)
+    groups = top_positions(group_best.view(rows, wanted * per_tile), group_first, wanted, distinct)
     slot = groups // per_tile  # which of the row's best tiles
     approximate = grouped.gather(1, groups[:, :, None].expand(rows, wanted, group)).float()
     approximate = approximate.add_(tile_max.gather(1, slot)[:, :, None]).view(rows, wanted * group)
     first_column = tiles.gather(1, slot) * width + groups % per_tile * group  # [rows, wanted]
+    key_columns = (first_column[:, :, None] + torch.arange(group, device=device)).view(rows, -1) if distinct else None
     if columns > whole * width:  # the partial last tile, whole
         tail = store.shifted[:, whole * width :].float().add_(store.tile_max[:, whole : whole + 1])
         approximate = torch.cat([approximate, tail], 1)
-    best = torch.topk(approximate, wanted, dim=1, sorted=False).indices
+        if distinct:
+            tail_columns = torch.arange(whole * width, columns, device=device).expand(rows, -1)
+            key_columns = torch.cat([key_columns, tail_columns], 1)
+    best = top_positions(approximate, key_columns, wanted, distinct)
     in_groups = best < wanted * group
     from_group = first_column.gather(1, (best // group).clamp_max(wanted - 1)) + best % group
     return torch.where(in_groups, from_group, best - wanted * group + whole * width)
 
 
 def top_candidates(
-    store: StoredLogits, hidden: Tensor, weight: Tensor, inv_temp: Tensor, top_k: int, vocab_start: int
+    store: StoredLogits,
+    hidden: Tensor,
+    weight: Tensor,
+    inv_temp: Tensor,
+    top_k: int,
+    vocab_start: int,
+    distinct: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The shard's top_k (exact fp32 logits, global ids; -inf / -1 padding) of the rows whose logits `store` kept."""
+    """The shard's top_k (exact fp32 logits, global ids; -inf / -1 padding) of the rows whose logits `store` kept;
+    `distinct` as in `approximate_candidates`."""
     columns = store.shifted.shape[1]
-    candidates = approximate_candidates(store, min(top_k + TOP_K_SLACK, columns))
+    candidates = approximate_candidates(store, min(top_k + TOP_K_SLACK, columns), distinct)
     exact = token_logits(hidden, weight, candidates, inv_temp)
     values, ids = select_top(exact, candidates + vocab_start, min(top_k, columns))
     return pad_candidates(values, ids, top_k)
@@ -265,7 +288,7 @@ class TritonTokenPasses:
             logits = token_logits(block.hidden, self.weight, request.token_columns[block.span], block.inv_temp)
         if store is not None:
             top_values, top_ids = top_candidates(
-                store, block.hidden, self.weight, block.inv_temp, request.top_k, p.vocab_start
+                store, block.hidden, self.weight, block.inv_temp, request.top_k, p.vocab_start, p.batch_invariant
             )
         return partials, TokenPartials(logits, squares, top_values, top_ids)
 
@@ -335,6 +358,6 @@ def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> TritonTok
     """Every scored row in one compacted block; the forward in chunks of bounded kept logits under top_k."""
     active = p.active_rows.numel()
     block = backend._block(p, p.active_rows, slice(0, active))
-    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k) or max(active, 1)
+    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k, p.batch_invariant) or max(active, 1)
     spans = [slice(start, min(start + chunk, active)) for start in range(0, active, chunk)]
     return TritonTokenPasses(p, p.valid_columns, tma_ready(p.weight), block, request, spans)
