@@ -78,6 +78,20 @@ def test_doctor_fails_when_megatron_core_lacks_the_hook():
     assert "doctor: FAIL: hook probe" in done.stdout
 
 
+def test_entry_point_missing_says_where_the_package_imports_from_and_what_to_do():
+    """A source tree on PYTHONPATH (as the GPU runs use it) imports but has no entry point: a failure for verl's
+    loader, said as such, with both ways out."""
+    from verl_fused_hook_harness.commands.doctor import check_entry_point
+
+    finding = check_entry_point(entries=[])
+    assert finding.status == "FAIL"
+    assert finding.text == (
+        f"no verl.plugins entry 'verl_fused_hook': verl_fused_hook imports from {ROOT} but is not installed there (a "
+        "source tree on PYTHONPATH has no entry points); `import verl` will not load the plugin: pip install the "
+        "package into verl's environment, or set actor_rollout_ref.model.external_lib=verl_fused_hook"
+    )
+
+
 def test_doctor_fails_on_a_bad_switch_and_on_a_misspelt_entry():
     done = doctor(env={"VERL_FUSED_USE_OP_HOOK": "yes"})
     assert done.returncode == 1

@@ -336,7 +336,8 @@ def test_top_k_candidates_come_from_the_rows_best_tiles(wanted, distinct):
     assert all(len(set(row.tolist())) == wanted for row in found)
     assert torch.equal(approximate.gather(1, found).sort(1, descending=True).values, expected)
     if distinct:
-        by_column = torch.sort(approximate, dim=1, descending=True, stable=True).indices[:, :wanted]  # ties: lower first
+        # equal values: lower column first
+        by_column = torch.sort(approximate, dim=1, descending=True, stable=True).indices[:, :wanted]
         assert torch.equal(found.sort(1).values, by_column.sort(1).values)
         for row in (6, 7, 8, 9):
             alone = StoredLogits(shifted[row : row + 1], tile_max[row : row + 1], width)

@@ -28,6 +28,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import importlib.metadata
+import importlib.util
 import multiprocessing
 import os
 import sys
@@ -208,14 +209,25 @@ def check_layer_spec() -> list[Finding]:
     return layer_spec_findings(transformer_engine(), torch.cuda.is_available())
 
 
-def check_entry_point() -> Finding:
-    entries = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
+def check_entry_point(entries: list | None = None) -> Finding:
+    """`entries`: the installed `verl.plugins` entries named like ours (None: as importlib.metadata finds them)."""
+    if entries is None:
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        entries = [e for e in found if e.name == ENTRY_POINT_NAME]
     if not entries:
+        spec = importlib.util.find_spec(ENTRY_POINT_NAME)
+        where = (
+            f"{ENTRY_POINT_NAME} imports from {os.path.dirname(os.path.dirname(spec.origin))} but is not installed "
+            "there (a source tree on PYTHONPATH has no entry points)"
+            if spec is not None and spec.origin
+            else f"{ENTRY_POINT_NAME} does not import"
+        )
         return Finding(
             "entry point",
             FAIL,
-            f"no {ENTRY_POINT_GROUP} entry {ENTRY_POINT_NAME!r}: `import verl` will not load "
-            "the plugin (pip install the package into verl's environment)",
+            f"no {ENTRY_POINT_GROUP} entry {ENTRY_POINT_NAME!r}: {where}; `import verl` will not load the plugin: "
+            f"pip install the package into verl's environment, or set "
+            f"actor_rollout_ref.model.external_lib={ENTRY_POINT_NAME}",
         )
     try:
         entries[0].load()
