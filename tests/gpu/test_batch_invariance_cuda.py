@@ -117,6 +117,40 @@ def test_the_portable_backend_refuses_the_guarantee_on_cuda():
         log_probs_and_entropy(hidden, weight, labels, temperature=temperature, backend="torch", batch_invariant=True)
 
 
+def test_auto_says_why_it_finds_no_backend_for_the_guarantee():
+    """fp32 inputs with the guarantee on a GPU: Triton takes bf16 only and the portable backend refuses it, so auto
+    stops with both reasons instead of running without the guarantee."""
+    hidden, weight, labels, temperature = _inputs(64, 256, 1000, seed=11)
+    with pytest.raises(ValueError) as raised:
+        log_probs_and_entropy(hidden.float(), weight.float(), labels, temperature=temperature, batch_invariant=True)
+    assert str(raised.value) == (
+        "backend='auto' found no backend that runs this call here (triton: hidden/weight must both be bfloat16, got "
+        "torch.float32 and torch.float32; torch: batch_invariant=True: on CUDA the portable backend's cuBLAS GEMMs "
+        "and torch reductions pick their kernels by shape, so a row's values depend on its batch; use backend triton "
+        "(or verl, whose kernel is invariant))"
+    )
+
+
+def test_top_k_ties_at_the_boundary_take_the_lower_ids_in_any_batch():
+    """400 columns with one logit (and one column above them) around a top_k of 8, V=151936 (the best-tiles
+    selection): with the guarantee every row returns the column above and the 7 lowest tied ids, alone or among
+    up to 20000 rows (torch.topk's CUDA kernel picks its algorithm by the row count)."""
+    from verl_fused_hook.ops import token_log_probs
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    h, v = 256, 151936
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 1e-3).bfloat16()
+    tied = torch.randperm(v - 256, device="cuda", generator=g)[:400] + 256  # none in the first tile
+    weight[tied] = 0.05
+    weight[3] = 0.1  # the clear maximum, in the first tile
+    hidden = torch.rand(20000, h, device="cuda", generator=g).bfloat16() + 0.5
+    labels = torch.zeros(20000, dtype=torch.long, device="cuda")
+    expected = [3, *sorted(tied.tolist())[:7]]
+    for rows in (1, 5, 700, 20000):
+        out = token_log_probs(hidden[:rows], weight, labels[:rows], top_k=8, backend="triton", batch_invariant=True)
+        assert out.top_ids[:5].tolist() == [expected] * min(rows, 5), rows
+
+
 def _tp_worker(rank, world_size, hidden, weight, labels, temperature):
     import torch.distributed as dist
 
