@@ -45,6 +45,18 @@ def test_plot_only_redraws_and_prints_the_tables_marking_out_of_memory(tmp_path,
     assert "n/a" in out  # a forward that was not measured is said to be missing, not shown as a number
 
 
+def test_the_forward_table_takes_the_one_gemm_timed_in_the_same_rounds(tmp_path, capsys):
+    """A run with the forward's own rounds: the ratio is to that GEMM (16.0 ms), not to the floor's (14.0 ms)."""
+    path = _run(tmp_path)
+    results = json.loads(path.read_text())
+    results["shapes"][0]["one_gemm_in_rounds_ms"] = 16.0
+    path.write_text(json.dumps(results))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert "Forward without gradient (ratio to one GEMM, timed in the same rounds where the run has it):" in out
+    assert "| 8192, 4096, 151936 | 16.0 ms | 16.0 ms (1.00x) | 18.0 ms (1.12x) | n/a |" in out
+
+
 def test_the_plot_title_folds_a_long_command_within_the_figure_width_and_keeps_all_of_it():
     from verl_fused_hook_harness.commands.bench.report import TITLE_CHARACTERS_PER_INCH, figure_title
 

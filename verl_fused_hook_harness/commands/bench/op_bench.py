@@ -3,7 +3,8 @@
 Why: the fused kernel is only worth shipping if it sits near the cuBLAS floor
 and below its peers in memory, measured the same way on the same card. This
 times every method with CUDA events (warm-ups, median of repeats; the methods' forward+backward repeats in
-rounds over the methods, timing.py; with --back-to-back K each timing is K calls in a row, the GPU held at
+rounds over the methods, timing.py, and their forward alone in rounds with one GEMM over the same rows, the
+forward ratio's reference; with --back-to-back K each timing is K calls in a row, the GPU held at
 its power cap as in a training step), records the
 peak memory a method allocates beyond its inputs and returned gradients, the SM clock
 and power while each method's steps run (clocks.py, NVML), checks
@@ -106,6 +107,28 @@ def _floor_chunk_ms(hidden, weight, rows, warmup, repeats, calls) -> dict:
     return {"gemm_ms": fwd, "dx_ms": dx, "dw_ms": dw}
 
 
+ONE_GEMM = "one GEMM"  # the forward-only rounds' reference step
+
+
+def _forward_only(fn, hidden, weight, labels, temperature) -> None:
+    with torch.no_grad():
+        fn(hidden, weight, labels, temperature, None)
+
+
+def _one_gemm(hidden: torch.Tensor, weight: torch.Tensor):
+    """A step: hidden @ weight.T over every row, in the floor's row chunks (one [rows, V] buffer a call)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    rows = max(1, min(n, floor_chunk_bytes(weight) // (hidden.element_size() * v)))
+
+    def run() -> None:
+        logits = torch.empty(rows, v, dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, n, rows):
+            part = hidden[start : start + rows]
+            torch.mm(part, weight.t(), out=logits[: part.shape[0]])
+
+    return run
+
+
 def floor_chunk_bytes(weight: torch.Tensor) -> int:
     """FLOOR_CHUNK_BYTES, or less when the GPU is short of memory (--leave-free-gib): a third of what is free
     beside the timing's d_weight (what the fused loss counts as free: the driver's free memory and the caching
@@ -195,6 +218,20 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
         clock=meter.clock if meter else None,
         calls=args.back_to_back,
     )
+    forward = {}
+    if not args.quick:  # the forward alone, in rounds with one GEMM over the same rows (its own drift-free ratio)
+        forward_steps = {
+            name: functools.partial(_forward_only, fn, hidden, weight, labels, t) for name, fn in methods.items()
+        }
+        forward_steps[ONE_GEMM] = _one_gemm(hidden, weight)
+        forward = time_in_rounds(
+            forward_steps,
+            args.warmup,
+            args.repeats,
+            lambda name, thunk: _guard(f"{n},{h},{v} {name} forward", thunk),
+            calls=args.back_to_back,
+        )
+        row["one_gemm_in_rounds_ms"] = forward[ONE_GEMM]
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
         result = {"fwd_bwd_ms": fwd_bwd[name]} | (meter.take(name) if meter else {})
@@ -206,12 +243,7 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
             continue
         if isinstance(result["fwd_bwd_ms"], float):
             result["extra_gib"] = _guard(label, lambda: extra_memory_gib(fn, hidden, weight, labels, t, g_lp, g_ent))
-
-        def forward_only():
-            with torch.no_grad():
-                fn(hidden, weight, labels, t, None)
-
-        result["fwd_ms"] = _guard(label, lambda: time_ms(forward_only, args.warmup, args.repeats, args.back_to_back))
+        result["fwd_ms"] = forward[name]
         if name in ("triton", "triton_keep", "triton_main_grad", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(
