@@ -1,0 +1,118 @@
+"""Every Triton kernel compiles for Hopper (sm_90) in the configurations the launches use, within its shared memory.
+
+Why on the CPU: the interpreter checks a kernel's arithmetic, not what the GPU will accept. A tile or a kept-logits
+store that needs more than the 227 KiB of shared memory an H100 or H200 gives a block compiles in the interpreter and
+fails at its first launch on the GPU, where device time is scarce. Triton compiles ahead of time for a named target
+with the ptxas it ships, no GPU needed; the signatures below mirror the launches in triton_backend.py and
+triton_selected_tokens.py (tile shapes from their FORWARD_CONFIG and GRAD_CONFIG).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from verl_fused_hook.ops import triton_kernels as kernels  # noqa: E402
+from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, GRAD_BLOCK, GRAD_CONFIG  # noqa: E402
+from verl_fused_hook.ops.triton_selected_tokens import HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+def _compile(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3):
+    source = ASTSource(fn=kernel, signature=signature | dict.fromkeys(constants, "constexpr"), constexprs=constants)
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _forward_signature(store: bool) -> dict:
+    c = FORWARD_CONFIG
+    return {
+        "h_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
+        "label_col_ptr": "*i32",
+        "inv_temp_ptr": "*fp32",
+        "max_ptr": "*fp32",
+        "sum_ptr": "*fp32",
+        "dot_ptr": "*fp32",
+        "label_ptr": "*fp32",
+        "store_desc": f"tensordesc<fp16[{c.block_m}, {c.block_n}]>" if store else "constexpr",
+        "tile_max_ptr": "*fp32" if store else "constexpr",
+        "rows": "i32",
+        "H": "i32",
+        "valid_columns": "i32",
+        "num_col_tiles": "i32",
+        "tiles_per_split": "i32",
+        "num_splits": "i32",
+        "square_ptr": "*fp32",
+    }
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["statistics", "keeping logits"])
+@pytest.mark.parametrize("squares", [False, True], ids=["no squares", "sum pi^2"])
+def test_forward_statistics_kernel_fits_hopper(store, squares):
+    c = FORWARD_CONFIG
+    constants = dict(
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=True, STORE=store,
+        SQUARES=squares,
+    )  # fmt: skip
+    if not store:
+        constants |= {"store_desc": None, "tile_max_ptr": None}
+    compiled = _compile(
+        kernels.forward_statistics_kernel, _forward_signature(store), constants, c.num_warps, c.num_stages
+    )
+    assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
+
+
+def test_grad_logits_kernel_fits_hopper():
+    c = GRAD_CONFIG
+    signature = {
+        "h_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
+        "dz_desc": f"tensordesc<bf16[{c.block_m}, {c.block_n}]>",
+        **dict.fromkeys(["label_col_ptr"], "*i32"),
+        **dict.fromkeys(
+            ["inv_temp_ptr", "max_ptr", "log_sum_ptr", "shifted_mean_ptr", "grad_lp_ptr", "grad_ent_ptr"], "*fp32"
+        ),
+        **dict.fromkeys(["rows", "H", "chunk_start", "chunk_width", "num_programs"], "i32"),
+    }
+    constants = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m)
+    compiled = _compile(kernels.grad_logits_kernel, signature, constants, c.num_warps, c.num_stages)
+    assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
+
+
+def test_the_elementwise_kernels_compile_for_hopper():
+    """The kept logits' gradient pass and token_log_probs' gather-dot and sparse add (no TMA, small shared use)."""
+    fp32 = "*fp32"
+    stored = {
+        "shifted_ptr": "*fp16",
+        "dz_ptr": "*bf16",
+        "stride_row": "i32",
+        "tile_max_ptr": fp32,
+        "tile_max_stride": "i32",
+        "label_col_ptr": "*i64",
+        **dict.fromkeys(
+            ["inv_temp_ptr", "max_ptr", "log_sum_ptr", "shifted_mean_ptr", "grad_lp_ptr", "grad_ent_ptr"], fp32
+        ),
+        "columns": "i32",
+    }
+    gather = {
+        "h_ptr": "*bf16", "h_stride": "i32", "w_ptr": "*bf16", "w_stride": "i32", "columns_ptr": "*i64",
+        "inv_temp_ptr": fp32, "out_ptr": fp32, "entries": "i32", "H": "i32",
+    }  # fmt: skip
+    sparse = {
+        "dz_ptr": "*bf16", "dz_stride": "i32", "columns_ptr": "*i64", "coefficients_ptr": fp32, "inv_temp_ptr": fp32,
+        "entries": "i32", "chunk_start": "i32", "chunk_width": "i32",
+    }  # fmt: skip
+    launches = [
+        (kernels.stored_grad_logits_kernel, stored, dict(TILE_N=FORWARD_CONFIG.block_n, BLOCK=GRAD_BLOCK), 8),
+        (kernels.token_logits_kernel, gather, dict(BLOCK_T=TOKEN_BLOCK, BLOCK_H=HIDDEN_BLOCK), 4),
+        (kernels.add_sparse_gradient_kernel, sparse, dict(BLOCK=256), 4),
+    ]
+    for kernel, signature, constants, warps in launches:
+        compiled = _compile(kernel, signature, constants, warps)
+        assert compiled.metadata.shared <= SHARED_LIMIT, (kernel.fn.__name__, compiled.metadata.shared)
