@@ -14,6 +14,12 @@ and carry it: `mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/
 Each round times, in alternating order, the forward alone (no grad, the old-log-prob pass; median of 3 calls) and a
 forward+backward; the JSON holds every timing, the medians and new/base ratios, and per shape the largest
 difference of 777 rows' log-probs and entropy alone against the same rows last in the whole batch.
+
+With `--topk K` the op is `token_log_probs` as top-k distillation calls it: K teacher ids a row (their log-probs
+differentiated), the row's own top K and its entropy; the probe then covers every output (top ids: equal or not).
+
+    python scripts/ab_op_revisions.py --base main --topk 128 --shapes "16384,4096,151936;65536,4096,151936" \
+        --out results/ab_kl_topk.json
 """
 
 from __future__ import annotations
@@ -65,22 +71,46 @@ def elapsed_ms(fn, calls: int = 1) -> float:
     return start.elapsed_time(stop) / calls
 
 
-def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
-    """`ops_by_name`: "base" and "new", each a `log_probs_and_entropy` (options bound)."""
+def _outputs(result) -> list[torch.Tensor]:
+    """The op's outputs as tensors: (log-probs, entropy), or every field of a TokenLogProbs that is set."""
+    fields = result._asdict().values() if hasattr(result, "_asdict") else result
+    return [t for t in fields if t is not None]
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not a.is_floating_point():
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int, top_k: int = 0) -> dict:
+    """`ops_by_name`: "base" and "new", each a `log_probs_and_entropy` (options bound), or with `top_k` each a
+    `token_log_probs` given `top_k` teacher ids a row and asked for the row's own top_k."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     h_grad, w_grad = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ids = torch.randint(0, v, (n, top_k), device="cuda", generator=g) if top_k else None
+    coefficients = torch.randn(n, top_k, device="cuda", generator=g) if top_k else None
+
+    def call(ops, h_in, w_in, rows=slice(None)):
+        if not top_k:
+            return ops(h_in[rows], w_in, labels[rows], temperature=0.7, backend="triton")
+        return ops(h_in[rows], w_in, labels[rows], ids[rows], temperature=0.7, top_k=top_k, backend="triton")
 
     def forward(ops):
         with torch.no_grad():
-            ops(hidden, weight, labels, temperature=0.7, backend="triton")
+            call(ops, hidden, weight)
 
     def step(ops):
         h_grad.grad = w_grad.grad = None
-        lp, ent = ops(h_grad, w_grad, labels, temperature=0.7, backend="triton")
-        (lp.sum() + 0.01 * ent.sum()).backward()
+        out = call(ops, h_grad, w_grad)
+        if top_k:
+            loss = (out.token_log_probs * coefficients).sum() + out.log_probs.sum() + 0.01 * out.entropy.sum()
+        else:
+            loss = out[0].sum() + 0.01 * out[1].sum()
+        loss.backward()
 
     times = {f"{kind}_{name}": [] for kind in ("forward", "step") for name in ops_by_name}
     for ops in ops_by_name.values():  # compile and warm
@@ -96,9 +126,9 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int) -> dict:
     rows = torch.cat([torch.arange(PROBE_ROWS, n, device="cuda"), torch.arange(PROBE_ROWS, device="cuda")])
     for name, ops in ops_by_name.items():
         with torch.no_grad():
-            alone = ops(hidden[:PROBE_ROWS], weight, labels[:PROBE_ROWS], temperature=0.7, backend="triton")
-            inside = ops(hidden[rows], weight, labels[rows], temperature=0.7, backend="triton")
-        probe[name] = max((a - b[-PROBE_ROWS:]).abs().max().item() for a, b in zip(alone, inside))
+            alone = _outputs(call(ops, hidden, weight, slice(0, PROBE_ROWS)))
+            inside = _outputs(call(ops, hidden, weight, rows))
+        probe[name] = max(_difference(a, b[-PROBE_ROWS:]) for a, b in zip(alone, inside))
     return {
         "times_ms": times,
         "median_ms": median,
@@ -119,6 +149,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=STANDARD_SHAPES, help="N,H,V;... (default: the six standard shapes)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
+        "--topk", type=int, default=0, help="K > 0: time token_log_probs with K teacher ids and the row's own top K"
+    )
+    parser.add_argument(
         "--new-options",
         type=json.loads,
         default={},
@@ -132,11 +165,11 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         base = load_revision(args.base, Path(folder), args.base_archive)
-        ops = {
-            "base": base.log_probs_and_entropy,
-            "new": functools.partial(new_ops.log_probs_and_entropy, **args.new_options),
-        }
+        op = "token_log_probs" if args.topk else "log_probs_and_entropy"
+        ops = {"base": getattr(base, op), "new": functools.partial(getattr(new_ops, op), **args.new_options)}
         report = {
+            "op": op,
+            "topk": args.topk,
             "base": args.base,
             "new_options": args.new_options,
             "rounds": args.rounds,
@@ -145,7 +178,7 @@ def main(argv=None) -> int:
         }
         for shape in args.shapes.split(";"):
             n, h, v = (int(x) for x in shape.split(","))
-            result = measure(ops, n, h, v, args.rounds)
+            result = measure(ops, n, h, v, args.rounds, args.topk)
             report["shapes"][shape] = result
             m, probe = result["median_ms"], result["alone_vs_batch_max_abs"]
             print(

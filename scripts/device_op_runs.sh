@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The op's runs on one H200 that no device has made yet (docs/benchmarks.md, "Not yet measured on the GPU"):
 # the GPU tests after the ops/ regrouping (issue 41), batch invariance and its cost (issue 42), distillation from
-# hidden states (issue 43). Five device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
+# hidden states (issue 43). Six device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
 #
 # Here (with network), once:  bash scripts/device_wheels.sh
 #                             mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar
@@ -15,6 +15,9 @@
 #   step 4 (~8 min): forward_kl_topk and sum pi^2 from hidden states against verl's paths, k = 128 and 32, at 16k,
 #                    64k and 128k tokens (issue 43's targets: <= 1.15x the four-GEMM floor, sum pi^2 <= 1.1x a GEMM)
 #   step 5 (~8 min): a distillation actor update in verl's engine (forward_kl_topk, then k3 inside the op)
+#   step 6 (~6 min): token_log_probs as top-k distillation calls it (k teacher ids, own top k), the working tree
+#                    against main in rounds, k = 128 and 32, 16k and 64k tokens. For a branch that changes the op:
+#                    here `git archive main verl_fused_hook > build/ab/main.tar`, then run from the branch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -70,13 +73,22 @@ step5() {
     run 190 e2e-bench --distillation k3 --sizes 16384,65536 --warmups 1 --repeats 3 --out "$OUT/e2e_distillation_k3"
 }
 
+step6() {
+    local base=(--base main) k
+    [ -d .git ] || base+=(--base-archive build/ab/main.tar)
+    for k in 128 32; do
+        run_command 170 python3 scripts/ab_op_revisions.py "${base[@]}" --topk "$k" --rounds 5 \
+            --shapes "16384,4096,151936;65536,4096,151936" --out "$OUT/ab_kl_topk_k$k.json"
+    done
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5) ;;
+    1 | 2 | 3 | 4 | 5 | 6) ;;
     *)
-        echo "usage: $0 STEP... (1-5; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-6; see the top of this file)" >&2
         exit 2
         ;;
     esac
