@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge), measured end to
-# end. Five device calls of at most 9 minutes each, steps 1-4 about 20 minutes of device time with the machine's
-# start; step 5 (Qwen2.5-7B at 64k tokens) when more is left. What each measures, and the figures it gave:
-# docs/benchmarks.md, "Transformer Engine on the H200".
+# end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05 (about 20 minutes with the
+# machine's start); 5, 6 and 7 have not run. What each measures, and the figures it gave: docs/benchmarks.md,
+# "Transformer Engine on the H200".
 #
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
-# Each call: run with carry [".whl", "build/te"] and the command `bash scripts/device_te_runs.sh STEP`.
+#                             (step 6: bash scripts/device_fa3.sh pack/build/keep; step 7: device_apex.sh pack)
+# Each call: run with carry [".whl", "build/te"] (and build/fa3 for step 6, build/apex for step 7) and the command
+# `bash scripts/device_te_runs.sh STEP`.
 # build/te is git-ignored: after a fresh `pack` it has no prebuilt extension, and step 1 compiles it (1 min 41 s on
 # the H200's 16 cores) and hands it back as $OUT/transformer_engine_torch-*.so.xz: copy that file into build/te
 # before the next call, so that later calls only unpack it (`device_te.sh keep`).
@@ -23,6 +25,11 @@
 #                    from `scripts/device_fa3.sh build` and `keep`): FA3's smoke check, ab-parity on the TE spec
 #                    under the mode, and train-parity with the old log-probs in micro-batches of 2 and the update
 #                    in 5: every step exactly on-policy (actor/ppo_kl and actor/pg_clipfrac 0)
+#   step 7 (~6 min): megatron's gradient_accumulation_fusion on the TE spec (carry build/apex too: its apex_src.tar.xz
+#                    from `scripts/device_apex.sh pack`; the first call builds apex's fused_weight_gradient_mlp_cuda,
+#                    ~1 min, and hands it back as $OUT/fused_weight_gradient_mlp_cuda-torch*.so.xz: copy it into
+#                    build/apex): its smoke check, then step 3's 7B run at 16k tokens with the weight gradients going
+#                    into DDP's fp32 main_grad
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -88,13 +95,25 @@ step6() {
         --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_invariant"
 }
 
+step7() {
+    local prebuilt
+    prebuilt=$(ls build/apex/fused_weight_gradient_mlp_cuda-torch*.so.xz 2>/dev/null | head -n1)
+    bash scripts/device_apex.sh install /tmp/apex_site build/apex || return 1
+    [ -n "$prebuilt" ] || bash scripts/device_apex.sh keep "$OUT"
+    run_command 60 bash scripts/device_apex.sh smoke /tmp/apex_site
+    # shellcheck disable=SC1091
+    source /tmp/apex_env.sh
+    run 400 e2e-bench --hf-config "$QWEN7B" --layers 28 --recompute --layer-spec te --grad-accum-fusion \
+        --sizes 16384 "${E2E[@]}" --out "$OUT/e2e_7b_grad_accum_fusion"
+}
+
 case "${1:-}" in
-1 | 2 | 3 | 4 | 5 | 6)
+1 | 2 | 3 | 4 | 5 | 6 | 7)
     setup
     "step$1" 2>&1 | tee "$OUT/step$1.log"
     ;;
 *)
-    echo "usage: $0 STEP (1-6; see the top of this file)" >&2
+    echo "usage: $0 STEP (1-7; see the top of this file)" >&2
     exit 2
     ;;
 esac
