@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge), measured end to
 # end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05 (about 20 minutes with the
-# machine's start); 5, 6 and 7 have not run. What each measures, and the figures it gave: docs/benchmarks.md,
+# machine's start); 5 to 8 have not run. What each measures, and the figures it gave: docs/benchmarks.md,
 # "Transformer Engine on the H200".
 #
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
@@ -30,6 +30,8 @@
 #                    ~1 min, and hands it back as $OUT/fused_weight_gradient_mlp_cuda-torch*.so.xz: copy it into
 #                    build/apex): its smoke check, then step 3's 7B run at 16k tokens with the weight gradients going
 #                    into DDP's fp32 main_grad
+#   step 8 (~4 min): train-parity on the TE spec built through Megatron-Bridge (verl 0.9.1's default builder;
+#                    steps 1-7 build through mbridge): 2 GRPO steps, legacy / hook-verl / hook-auto-fused-loss
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -107,13 +109,19 @@ step7() {
         --sizes 16384 "${E2E[@]}" --out "$OUT/e2e_7b_grad_accum_fusion"
 }
 
+step8() {
+    run 300 train-parity --device cuda --layer-spec te --bridge megatron-bridge --steps 2 --no-resume --prompts 2 \
+        --n 5 --prompt-lengths 32,128 --response-lengths 64,256 --micro-batch 5 --offload off \
+        --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_megatron_bridge"
+}
+
 case "${1:-}" in
-1 | 2 | 3 | 4 | 5 | 6 | 7)
+1 | 2 | 3 | 4 | 5 | 6 | 7 | 8)
     setup
     "step$1" 2>&1 | tee "$OUT/step$1.log"
     ;;
 *)
-    echo "usage: $0 STEP (1-7; see the top of this file)" >&2
+    echo "usage: $0 STEP (1-8; see the top of this file)" >&2
     exit 2
     ;;
 esac

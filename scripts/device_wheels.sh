@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored) with the wheels the GPU device machine lacks, for the device tool's `carry`.
 # That machine has torch, triton and transformers but no network; these are what verl-fused-hook e2e-bench,
-# ab-parity --device cuda, bench's peers and tests/gpu import there.
+# ab-parity --device cuda, bench's peers and tests/gpu import there (megatron-bridge: train-parity --bridge
+# megatron-bridge; with Transformer Engine present it imports with these alone, checked here with TE faked).
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
 # PYTHONPATH=/tmp/site:$PWD/scripts/device_stubs:$PWD (the ray stand-in; see scripts/device_stubs/README.md).
 # verl's kernel for `verl-fused-hook bench` is then at /tmp/site/verl/utils/kernel (--verl-kernel-dir).
@@ -14,7 +15,7 @@ python="${PYTHON:-.venv/bin/python}"
     --platform manylinux2014_x86_64 -d .whl \
     megatron-core==0.19.2 verl==0.9.1 mbridge==0.15.1 omegaconf==2.3.1 hydra-core==1.3.8 tensordict==0.10.0 \
     codetiming==1.4.0 pyvers==0.1.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 orjson==3.13.0 \
-    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 nvidia-ml-py==13.615.71
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 nvidia-ml-py==13.615.71 megatron-bridge==0.6.2
 # antlr4 (hydra's parser runtime) is published as a source distribution only.
 "$python" -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
 ls .whl

@@ -12,8 +12,10 @@ from verl_fused_hook_harness.support.layer_spec import (
     OptionRefused,
     Presence,
     batch_invariant_refusal,
+    bridge_refusal,
     choose_layer_spec,
     grad_accum_fusion_refusal,
+    megatron_bridge,
     spec_overrides,
     transformer_engine,
 )
@@ -77,6 +79,45 @@ def test_grad_accum_fusion_needs_te_and_apex_for_the_output_layer():
     assert "not Transformer Engine's" in grad_accum_fusion_refusal(spec="local", apex=apex)
     assert spec_overrides(grad_accum_fusion=True) == {"gradient_accumulation_fusion": True}
     assert spec_overrides() == {}
+
+
+def test_megatron_bridge_builds_te_spec_only_and_needs_its_package():
+    """verl 0.9.1's default builder: refused, naming what is missing and the other builder, where it cannot build;
+    mbridge (vanilla_mbridge=True) builds on either spec."""
+    bridge_here = Presence(True, "0.6.2")
+    no_bridge = Presence(False, "ModuleNotFoundError: No module named 'transformer_engine'")
+    assert bridge_refusal(bridge="megatron-bridge", spec="te", presence=bridge_here) is None
+    for spec in ("te", "local"):
+        assert bridge_refusal(bridge="mbridge", spec=spec, presence=no_bridge) is None
+    assert bridge_refusal(bridge="megatron-bridge", spec="local", presence=no_bridge) == (
+        "--bridge megatron-bridge: verl's default model builder cannot run here: the build uses the local spec; "
+        "Megatron-Bridge builds Transformer Engine's only (--layer-spec te); megatron.bridge does not import "
+        "(ModuleNotFoundError: No module named 'transformer_engine'); it needs Transformer Engine. --bridge mbridge "
+        "builds through mbridge (verl's vanilla_mbridge=True)"
+    )
+    assert bridge_refusal(bridge="nemo", spec="te", presence=bridge_here) == (
+        "--bridge 'nemo': allowed: mbridge, megatron-bridge"
+    )
+    # here: not installed, or (installed) stopped by its import of Transformer Engine
+    assert not megatron_bridge().importable
+
+
+def test_train_parity_refuses_megatron_bridge_here_and_records_the_builder(capsys):
+    import dataclasses
+
+    from verl_fused_hook_harness.commands.train.parity import main, parse_plan
+    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
+
+    err = _refusal(capsys, main, ["--device", "cpu", "--bridge", "megatron-bridge"])
+    assert "--bridge megatron-bridge: verl's default model builder cannot run here: the build uses the local" in err
+    with pytest.raises(ValueError, match="^EngineSetup.bridge='megatron-bridge' builds Transformer Engine's spec"):
+        build_engine(
+            EngineSetup(hf_path="x", tp=1, dtype="float32", seed=1, micro_batch_size=1, total_steps=2, lr=1e-3,
+                        offload=False, fused_kernel_options={}, bridge="megatron-bridge")
+        )  # fmt: skip
+    plan, _ = parse_plan(["--device", "cpu"], "/tmp/unused")
+    assert plan.bridge == "mbridge" and "bridge" not in plan.configuration()  # as reports before the option
+    assert dataclasses.replace(plan, bridge="megatron-bridge").configuration()["bridge"] == "megatron-bridge"
 
 
 def test_this_machine_has_no_transformer_engine():

@@ -12,6 +12,7 @@ status is 1 when something would fail at start-up:
   and why each other backend would not run;
 - Transformer Engine and the layer spec: whether TE imports (its version, or why not; verl's engine builds
   TE's layer spec only, through Megatron-Bridge or mbridge) and which spec a model build uses here and why;
+- bridge: whether Megatron-Bridge, verl's default model builder, imports;
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
@@ -42,7 +43,7 @@ from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
-from ..support.layer_spec import AUTO, Presence, choose_layer_spec, te_missing, transformer_engine
+from ..support.layer_spec import AUTO, Presence, choose_layer_spec, megatron_bridge, te_missing, transformer_engine
 from ..support.reference import reference_log_probs_entropy, relative_error
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 
@@ -207,6 +208,19 @@ def layer_spec_findings(te: Presence, cuda: bool) -> list[Finding]:
 
 def check_layer_spec() -> list[Finding]:
     return layer_spec_findings(transformer_engine(), torch.cuda.is_available())
+
+
+def bridge_finding(bridge: Presence) -> Finding:
+    """Whether verl's default model builder imports (verl 0.9.1: vanilla_mbridge=False builds through it)."""
+    if bridge.importable:
+        return Finding("bridge", OK, f"Megatron-Bridge {bridge.detail} imports (verl's default model builder)")
+    return Finding(
+        "bridge",
+        WARN,
+        f"Megatron-Bridge does not import ({bridge.detail}): verl's default builder (vanilla_mbridge=False) fails "
+        "here; install megatron-bridge (it needs Transformer Engine), or build through mbridge with "
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+    )
 
 
 def check_entry_point(entries: list | None = None) -> Finding:
@@ -391,6 +405,7 @@ def main(argv=None) -> int:
         findings.append(check_hook_probe())
         findings += check_device_and_backends(args.hidden_size, dtype)
         findings += check_layer_spec()
+        findings.append(bridge_finding(megatron_bridge()))
         findings.append(check_entry_point())
         findings.append(check_plan(args.config_name, args.overrides))
         findings.append(check_op(dtype))

@@ -6,8 +6,9 @@ Why one module: verl builds models with Transformer Engine's layer spec only (Me
 harness also builds on megatron-core's local spec (with its CPU attention stand-in), which is what runs on the CPU
 and on a GPU without TE. ab-parity, e2e-bench, train-parity and doctor decide alike. Each decision is a function
 of the machine's facts given as arguments (`choose_layer_spec`, `batch_invariant_refusal`,
-`grad_accum_fusion_refusal`), so a test can hand it any facts; the facts (`transformer_engine`, `flash_attention`,
-`apex_weight_gradient_fusion`) are read by importing the packages, once per process. Nothing here imports
+`grad_accum_fusion_refusal`, `bridge_refusal`), so a test can hand it any facts; the facts (`transformer_engine`,
+`flash_attention`, `apex_weight_gradient_fusion`, `megatron_bridge`) are read by importing the packages, once per
+process. Nothing here imports
 megatron-core at module level: the commands answer `--help` at once.
 """
 
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 AUTO, LOCAL, TE = "auto", "local", "te"
 LAYER_SPECS = (AUTO, LOCAL, TE)  # what --layer-spec takes
 BUILT_SPECS = (LOCAL, TE)  # what a build uses (auto resolves to one of them)
+# verl's two model builders: mbridge (`vanilla_mbridge=True`) and Megatron-Bridge (verl 0.9.1's default)
+MBRIDGE, MEGATRON_BRIDGE = "mbridge", "megatron-bridge"
+BRIDGES = (MBRIDGE, MEGATRON_BRIDGE)
 
 # What megatron-core 0.19.2 imports for FlashAttention 3 and 4 (transformer/attention.py): its batch_invariant_mode
 # asserts attention_backend=flash and flash_attention_version 3 or 4 (TransformerConfig.__post_init__).
@@ -102,6 +106,17 @@ def flash_attention() -> FlashAttention:
 
 
 @functools.cache
+def megatron_bridge() -> Presence:
+    """Megatron-Bridge, verl's default model builder (its package imports Transformer Engine)."""
+    failure = _import_failure("megatron.bridge")
+    if failure is not None:
+        return Presence(False, failure)
+    from megatron.bridge import package_info
+
+    return Presence(True, str(getattr(package_info, "__version__", "version unknown")))
+
+
+@functools.cache
 def apex_weight_gradient_fusion() -> Presence:
     """apex's extension megatron-core's ColumnParallelLinear needs for gradient_accumulation_fusion."""
     failure = _import_failure(APEX_WEIGHT_GRADIENT_MODULE)
@@ -175,6 +190,29 @@ def grad_accum_fusion_refusal(*, spec: str, apex: Presence) -> str | None:
     return f"--grad-accum-fusion: megatron's gradient_accumulation_fusion cannot run here: {'; '.join(missing)}"
 
 
+def bridge_refusal(*, bridge: str, spec: str, presence: Presence) -> str | None:
+    """Why `--bridge BRIDGE` cannot build here, or None. mbridge builds anywhere the harness builds (on the local
+    spec through stand_ins/local_spec_build.py); Megatron-Bridge builds Transformer Engine's spec only, and its
+    package imports Transformer Engine."""
+    if bridge not in BRIDGES:
+        return f"--bridge {bridge!r}: allowed: {', '.join(BRIDGES)}"
+    if bridge == MBRIDGE:
+        return None
+    missing = []
+    if spec != TE:
+        missing.append(
+            f"the build uses the {spec} spec; Megatron-Bridge builds Transformer Engine's only (--layer-spec te)"
+        )
+    if not presence.importable:
+        missing.append(f"megatron.bridge does not import ({presence.detail}); it needs Transformer Engine")
+    if not missing:
+        return None
+    return (
+        f"--bridge {MEGATRON_BRIDGE}: verl's default model builder cannot run here: {'; '.join(missing)}. "
+        f"--bridge {MBRIDGE} builds through mbridge (verl's vanilla_mbridge=True)"
+    )
+
+
 def spec_overrides(*, batch_invariant: bool = False, grad_accum_fusion: bool = False) -> dict:
     """The TransformerConfig fields (verl's override_transformer_config) for the accepted options."""
     overrides = {}
@@ -226,6 +264,15 @@ def resolve_layer_spec(parser, requested: str, device: str) -> SpecChoice:
         return choose_layer_spec(requested, cuda=device == "cuda", te=te)
     except OptionRefused as error:
         parser.error(str(error))
+
+
+def check_bridge(parser, bridge: str, spec: str) -> None:
+    """parser.error with the reason when `--bridge` names a builder that cannot build here."""
+    refusal = bridge_refusal(
+        bridge=bridge, spec=spec, presence=megatron_bridge() if bridge == MEGATRON_BRIDGE else Presence(True, "")
+    )
+    if refusal:
+        parser.error(refusal)
 
 
 def check_batch_invariant(parser, wanted: bool, spec: str) -> None:

@@ -6,8 +6,9 @@ mbridge's conversion, DDP wrapping, the fused-kernel build step, optimizer,
 LR scheduler, checkpoint manager, offload), then `train_batch` /
 `infer_batch`, `lr_scheduler_step`, `save_checkpoint` / `load_checkpoint`.
 Only `_build_megatron_module` is replaced, by one of two builds of the same
-random model: on Transformer Engine's spec `build_through_mbridge`, verl's own
-build up to its checkpoint load (there is no checkpoint for a random model);
+random model: on Transformer Engine's spec `build_as_verl_does`, verl's own
+build (mbridge's, or Megatron-Bridge's with `bridge`) up to its checkpoint load
+(there is no checkpoint for a random model);
 on the local spec the stand-in of `stand_ins/local_spec_build.py` (verl's
 bridges build TE's layer spec only, which does not build without TE). verl and
 megatron-core load on first use.
@@ -23,7 +24,7 @@ import torch
 from ..stand_ins.cuda_on_cpu import cuda_names_on_cpu
 from .grpo_batches import PAD_TOKEN_ID
 from .hf_model import local_spec_overrides, word_level_tokenizer
-from .layer_spec import BUILT_SPECS, LOCAL, TE
+from .layer_spec import BRIDGES, BUILT_SPECS, LOCAL, MBRIDGE, TE
 
 # The output of every dropout must not depend on RNG draws, so that any two runs compare bit for bit.
 TRANSFORMER_OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False}
@@ -54,7 +55,8 @@ class EngineSetup:
     mtp: bool = False  # actor_rollout_ref.model.mtp.enable (and enable_train)
     distributed_optimizer: bool = True  # False: every rank holds its full DP-averaged gradients after a step
     layout_independent_weights: bool = False  # every PP/EP layout of one TP size holds the same model
-    layer_spec: str = LOCAL  # TE: built through verl's and mbridge's build (build_through_mbridge); resolved, not auto
+    layer_spec: str = LOCAL  # TE: built through verl's own build (build_as_verl_does); resolved, not auto
+    bridge: str = MBRIDGE  # verl's builder: mbridge (vanilla_mbridge=True) or Megatron-Bridge (TE's spec only)
 
 
 def build_engine(setup: EngineSetup, *, forward_only: bool = False):
@@ -71,6 +73,10 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
         raise ValueError(f"EngineSetup.layer_spec: {setup.layer_spec!r}; allowed: {', '.join(BUILT_SPECS)}")
     if setup.layer_spec == TE and setup.layout_independent_weights:
         raise ValueError("EngineSetup: layout-independent weights are drawn by the local-spec build only")
+    if setup.bridge not in BRIDGES:
+        raise ValueError(f"EngineSetup.bridge: {setup.bridge!r}; allowed: {', '.join(BRIDGES)}")
+    if setup.bridge != MBRIDGE and setup.layer_spec != TE:
+        raise ValueError(f"EngineSetup.bridge={setup.bridge!r} builds Transformer Engine's spec only (layer_spec te)")
     from verl.workers.config.model import MtpConfig
 
     model_config = HFModelConfig(
@@ -84,7 +90,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     local_spec = {} if setup.layer_spec == TE else local_spec_overrides(model_config.hf_config)
     engine_config = McoreEngineConfig(
         use_mbridge=True,
-        vanilla_mbridge=True,  # mbridge's config conversion (Megatron-Bridge is not installed here)
+        vanilla_mbridge=setup.bridge == MBRIDGE,  # mbridge's config conversion, or Megatron-Bridge's provider
         use_fused_kernels=setup.use_fused_kernels,
         use_remove_padding=setup.use_remove_padding,
         pad_bshd_to_minibatch_max=setup.pad_bshd_to_minibatch_max,
@@ -122,7 +128,7 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     )
     engine = MegatronEngineWithLMHead(model_config, engine_config, optimizer_config, checkpoint_config)
     if setup.layer_spec == TE:
-        engine._build_megatron_module = lambda: build_through_mbridge(engine, setup.seed)
+        engine._build_megatron_module = lambda: build_as_verl_does(engine, setup.seed)
     else:
         from ..stand_ins.local_spec_build import use_local_spec_build
 
@@ -132,12 +138,13 @@ def build_engine(setup: EngineSetup, *, forward_only: bool = False):
     return engine
 
 
-def build_through_mbridge(engine, seed: int):
+def build_as_verl_does(engine, seed: int):
     """What verl's `_build_megatron_module` builds, up to its checkpoint load: verl's `make_megatron_module` with the
     engine's own arguments, that is mbridge's `get_model` over mbridge's model provider (Transformer Engine's layer
-    spec, hard-coded there; the plugin's mbridge_compat fix lets it run on megatron-core >= 0.18), `Float16Module` in
-    bf16 and megatron's DDP. The weights are megatron's initialisation from `seed`, the same in every engine built
-    with it (verl would then load a checkpoint: a random model has none)."""
+    spec, hard-coded there; the plugin's mbridge_compat fix lets it run on megatron-core >= 0.18), or with
+    `vanilla_mbridge=False` Megatron-Bridge's provider (TE's spec too), then `Float16Module` in bf16 and megatron's
+    DDP. The weights are megatron's initialisation from `seed`, the same in every engine built with it (verl would
+    then load a checkpoint: a random model has none)."""
     from verl.utils.megatron.optimizer import is_muon_layer_wise_config
     from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
 

@@ -41,7 +41,8 @@ with DDP, the fused-kernel build step through the plugin's gate, verl's
 except `_build_megatron_module`, which would load a checkpoint (a random model
 has none). `--layer-spec te` (auto on CUDA where Transformer Engine imports)
 runs verl's own build up to that load: `make_megatron_module`, mbridge's
-`get_model` with TE's layer spec, seeded weights (support/train_engine.py).
+`get_model` with TE's layer spec, seeded weights (support/train_engine.py); with
+`--bridge megatron-bridge` Megatron-Bridge's provider instead (verl 0.9.1's default builder).
 `--layer-spec local` runs the stand-in (`stand_ins/local_spec_build.py`): verl's own
 `get_model` with a provider that builds the GPTModel with megatron-core's local spec
 and seeded random weights (verl's bridges build TE's spec only, which needs TE and CUDA).
@@ -87,7 +88,8 @@ Usage: verl-fused-hook train-parity [--device cpu|cuda] [--tp N] [--pp N] [--ep 
          [--prompts P] [--n 5] [--prompt-lengths LO,HI] [--response-lengths LO,HI] [--micro-batch M]
          [--old-log-prob-micro-batch M]
          [--modes legacy,hook-auto,...] [--offload both|off|on] [--offload-modes MODES] [--no-resume]
-         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--layer-spec auto|local|te] [--batch-invariant]
+         [--nondeterministic] [--dtype bf16|fp32] [--seed S] [--layer-spec auto|local|te]
+         [--bridge mbridge|megatron-bridge] [--batch-invariant]
          [--out DIR] [--verbose]
        verl-fused-hook train-parity --merge DIR [DIR ...] --out DIR
 Writes DIR/train_parity.json, DIR/train_parity.md and DIR/train_parity.png (loss curves; skipped with a log
@@ -107,7 +109,14 @@ from pathlib import Path
 from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
 from ...support.grpo_batches import RolloutShape
 from ...support.hf_model import QWEN2_5_0_5B, TINY_QWEN2, config_folder, load_hf_config
-from ...support.layer_spec import add_layer_spec_arguments, check_batch_invariant, resolve_layer_spec
+from ...support.layer_spec import (
+    BRIDGES,
+    MBRIDGE,
+    add_layer_spec_arguments,
+    check_batch_invariant,
+    check_bridge,
+    resolve_layer_spec,
+)
 from ...support.upstream_notices import UpstreamNotices, add_verbose_argument
 from . import report as report_file
 from .modes import MODES
@@ -181,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     add_layer_spec_arguments(parser)
     parser.add_argument(
+        "--bridge",
+        choices=BRIDGES,
+        default=MBRIDGE,
+        help="verl's model builder: mbridge (vanilla_mbridge=True; the default here, and the one the local spec's "
+        "stand-in builds through) or megatron-bridge (verl 0.9.1's default; --layer-spec te, needs the "
+        "megatron-bridge package and Transformer Engine)",
+    )
+    parser.add_argument(
         "--out",
         default="train_parity",
         help="folder for train_parity.{json,md,png}, rewritten after every finished run",
@@ -218,6 +235,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         parser.error("--pp/--ep: on CUDA this command runs on one GPU; pipeline and expert parallelism run on the CPU")
     layer_spec = resolve_layer_spec(parser, args.layer_spec, device).spec
     check_batch_invariant(parser, args.batch_invariant, layer_spec)
+    check_bridge(parser, args.bridge, layer_spec)
     steps = args.steps if args.steps is not None else (20 if cuda else 4)
     if steps < 2 or steps % 2:
         parser.error(f"--steps {steps}: expected an even number >= 2 (the checkpoint is taken after step K/2)")
@@ -273,6 +291,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ch
         pp=args.pp,
         ep=args.ep,
         layer_spec=layer_spec,
+        bridge=args.bridge,
         batch_invariant=args.batch_invariant,
         old_log_prob_micro_batch=old_micro,
     )
@@ -334,7 +353,8 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         report_file.write(report_file.new_report(plan.configuration()), out)
         print(
             f"train-parity on {plan.device}, TP={plan.tp}, PP={plan.pp}, EP={plan.ep}, {plan.dtype}, {plan.steps} "
-            f"steps, {plan.layer_spec} layer spec{', batch-invariant' if plan.batch_invariant else ''}, modes "
+            f"steps, {plan.layer_spec} layer spec built through {plan.bridge}"
+            f"{', batch-invariant' if plan.batch_invariant else ''}, modes "
             f"{', '.join(plan.modes)}; {plan.shape.prompts} prompts x {plan.shape.n} responses per step, "
             f"micro-batches of {plan.micro_batch}; model {plan.hf_path}; report {out} (after every run)",
             flush=True,

@@ -27,7 +27,7 @@ from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.determinism import deterministic_steps
 from ...support.distributed import backend_for, run_in_processes
 from ...support.grpo_batches import RolloutShape, packed, rollout
-from ...support.layer_spec import LOCAL, batch_invariant_kernels, spec_overrides
+from ...support.layer_spec import LOCAL, MBRIDGE, batch_invariant_kernels, spec_overrides
 from ...support.train_engine import (
     EngineSetup,
     build_engine,
@@ -66,7 +66,8 @@ class Plan:
     resume: bool = True  # run the resumed half (fresh processes, the checkpoint of the first offload setting)
     pp: int = 1  # pipeline-parallel size (CPU: gloo processes)
     ep: int = 1  # expert-parallel size (an MoE config; data-parallel ranks = EP, each holding the same batch)
-    layer_spec: str = LOCAL  # the resolved spec: TE builds through verl's and mbridge's build (train_engine.py)
+    layer_spec: str = LOCAL  # the resolved spec: TE builds through verl's own build (train_engine.py)
+    bridge: str = MBRIDGE  # verl's builder (layer_spec TE for Megatron-Bridge)
     batch_invariant: bool = False  # megatron's batch_invariant_mode (TE with FlashAttention 3/4 only)
     # the old log-probs' micro-batch (verl's log_prob_micro_batch_size_per_gpu), None: micro_batch's packing
     old_log_prob_micro_batch: int | None = None
@@ -88,6 +89,7 @@ class Plan:
         # earlier reports: the local spec, batch invariance off
         spec = {"layer_spec": self.layer_spec} if self.layer_spec != LOCAL else {}
         spec |= {"batch_invariant": True} if self.batch_invariant else {}
+        spec |= {"bridge": self.bridge} if self.bridge != MBRIDGE else {}  # earlier reports: mbridge
         if self.old_log_prob_micro_batch is not None:  # earlier reports: the update's packing
             spec["old_log_prob_micro_batch"] = self.old_log_prob_micro_batch
         return {
@@ -139,6 +141,7 @@ def build_engines(plan: Plan, mode: Mode, offload: bool):
         pp=plan.pp,
         ep=plan.ep,
         layer_spec=plan.layer_spec,
+        bridge=plan.bridge,
         transformer_overrides=spec_overrides(batch_invariant=plan.batch_invariant) or None,
     )
     actor = build_engine(setup)
