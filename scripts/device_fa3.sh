@@ -8,7 +8,7 @@
 #   here (has nvcc 13.0) or on the device:
 #                         bash scripts/device_fa3.sh build build/fa3 [SECONDS]   # resumable (fa3_objs.tar.xz)
 #                         bash scripts/device_fa3.sh keep build/fa3      # -> fa3_site.tar.xz (1.8 MB)
-#   device, each call:    bash scripts/device_fa3.sh install /tmp/site build/fa3/fa3_site.tar.xz
+#   device, each call:    bash scripts/device_fa3.sh install /tmp/fa3_site build/fa3/fa3_site.tar.xz
 #                         bash scripts/device_fa3.sh smoke   # varlen GQA causal fwd+bwd against torch SDPA
 #
 # 2026-12-05, on this project's 2-core CPU machine (nvcc 13.0.88, torch 2.14.1+cu130 headers, one job): pack, build

@@ -7,7 +7,7 @@
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
 #                             (step 6: bash scripts/device_fa3.sh pack/build/keep; step 7: device_apex.sh pack)
 # Each call: run with carry [".whl", "build/te"] (and build/fa3 for step 6, build/apex for step 7) and the command
-# `bash scripts/device_te_runs.sh STEP`.
+# `bash scripts/device_te_runs.sh STEP...` (several steps share one call's 530 s).
 # build/te is git-ignored: after a fresh `pack` it has no prebuilt extension, and step 1 compiles it (1 min 41 s on
 # the H200's 16 cores) and hands it back as $OUT/transformer_engine_torch-*.so.xz: copy that file into build/te
 # before the next call, so that later calls only unpack it (`device_te.sh keep`).
@@ -89,7 +89,10 @@ step5() {
 
 step6() {
     # FlashAttention 3 here only: where it imports TE may prefer it to cuDNN's attention, so steps 1-5 run without it
-    bash scripts/device_fa3.sh install /tmp/site build/fa3/fa3_site.tar.xz || return 1
+    # its own folder, on PYTHONPATH in this step only (steps run in subshells): a later step or call on the same
+    # machine does not see it
+    bash scripts/device_fa3.sh install /tmp/fa3_site build/fa3/fa3_site.tar.xz || return 1
+    export PYTHONPATH="/tmp/fa3_site:$PYTHONPATH"
     run_command 60 bash scripts/device_fa3.sh smoke
     run 150 ab-parity --device cuda --tp 1 --layer-spec te --dtype bf16 --batch-invariant --json "$OUT/ab_te_invariant.json"
     run 300 train-parity --device cuda --layer-spec te --batch-invariant --steps 2 --no-resume --prompts 2 --n 5 \
@@ -115,13 +118,18 @@ step8() {
         --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_megatron_bridge"
 }
 
-case "${1:-}" in
-1 | 2 | 3 | 4 | 5 | 6 | 7 | 8)
-    setup
-    "step$1" 2>&1 | tee "$OUT/step$1.log"
-    ;;
-*)
-    echo "usage: $0 STEP (1-8; see the top of this file)" >&2
-    exit 2
-    ;;
-esac
+# One or more steps per call (`8 7`): they share the call's LIMIT seconds, and a command without time left is skipped.
+[ $# -gt 0 ] || set -- ""
+for step in "$@"; do
+    case "$step" in
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
+    *)
+        echo "usage: $0 STEP... (1-8; see the top of this file)" >&2
+        exit 2
+        ;;
+    esac
+done
+setup
+for step in "$@"; do
+    "step$step" 2>&1 | tee "$OUT/step$step.log"
+done
