@@ -179,10 +179,11 @@ def test_merge_refuses_other_configurations_and_conflicting_runs(tp1_run, tmp_pa
 
 
 def test_on_policy_check_reads_every_micro_batchs_ppo_kl(tp1_run):
-    """Every step records each update micro-batch's actor/ppo_kl and actor/pg_clipfrac. Under megatron's
-    batch_invariant_mode (TE with FlashAttention 3/4: GPU only) with the old log-probs in another packing, the report
-    requires all of them to be exactly 0; here the CPU run's rows are relabelled as such a run (the configuration's
-    two fields) to exercise the check; without batch invariance it is not made."""
+    """Every step records each update micro-batch's actor/ppo_kl and actor/pg_clipfrac, and the largest difference of
+    a token's log-prob between the two packings. Under megatron's batch_invariant_mode (TE with FlashAttention 3/4:
+    GPU only) with the old log-probs in another packing, the report requires all of them to be exactly 0; here the
+    CPU run's rows are relabelled as such a run (the configuration's two fields) to exercise the check; without
+    batch invariance it is not made."""
     _, report, _ = tp1_run
     runs = json.loads(json.dumps(report["runs"]))
     assert report["configuration"]["old_log_prob_micro_batch"] == 2
@@ -191,19 +192,21 @@ def test_on_policy_check_reads_every_micro_batchs_ppo_kl(tp1_run):
         for row in rows:
             assert len(row["ppo_kl"]) == len(row["pg_clipfrac"]) == 2, row  # 10 sequences in micro-batches of 5
             assert all(abs(v) < 1e-3 for v in row["ppo_kl"]), row  # the same weights: at most packing's rounding
-            row["ppo_kl"], row["pg_clipfrac"] = [0.0, 0.0], [0.0, 0.0]
+            assert 0.0 <= row["packing_max_abs"] < 1e-4, row  # a token's log-prob in both packings, fp32
+            row["ppo_kl"], row["pg_clipfrac"], row["packing_max_abs"] = [0.0, 0.0], [0.0, 0.0], 0.0
     invariant = report["configuration"] | {"batch_invariant": True}
     checks = [c for c in train_parity_report.evaluate(runs, invariant)["checks"] if "on-policy" in c["check"]]
     assert len(checks) == len(runs) and all(c["ok"] for c in checks), checks
     assert "old log-probs in micro-batches of 2, the update in 5" in checks[0]["check"]
     runs["hook-auto/offload-off"][2]["ppo_kl"][1] = 1e-12
     runs["legacy/resumed"][0]["pg_clipfrac"][0] = 0.1
+    runs["legacy/offload-off"][1]["packing_max_abs"] = 6e-8  # one token one ulp off, the ratios still 1
     failed = {
         c["check"].split(":")[0]: c["differing_steps"]
         for c in train_parity_report.evaluate(runs, invariant)["checks"]
         if "on-policy" in c["check"] and not c["ok"]
     }
-    assert failed == {"hook-auto/offload-off": [3], "legacy/resumed": [3]}
+    assert failed == {"hook-auto/offload-off": [3], "legacy/resumed": [3], "legacy/offload-off": [2]}
 
 
 def test_gap_checks_and_sentences_follow_the_numbers(tp1_run):

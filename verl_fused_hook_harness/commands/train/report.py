@@ -134,14 +134,20 @@ def _fused_loss_check(key: str, rows: list[dict], micro_batches: int) -> list[di
 
 
 def _on_policy_check(key: str, rows: list[dict], packings: str) -> dict:
-    """Exact on-policy: the update recomputed the old log-probs (another packing) to the bit, so every
-    micro-batch's PPO KL and clip fraction is exactly 0 on every step."""
+    """Exact on-policy: every token's log-prob the same bits in both packings (the same sequences, the same
+    weights, before the update), and the update recomputed the old log-probs to the bit, so every micro-batch's
+    PPO KL and clip fraction is exactly 0 on every step."""
     wrong = [
         row["step"]
         for row in rows
-        if not row.get("ppo_kl") or any(v != 0.0 for v in row["ppo_kl"] + (row.get("pg_clipfrac") or []))
+        if not row.get("ppo_kl")
+        or any(v != 0.0 for v in row["ppo_kl"] + (row.get("pg_clipfrac") or []))
+        or row.get("packing_max_abs") != 0.0
     ]
-    label = f"{key}: on-policy ({packings}): actor/ppo_kl and actor/pg_clipfrac exactly 0"
+    label = (
+        f"{key}: on-policy ({packings}): every token's log-prob the same in both packings, actor/ppo_kl and "
+        "actor/pg_clipfrac exactly 0"
+    )
     return {"check": label, "ok": not wrong, "differing_steps": wrong, "passed_as": "every step"}
 
 

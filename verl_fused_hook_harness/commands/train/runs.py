@@ -236,6 +236,10 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     fields["old_log_probs"] = forward_only_log_probs(
         actor, fields, plan, entropy=True, micro_batch=plan.old_log_prob_micro_batch
     )
+    packing_difference = None
+    if plan.old_log_prob_micro_batch is not None:  # the same sequences in the update's packing, same weights
+        in_update_packing = forward_only_log_probs(actor, fields, plan, entropy=True)
+        packing_difference = float((in_update_packing - fields["old_log_probs"]).abs().max())
     fields["ref_log_prob"] = forward_only_log_probs(reference, fields, plan, entropy=False)
     data = packed(
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=plan.shape.sequences, **engine_keys(plan)
@@ -261,6 +265,8 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
         "param_checksum": checksum,
         "param_sum": total,
         "old_log_prob_sum": float(fields["old_log_probs"].double().sum()),
+        # with old log-probs in another packing: the largest difference of a token's log-prob between the two
+        "packing_max_abs": packing_difference,
         # every micro-batch's PPO KL and clip fraction: 0 when the update recomputes the old log-probs exactly
         "ppo_kl": metric_values(metrics.get("actor/ppo_kl")),
         "pg_clipfrac": metric_values(metrics.get("actor/pg_clipfrac")),
