@@ -55,6 +55,10 @@ def test_the_forward_table_takes_the_one_gemm_timed_in_the_same_rounds(tmp_path,
     out = capsys.readouterr().out
     assert "Forward without gradient (ratio to one GEMM, timed in the same rounds where the run has it):" in out
     assert "| 8192, 4096, 151936 | 16.0 ms | 16.0 ms (1.00x) | 18.0 ms (1.12x) | n/a |" in out
+    results["shapes"][0]["one_gemm_in_rounds_ms"] = "out of memory: CUDA out of memory."  # the floor's GEMM then
+    path.write_text(json.dumps(results))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    assert "| 8192, 4096, 151936 | 14.0 ms | 16.0 ms (1.14x) | 18.0 ms (1.29x) | n/a |" in capsys.readouterr().out
 
 
 def test_the_plot_title_folds_a_long_command_within_the_figure_width_and_keeps_all_of_it():

@@ -77,7 +77,9 @@ def markdown(results: dict) -> str:
         "|---|---|" + "---|" * len(names),
     ]
     for row in results["shapes"]:
-        gemm = row.get("one_gemm_in_rounds_ms", row.get("floor", {}).get("gemm_ms"))
+        gemm = row.get("one_gemm_in_rounds_ms")
+        if not isinstance(gemm, float):  # runs before the forward's own rounds, or a GEMM that failed in them
+            gemm = row.get("floor", {}).get("gemm_ms")
         cells = [_fmt(row.get(name, {}).get("fwd_ms"), gemm) for name in names]
         lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(gemm)} | " + " | ".join(cells) + " |")
     masked = [m for m in names if any("half_masked_fwd_bwd_ms" in row.get(m, {}) for row in results["shapes"])]
