@@ -12,8 +12,9 @@ and carry it: `mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/
 `--base f29c1ef --base-archive build/ab/f29c1ef.tar` (build/ is git-ignored: name it in the call's carry).
 
 Each round times, in alternating order, the forward alone (no grad, the old-log-prob pass; median of 3 calls) and a
-forward+backward; the JSON holds every timing, the medians and new/base ratios, and per shape the largest
-difference of 777 rows' log-probs and entropy alone against the same rows last in the whole batch.
+forward+backward; the JSON holds every timing, the medians and new/base ratios, per shape the largest
+difference of 777 rows' log-probs and entropy alone against the same rows last in the whole batch, and each
+revision's peak allocation in one forward+backward beyond what was allocated before it.
 
 With `--topk K` the op is `token_log_probs` as top-k distillation calls it: K teacher ids a row (their log-probs
 differentiated), the row's own top K and its entropy; the probe then covers every output (top ids: equal or not).
@@ -122,6 +123,15 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int, top_k: int =
             times[f"forward_{name}"].append(elapsed_ms(lambda: forward(ops_by_name[name]), 3))
             times[f"step_{name}"].append(elapsed_ms(lambda: step(ops_by_name[name])))
     median = {key: statistics.median(values) for key, values in times.items()}
+    peak_gib = {}  # one forward+backward's peak allocation beyond what was allocated before it
+    for name, ops in ops_by_name.items():
+        h_grad.grad = w_grad.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(ops)
+        torch.cuda.synchronize()
+        peak_gib[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
     probe = {}
     rows = torch.cat([torch.arange(PROBE_ROWS, n, device="cuda"), torch.arange(PROBE_ROWS, device="cuda")])
     for name, ops in ops_by_name.items():
@@ -135,6 +145,7 @@ def measure(ops_by_name: dict, n: int, h: int, v: int, rounds: int, top_k: int =
         "forward_new_over_base": median["forward_new"] / median["forward_base"],
         "step_new_over_base": median["step_new"] / median["step_base"],
         "alone_vs_batch_max_abs": probe,
+        "step_peak_gib": peak_gib,
     }
 
 
@@ -185,7 +196,8 @@ def main(argv=None) -> int:
                 f"{n}x{h}x{v}: forward {m['forward_base']:.2f} -> {m['forward_new']:.2f} ms "
                 f"({result['forward_new_over_base']:.4f}x), forward+backward {m['step_base']:.2f} -> "
                 f"{m['step_new']:.2f} ms ({result['step_new_over_base']:.4f}x); a row alone vs in the batch: "
-                f"base {probe['base']:.1e}, new {probe['new']:.1e}",
+                f"base {probe['base']:.1e}, new {probe['new']:.1e}; a step's peak beyond its start: "
+                f"{result['step_peak_gib']['base']:.2f} -> {result['step_peak_gib']['new']:.2f} GiB",
                 flush=True,
             )
             torch.cuda.empty_cache()
