@@ -118,7 +118,7 @@ def _forward_only(fn, hidden, weight, labels, temperature) -> None:
 def _one_gemm(hidden: torch.Tensor, weight: torch.Tensor):
     """A step: hidden @ weight.T over every row, in the floor's row chunks (one [rows, V] buffer a call)."""
     n, v = hidden.shape[0], weight.shape[0]
-    rows = max(1, min(n, floor_chunk_bytes(weight) // (hidden.element_size() * v)))
+    rows = floor_chunk_rows(hidden, weight)
 
     def run() -> None:
         logits = torch.empty(rows, v, dtype=hidden.dtype, device=hidden.device)
@@ -137,12 +137,17 @@ def floor_chunk_bytes(weight: torch.Tensor) -> int:
     return max(1, min(FLOOR_CHUNK_BYTES, free // 3))
 
 
+def floor_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor) -> int:
+    """Rows of the floor's GEMMs at a time: as many as `floor_chunk_bytes` of [rows, V] logits hold."""
+    return max(1, min(hidden.shape[0], floor_chunk_bytes(weight) // (hidden.element_size() * weight.shape[0])))
+
+
 def floor_ms(hidden, weight, warmup, repeats, calls=1) -> dict:
     """cuBLAS floor of these shapes: one GEMM forward, 4 GEMMs forward+backward with recompute. Past
     `floor_chunk_bytes` of [N, V] logits the GEMMs are timed on row chunks and summed (the same FLOPs; a
     single-shot floor would need the whole [N, V] gradient in memory). `calls`: GEMMs back to back per timing."""
-    n, v = hidden.shape[0], weight.shape[0]
-    rows = max(1, min(n, floor_chunk_bytes(weight) // (hidden.element_size() * v)))
+    n = hidden.shape[0]
+    rows = floor_chunk_rows(hidden, weight)
     full, rest = divmod(n, rows)
     chunk = _floor_chunk_ms(hidden, weight, rows, warmup, repeats, calls)
     total = {key: full * value for key, value in chunk.items()}
