@@ -1,0 +1,37 @@
+"""The harness's process launcher (`support.distributed.run_in_processes`) when a rank dies by a signal: after every
+rank wrote its result (gloo's threads aborting at exit under load, "terminate called without an active exception",
+seen on the 2-core CI machine) the results stand and a warning says so; before it, the call fails naming the rank.
+The aborts are real `os.abort()` calls in spawned gloo processes."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+import pytest
+
+from verl_fused_hook_harness.support.distributed import run_in_processes
+
+
+def _abort_at_exit_on_rank_0(rank: int, world_size: int) -> int:
+    if rank == 0:
+        atexit.register(os.abort)  # after the result file, the barrier and the group's teardown
+    return rank * 10
+
+
+def _abort_before_the_result_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.abort()
+    return rank
+
+
+def test_an_abort_after_every_result_keeps_the_results_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="verl_fused_hook_harness.support.distributed"):
+        assert run_in_processes(_abort_at_exit_on_rank_0, 2) == [0, 10]
+    assert "all 2 ranks wrote their results, then process 0 terminated with signal SIGABRT" in caplog.text
+
+
+def test_an_abort_before_the_result_fails_naming_the_rank():
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 died without a result \(process 1 terminated with signal"):
+        run_in_processes(_abort_before_the_result_on_rank_1, 2)
