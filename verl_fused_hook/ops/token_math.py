@@ -94,12 +94,12 @@ def top_positions(values: Tensor, columns: Tensor | None, wanted: int, distinct:
 
 
 def shard_top_candidates(z: Tensor, top_k: int, vocab_start: int, distinct: bool) -> tuple[Tensor, Tensor]:
-    """The `top_k` largest logits of z [R, C] and their global ids, highest first, padded with -inf / -1 past C
-    columns; equal logits by lower id first with `distinct` (`top_positions`)."""
+    """The `top_k` largest logits of z [R, C] and their global ids, in no particular order (`merge_token_partials`
+    orders them), padded with -inf / -1 past C columns; equal logits by lower id first with `distinct`
+    (`top_positions`)."""
     columns = torch.arange(z.shape[1], device=z.device)
     positions = top_positions(z, columns, min(top_k, z.shape[1]), distinct)
-    values, ids = select_top(z.gather(1, positions), positions + vocab_start, positions.shape[1])
-    return pad_candidates(values, ids, top_k)
+    return pad_candidates(z.gather(1, positions), positions + vocab_start, top_k)
 
 
 def merge_square_sums(part_max: Tensor, part_sum: Tensor, part_square: Tensor, row_max: Tensor) -> Tensor:
