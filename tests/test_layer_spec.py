@@ -115,6 +115,11 @@ def test_train_parity_refuses_megatron_bridge_here_and_records_the_builder(capsy
             EngineSetup(hf_path="x", tp=1, dtype="float32", seed=1, micro_batch_size=1, total_steps=2, lr=1e-3,
                         offload=False, fused_kernel_options={}, bridge="megatron-bridge")
         )  # fmt: skip
+    with pytest.raises(ValueError, match="^EngineSetup.bridge: 'nemo'; allowed: mbridge, megatron-bridge$"):
+        build_engine(
+            EngineSetup(hf_path="x", tp=1, dtype="float32", seed=1, micro_batch_size=1, total_steps=2, lr=1e-3,
+                        offload=False, fused_kernel_options={}, bridge="nemo")
+        )  # fmt: skip
     plan, _ = parse_plan(["--device", "cpu"], "/tmp/unused")
     assert plan.bridge == "mbridge" and "bridge" not in plan.configuration()  # as reports before the option
     assert dataclasses.replace(plan, bridge="megatron-bridge").configuration()["bridge"] == "megatron-bridge"

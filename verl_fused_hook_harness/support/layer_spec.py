@@ -82,15 +82,18 @@ def _import_failure(module: str) -> str | None:
     return None
 
 
+def _versioned_presence(module: str, package: str) -> Presence:
+    """Whether `module` imports, with `package`'s `__version__` as the detail, else why not."""
+    failure = _import_failure(module)
+    if failure is not None:
+        return Presence(False, failure)
+    return Presence(True, str(getattr(importlib.import_module(package), "__version__", "version unknown")))
+
+
 @functools.cache
 def transformer_engine() -> Presence:
     """Transformer Engine's PyTorch part, as megatron-core's TE layers import it."""
-    failure = _import_failure("transformer_engine.pytorch")
-    if failure is not None:
-        return Presence(False, failure)
-    import transformer_engine
-
-    return Presence(True, str(getattr(transformer_engine, "__version__", "version unknown")))
+    return _versioned_presence("transformer_engine.pytorch", "transformer_engine")
 
 
 @functools.cache
@@ -108,12 +111,7 @@ def flash_attention() -> FlashAttention:
 @functools.cache
 def megatron_bridge() -> Presence:
     """Megatron-Bridge, verl's default model builder (its package imports Transformer Engine)."""
-    failure = _import_failure("megatron.bridge")
-    if failure is not None:
-        return Presence(False, failure)
-    from megatron.bridge import package_info
-
-    return Presence(True, str(getattr(package_info, "__version__", "version unknown")))
+    return _versioned_presence("megatron.bridge", "megatron.bridge.package_info")
 
 
 @functools.cache
@@ -267,12 +265,11 @@ def resolve_layer_spec(parser, requested: str, device: str) -> SpecChoice:
 
 
 def check_bridge(parser, bridge: str, spec: str) -> None:
-    """parser.error with the reason when `--bridge` names a builder that cannot build here."""
-    refusal = bridge_refusal(
-        bridge=bridge, spec=spec, presence=megatron_bridge() if bridge == MEGATRON_BRIDGE else Presence(True, "")
-    )
-    if refusal:
-        parser.error(refusal)
+    """parser.error with the reason when `--bridge megatron-bridge` cannot build here (mbridge always can)."""
+    if bridge == MEGATRON_BRIDGE:
+        refusal = bridge_refusal(bridge=bridge, spec=spec, presence=megatron_bridge())
+        if refusal:
+            parser.error(refusal)
 
 
 def check_batch_invariant(parser, wanted: bool, spec: str) -> None:

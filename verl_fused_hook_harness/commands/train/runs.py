@@ -236,10 +236,12 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     fields["old_log_probs"] = forward_only_log_probs(
         actor, fields, plan, entropy=True, micro_batch=plan.old_log_prob_micro_batch
     )
-    packing_difference = None
+    packing_difference, probe_seconds = None, 0.0
     if plan.old_log_prob_micro_batch is not None:  # the same sequences in the update's packing, same weights
+        probe_started = time.perf_counter()  # the forward above returned on the host: nothing of it is pending
         in_update_packing = forward_only_log_probs(actor, fields, plan, entropy=True)
         packing_difference = float((in_update_packing - fields["old_log_probs"]).abs().max())
+        probe_seconds = time.perf_counter() - probe_started
     fields["ref_log_prob"] = forward_only_log_probs(reference, fields, plan, entropy=False)
     data = packed(
         fields, TEMPERATURE, calculate_entropy=True, global_batch_size=plan.shape.sequences, **engine_keys(plan)
@@ -254,7 +256,7 @@ def train_step(actor, reference, loss_function, plan: Plan, step: int) -> dict:
     actor.lr_scheduler_step()
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - started - checksum_seconds  # the step, not our checksum
+    seconds = time.perf_counter() - started - checksum_seconds - probe_seconds  # the step, not our checks
     losses = output.get("loss")  # none on the stages before the last
     metrics = output.get("metrics", {})
     grad_norm = metrics.get("grad_norm")
