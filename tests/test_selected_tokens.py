@@ -300,16 +300,15 @@ def test_ties_at_the_top_k_boundary_take_the_lower_ids_with_batch_invariant():
 
 
 @pytest.mark.parametrize("distinct", [False, True])
-@pytest.mark.parametrize("wanted", [24, 144, 400])
-def test_top_k_candidates_come_from_the_rows_best_tiles(wanted, distinct):
-    """The Triton path's top-k candidates (host side, plain torch: `approximate_candidates`) ranked only within each
-    row's `wanted` tiles of largest max and their `wanted` groups of largest max, plus a partial last tile, are
-    exactly the `wanted` largest approximations of every column: rows with their best columns spread, bunched into
-    one tile, into one group of 16, or in the partial tile. 400 candidates are too many for that (their tiles more
-    than half the columns): every column is ranked. With `distinct` (batch_invariant) the set is the first `wanted`
-    by (approximation, then lower column): rows full of equal values included, and the same rows alone."""
-    from verl_fused_hook.ops.triton_backend import StoredLogits
-    from verl_fused_hook.ops.triton_selected_tokens import _ranks_best_tiles, approximate_candidates
+@pytest.mark.parametrize("wanted", [24, 128, 400])
+def test_top_k_comes_from_the_rows_best_tiles(wanted, distinct):
+    """The Triton path's top-k (host side, plain torch: `top_columns`) ranked only within each row's `wanted` tiles
+    of largest max and their `wanted` groups of largest max, plus a partial last tile, is exactly the `wanted`
+    largest of every column: rows with their best columns spread, bunched into one tile, into one group of 16, or in
+    the partial tile. 400 are too many for that (their tiles more than half the columns): every column is ranked.
+    With `distinct` (batch_invariant) the set is the first `wanted` by (logit, then lower column): rows full of equal
+    values included, and the same rows alone."""
+    from verl_fused_hook.ops.triton_selected_tokens import KeptLogits, _ranks_best_tiles, top_columns
 
     width, columns, rows = 256, 600 * 256 + 37, 10
     assert _ranks_best_tiles(columns, width, wanted) == (wanted < 400)
@@ -320,27 +319,24 @@ def test_top_k_candidates_come_from_the_rows_best_tiles(wanted, distinct):
     logits[3, ::257] += 15  # one large value in nearly every tile
     logits[4, 1040:1056] += 20  # the 16 largest in one group
     logits[5, 3000:3400:3] += 20  # many groups of two tiles
-    logits[6] = logits[6].half().float()  # many equal values (ties in the approximations)
+    logits[6] = logits[6].half().float()  # many equal values
     logits[7] = 0.0  # every value equal
     logits[8] = (logits[8] > 2).float() * 5  # ~350 equal maxima in many tiles, the rest equal too
     logits[9, ::7] = 4.0  # equal values in every tile and group at the top
     tiles = -(-columns // width)
     padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), float("-inf"))], 1)
     tile_max = padded.view(rows, tiles, width).amax(2)
-    shifted = (logits - tile_max.repeat_interleave(width, 1)[:, :columns]).half()
-    store = StoredLogits(shifted, tile_max, width)
-    approximate = shifted.float() + tile_max.repeat_interleave(width, 1)[:, :columns]
-    expected = torch.topk(approximate, wanted, dim=1).values  # fp16 rounding ties: compare values, not ids
-    found = approximate_candidates(store, wanted, distinct)
+    found = top_columns(KeptLogits(logits, tile_max, width), wanted, distinct)
     assert found.shape == (rows, wanted) and found.dtype == torch.int64
     assert all(len(set(row.tolist())) == wanted for row in found)
-    assert torch.equal(approximate.gather(1, found).sort(1, descending=True).values, expected)
+    expected = torch.topk(logits, wanted, dim=1).values  # equal values: compare values, not ids
+    assert torch.equal(logits.gather(1, found).sort(1, descending=True).values, expected)
     if distinct:
         # equal values: lower column first
-        by_column = torch.sort(approximate, dim=1, descending=True, stable=True).indices[:, :wanted]
+        by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
         assert torch.equal(found.sort(1).values, by_column.sort(1).values)
         for row in (6, 7, 8, 9):
-            alone = StoredLogits(shifted[row : row + 1], tile_max[row : row + 1], width)
+            alone = KeptLogits(logits[row : row + 1], tile_max[row : row + 1], width)
             assert torch.equal(
-                approximate_candidates(alone, wanted, distinct).sort(1).values, by_column[row : row + 1].sort(1).values
+                top_columns(alone, wanted, distinct).sort(1).values, by_column[row : row + 1].sort(1).values
             )

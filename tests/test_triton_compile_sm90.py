@@ -29,8 +29,9 @@ def _compile(kernel, signature: dict, constants: dict, num_warps: int, num_stage
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _forward_signature(store: bool) -> dict:
+def _forward_signature(store: bool, raw: bool) -> dict:
     c = FORWARD_CONFIG
+    kept = f"tensordesc<fp32[{c.block_m}, {c.block_n // 2}]>" if raw else f"tensordesc<fp16[{c.block_m}, {c.block_n}]>"
     return {
         "h_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
         "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
@@ -40,7 +41,7 @@ def _forward_signature(store: bool) -> dict:
         "sum_ptr": "*fp32",
         "dot_ptr": "*fp32",
         "label_ptr": "*fp32",
-        "store_desc": f"tensordesc<fp16[{c.block_m}, {c.block_n}]>" if store else "constexpr",
+        "store_desc": kept if store else "constexpr",
         "tile_max_ptr": "*fp32" if store else "constexpr",
         "rows": "i32",
         "H": "i32",
@@ -52,19 +53,22 @@ def _forward_signature(store: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("store", [False, True], ids=["statistics", "keeping logits"])
+@pytest.mark.parametrize(
+    "store,raw",
+    [(False, False), (True, False), (True, True)],
+    ids=["statistics", "keeping fp16 logits (fused loss)", "keeping fp32 logits (top-k)"],
+)
 @pytest.mark.parametrize("squares", [False, True], ids=["no squares", "sum pi^2"])
-def test_forward_statistics_kernel_fits_hopper(store, squares):
+def test_forward_statistics_kernel_fits_hopper(store, raw, squares):
     c = FORWARD_CONFIG
     constants = dict(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=True, STORE=store,
-        SQUARES=squares,
+        SQUARES=squares, RAW=raw,
     )  # fmt: skip
     if not store:
         constants |= {"store_desc": None, "tile_max_ptr": None}
-    compiled = _compile(
-        kernels.forward_statistics_kernel, _forward_signature(store), constants, c.num_warps, c.num_stages
-    )
+    signature = _forward_signature(store, raw)
+    compiled = _compile(kernels.forward_statistics_kernel, signature, constants, c.num_warps, c.num_stages)
     assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
 
 

@@ -1,11 +1,13 @@
 """Every Triton kernel of the op; their launches are triton_backend.py's.
 
 - `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
-  keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes);
+  keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes), or
+  in fp32 as computed (token_log_probs' top-k and ids);
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
-- `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids (a gather-dot in a fixed
-  order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel wrote.
+- `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
+  gather-dot in a fixed order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel
+  wrote.
 
 The two GEMM kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
 fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
@@ -78,6 +80,7 @@ def forward_statistics_kernel(
     STORE: tl.constexpr,
     square_ptr=None,
     SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
+    RAW: tl.constexpr = False,  # STORE in fp32 as computed (store_desc: fp32 [rows, valid_columns], half-tile blocks)
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
@@ -86,7 +89,10 @@ def forward_statistics_kernel(
     With STORE it also keeps the raw logits for a later gradient pass (the fused loss):
     each tile relative to its own row max, in fp16 (a difference <= 0 whose fp16 rounding
     is far below the bf16 rounding of d_logits), saturated at fp16's lowest value (where
-    the probability is 0 anyway), and the tile's row max in fp32.
+    the probability is 0 anyway), and the tile's row max in fp32. With RAW as well, the raw
+    logits themselves in fp32, the accumulator's exact values (token_log_probs' top-k and
+    ids read them): stored as two [BLOCK_M, BLOCK_N / 2] halves through one staging buffer,
+    since a whole fp32 tile's would not fit beside the pipeline in shared memory.
 
     The running max is kept on the raw dot products a (z = a / T) and exponents in
     base 2, so each logit costs a max, a subtract, a multiply, an ex2 and two adds;
@@ -121,7 +127,12 @@ def forward_statistics_kernel(
             label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
         tile_max = tl.max(acc, axis=1)
         if STORE:
-            store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
+            if RAW:
+                left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+                store_desc.store([off_m, off_n], left)
+                store_desc.store([off_m, off_n + BLOCK_N // 2], right)
+            else:
+                store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
             tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
         new_max = tl.maximum(run_max, tile_max)
         shift = (run_max - new_max) * scale

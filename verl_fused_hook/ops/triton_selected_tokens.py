@@ -1,11 +1,11 @@
 """`token_log_probs`' Triton passes (host side; kernels in triton_kernels.py, shared launches in triton_backend.py).
 
 Forward: the statistics kernel of `log_probs_and_entropy`, with its SQUARES flag when sum pi^2 is asked (one more
-running sum, no more GEMM); the asked ids' logits by `token_logits_kernel`, a gather-dot in fp32 in a fixed order over
-H. With top_k the rows go through the statistics kernel in chunks whose logits it also keeps (its STORE path, fp16
-relative to each tile's row max, a bounded buffer); the top_k + TOP_K_SLACK largest of those approximations are the
-candidates, their exact logits come from the gather-dot, and the top_k of those are the shard's. Nothing grows with
-N but the [N, k] inputs and outputs.
+running sum, no more GEMM). Without top_k the asked ids' logits come from `token_logits_kernel`, a gather-dot in fp32 in
+a fixed order over H. With top_k the rows go through the statistics kernel in chunks whose raw logits it also keeps in
+fp32 (its STORE and RAW flags: the accumulator's own values, a bounded buffer, `KeptLogits`); the shard's top_k are
+ranked on those exact values within each row's best tiles (`top_columns`), and the asked ids' logits are read from
+them too: no second read of W's rows. Nothing grows with N but the [N, k] inputs and outputs.
 
 Backward: `triton_backend.recomputed_gradients` (the two-pass op's walk over vocabulary chunks and row tiles, row
 groups as there), with the label's spike left out of the gradient kernel (label column -1, dense coefficient
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -38,7 +38,6 @@ from .token_math import (
     top_positions,
 )
 from .triton_backend import (
-    StoredLogits,
     descriptor,
     recomputed_gradients,
     split_layout,
@@ -47,19 +46,25 @@ from .triton_backend import (
 )
 from .weight_gradient import WeightGradientSum
 
-# Candidates beyond top_k taken from the fp16 approximations before the exact logits decide: an id of the true top_k
-# is missed only if more than TOP_K_SLACK others overtake it by fp16 rounding (2^-11 of its distance to its tile's
-# max, in raw units).
-TOP_K_SLACK = 16
-# Memory of one chunk of rows under top_k: the kept fp16 logits and tile maxima, and what the candidates' selection
+# Memory of one chunk of rows under top_k: the kept fp32 logits and tile maxima, and what the top-k's selection
 # reads and writes (`_selection_bytes`).
 TOP_K_CHUNK_BYTES = 1024**3
-# Columns per group of a tile that the candidates' selection ranks by its largest approximation between ranking
-# tiles and ranking columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
+# Columns per group of a tile that the top-k's selection ranks by its largest logit between ranking tiles and ranking
+# columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
 GROUP_COLUMNS = 16
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class KeptLogits:
+    """A chunk's raw logits h . W_j as the forward kernel computed them, fp32 [rows, valid_columns] (row stride a
+    multiple of 8 elements), and each row's max over every `tile_columns`-wide tile, fp32 [rows, column tiles]."""
+
+    raw: Tensor
+    tile_max: Tensor
+    tile_columns: int
 
 
 def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool) -> int | None:
@@ -68,29 +73,26 @@ def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool) -> int | None:
         return None
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
-    selection = _selection_bytes(columns, width, min(top_k + TOP_K_SLACK, columns), distinct)
-    per_row = 2 * pitch + 4 * tiles + selection
+    per_row = 4 * pitch + 4 * tiles + _selection_bytes(columns, width, min(top_k, columns), distinct)
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, TOP_K_CHUNK_BYTES // per_row // block_m * block_m)
 
 
 def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
-    """Whether `approximate_candidates` ranks only the best tiles: more whole tiles than candidates, and those
-    tiles at most half the columns (otherwise every column is ranked)."""
+    """Whether `top_columns` ranks only the best tiles: more whole tiles than wanted columns, and those tiles at
+    most half the columns (otherwise every column is ranked)."""
     return columns // width > wanted and 8 * wanted * width <= 4 * columns
 
 
 def _selection_bytes(columns: int, width: int, wanted: int, distinct: bool) -> int:
-    """Bytes per row `approximate_candidates` allocates: every column in fp32, or the best tiles in fp16, their
-    groups' maxima and the best groups' columns in fp32, the partial tile, and the int64 indices; with `distinct`
-    the largest rank's int64 keys, their temporary and columns."""
-    keys = 24 * columns if distinct else 0
+    """Bytes per row `top_columns` allocates: every column's value, or the best tiles' values, their groups'
+    maxima, the best groups' values and the partial tile; the int64 indices; with `distinct` the largest rank's
+    int64 keys, their temporary and columns."""
     if not _ranks_best_tiles(columns, width, wanted):
-        return 4 * columns + 8 * wanted + keys
+        return 8 * wanted + (24 * columns if distinct else 0)
     group = _group_columns(width)
-    if distinct:
-        keys = 24 * (wanted * group + width)
-    return 2 * wanted * width + 4 * wanted * (width // group) + 8 * wanted * group + 4 * width + 32 * wanted + keys
+    keys = 24 * (wanted * group + width) if distinct else 0
+    return 4 * wanted * width + 4 * wanted * (width // group) + 4 * wanted * group + 4 * width + 32 * wanted + keys
 
 
 def _group_columns(width: int) -> int:
@@ -104,11 +106,11 @@ def statistics_with_squares(
     label_col: Tensor,
     inv_temp: Tensor,
     squares: bool,
-    store: StoredLogits | None,
+    kept: KeptLogits | None,
 ) -> tuple[Partials, Tensor | None]:
     """This rank's partials of `hidden`'s rows and, with `squares`, their square sums relative to the row max: the
     launch of triton_backend.local_statistics with the kernel's SQUARES flag, its splits chosen and merged the same
-    way."""
+    way; with `kept`, the rows' raw logits and tile maxima written there (STORE and RAW)."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
@@ -127,8 +129,8 @@ def statistics_with_squares(
         parts[1],
         parts[2],
         parts[3],
-        None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
-        None if store is None else store.tile_max,
+        None if kept is None else descriptor(kept.raw, [c.block_m, c.block_n // 2]),
+        None if kept is None else kept.tile_max,
         n,
         hidden.shape[1],
         p.valid_columns,
@@ -140,11 +142,12 @@ def statistics_with_squares(
         BLOCK_K=c.block_k,
         GROUP_M=c.group_m,
         ENTROPY=p.calculate_entropy,
-        STORE=store is not None,
+        STORE=kept is not None,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
         square_ptr=parts[4] if squares else None,
         SQUARES=squares,
+        RAW=kept is not None,
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
@@ -175,72 +178,61 @@ def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tens
     return out
 
 
-def approximate_candidates(store: StoredLogits, wanted: int, distinct: bool) -> Tensor:
-    """The shard columns of each row's `wanted` largest fp16 approximations (raw logit rounded relative to its tile's
-    max, plus that max), int64 [rows, wanted], in no particular order; equal approximations by lower column first
-    with `distinct` (`top_positions`: the set then depends on the row alone).
+def kept_token_logits(kept: KeptLogits, columns: Tensor, inv_temp: Tensor) -> Tensor:
+    """fp32 [R, entries]: the kept raw logit of each column / T_i (scaled as the kernel scales the label's), 0 where
+    a column is -1."""
+    raw = kept.raw.gather(1, columns.clamp_min(0))
+    return torch.where(columns >= 0, raw * inv_temp[:, None], 0.0)
 
-    Why not one topk over every column: a tile's approximations never exceed its max, and each tile's max column is
-    its max exactly, so the `wanted` largest all lie in the `wanted` tiles of largest max (or in a partial last tile,
-    always read); by the same argument within those tiles, in their `wanted` groups of GROUP_COLUMNS columns of
-    largest approximation. With `distinct` a tile or group ranks by its max, then by its first column, which keeps
-    that argument for equal values. At k=128 of 151936 columns the ranks run over 594 tile maxima, 2304 group maxima
-    and 2304 columns instead of 151936 (or 36864, the best tiles' columns). Where the best tiles would not be a
-    fraction of the columns (few tiles, large k), every column is ranked."""
-    rows, columns = store.shifted.shape
-    width = store.tile_columns
+
+def top_columns(kept: KeptLogits, wanted: int, distinct: bool) -> Tensor:
+    """The shard columns of each row's `wanted` largest kept logits, int64 [rows, wanted], in no particular order;
+    equal logits by lower column first with `distinct` (`top_positions`: the set then depends on the row alone).
+
+    Why not one topk over every column: each tile's max is one of its logits, so the `wanted` largest all lie in the
+    `wanted` tiles of largest max (or in a partial last tile, always read); by the same argument within those tiles,
+    in their `wanted` groups of GROUP_COLUMNS columns of largest max. With `distinct` a tile or group ranks by its
+    max, then by its first column, which keeps that argument for equal values. At k=128 of 151936 columns the ranks
+    run over 594 tile maxima, 2048 group maxima and 2048 logits instead of 151936. Where the best tiles would not be
+    a fraction of the columns (few tiles, large k), every column is ranked. The logits are T-free; their order is
+    z's (T > 0)."""
+    raw, tile_max, width = kept.raw, kept.tile_max, kept.tile_columns
+    rows, columns = raw.shape
     whole = columns // width
-    device = store.shifted.device
+    device = raw.device
     if not _ranks_best_tiles(columns, width, wanted):
-        approximate = store.shifted.float()  # raw logits to fp16 rounding (their order is z's: T > 0), tile max added
-        approximate[:, : whole * width].view(rows, whole, width).add_(store.tile_max[:, :whole, None])
-        if columns > whole * width:
-            approximate[:, whole * width :].add_(store.tile_max[:, whole : whole + 1])
-        return top_positions(approximate, torch.arange(columns, device=device), wanted, distinct)
+        return top_positions(raw, torch.arange(columns, device=device), wanted, distinct)
     group = _group_columns(width)
     per_tile = width // group
-    tiles = top_positions(store.tile_max[:, :whole], torch.arange(whole, device=device), wanted, distinct)
-    body = store.shifted[:, : whole * width].view(rows, whole, width)
+    tiles = top_positions(tile_max[:, :whole], torch.arange(whole, device=device), wanted, distinct)
+    body = raw[:, : whole * width].unflatten(1, (whole, width))
     grouped = body.gather(1, tiles[:, :, None].expand(rows, wanted, width)).view(rows, wanted * per_tile, group)
-    tile_max = store.tile_max.gather(1, tiles)
-    # fp16 -> fp32 and + max are monotonic: a group's largest approximation is its largest fp16 value's
-    group_best = grouped.amax(2).float().view(rows, wanted, per_tile).add_(tile_max[:, :, None])
     group_first = None  # each group's first column, the tie-break of `distinct`
     if distinct:
         group_first = (tiles[:, :, None] * width + torch.arange(0, width, group, device=device)).view(rows, -1)
-    groups = top_positions(group_best.view(rows, wanted * per_tile), group_first, wanted, distinct)
-    slot = groups // per_tile  # which of the row's best tiles
-    approximate = grouped.gather(1, groups[:, :, None].expand(rows, wanted, group)).float()
-    approximate = approximate.add_(tile_max.gather(1, slot)[:, :, None]).view(rows, wanted * group)
-    first_column = tiles.gather(1, slot) * width + groups % per_tile * group  # [rows, wanted]
+    groups = top_positions(grouped.amax(2), group_first, wanted, distinct)
+    values = grouped.gather(1, groups[:, :, None].expand(rows, wanted, group)).view(rows, wanted * group)
+    first_column = tiles.gather(1, groups // per_tile) * width + groups % per_tile * group  # [rows, wanted]
     key_columns = (first_column[:, :, None] + torch.arange(group, device=device)).view(rows, -1) if distinct else None
     if columns > whole * width:  # the partial last tile, whole
-        tail = store.shifted[:, whole * width :].float().add_(store.tile_max[:, whole : whole + 1])
-        approximate = torch.cat([approximate, tail], 1)
+        values = torch.cat([values, raw[:, whole * width :]], 1)
         if distinct:
             tail_columns = torch.arange(whole * width, columns, device=device).expand(rows, -1)
             key_columns = torch.cat([key_columns, tail_columns], 1)
-    best = top_positions(approximate, key_columns, wanted, distinct)
+    best = top_positions(values, key_columns, wanted, distinct)
     in_groups = best < wanted * group
     from_group = first_column.gather(1, (best // group).clamp_max(wanted - 1)) + best % group
     return torch.where(in_groups, from_group, best - wanted * group + whole * width)
 
 
 def top_candidates(
-    store: StoredLogits,
-    hidden: Tensor,
-    weight: Tensor,
-    inv_temp: Tensor,
-    top_k: int,
-    vocab_start: int,
-    distinct: bool,
+    kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int, distinct: bool
 ) -> tuple[Tensor, Tensor]:
-    """The shard's top_k (exact fp32 logits, global ids; -inf / -1 padding) of the rows whose logits `store` kept;
-    `distinct` as in `approximate_candidates`."""
-    columns = store.shifted.shape[1]
-    candidates = approximate_candidates(store, min(top_k + TOP_K_SLACK, columns), distinct)
-    exact = token_logits(hidden, weight, candidates, inv_temp)
-    values, ids = select_top(exact, candidates + vocab_start, min(top_k, columns))
+    """The shard's top_k (fp32 logits, global ids, highest first; -inf / -1 padding) of the rows whose logits `kept`
+    holds; `distinct` as in `top_columns`."""
+    wanted = min(top_k, kept.raw.shape[1])
+    columns = top_columns(kept, wanted, distinct)
+    values, ids = select_top(kept_token_logits(kept, columns, inv_temp), columns + vocab_start, wanted)
     return pad_candidates(values, ids, top_k)
 
 
@@ -260,12 +252,12 @@ class TritonTokenPasses:
         self.p, self.valid_columns, self.weight, self.block, self.request = p, valid_columns, weight, block, request
         self.spans = spans
         self.block_count = len(spans)
-        self.store = None
+        self.kept = None
         chunk = spans[0].stop - spans[0].start if spans else 0
         if request is not None and request.top_k and chunk and valid_columns:
             pitch, tiles = stored_layout(valid_columns, backend.FORWARD_CONFIG.block_n)
-            self.store = StoredLogits(
-                torch.empty(chunk, pitch, dtype=torch.float16, device=weight.device)[:, :valid_columns],
+            self.kept = KeptLogits(
+                torch.empty(chunk, pitch, dtype=torch.float32, device=weight.device)[:, :valid_columns],
                 torch.empty(chunk, tiles, dtype=torch.float32, device=weight.device),
                 backend.FORWARD_CONFIG.block_n,
             )
@@ -277,19 +269,21 @@ class TritonTokenPasses:
 
     def token_statistics(self, block: RowBlock) -> tuple[Partials, TokenPartials]:
         p, request, count = self.p, self.request, block.rows.numel()
-        store = None
-        if self.store is not None:
-            store = StoredLogits(self.store.shifted[:count], self.store.tile_max[:count], self.store.tile_columns)
+        kept = None
+        if self.kept is not None:
+            kept = KeptLogits(self.kept.raw[:count], self.kept.tile_max[:count], self.kept.tile_columns)
         partials, squares = statistics_with_squares(
-            p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, store
+            p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, kept
         )
         logits = top_values = top_ids = None
         if request.token_columns is not None:
-            logits = token_logits(block.hidden, self.weight, request.token_columns[block.span], block.inv_temp)
-        if store is not None:
-            top_values, top_ids = top_candidates(
-                store, block.hidden, self.weight, block.inv_temp, request.top_k, p.vocab_start, p.batch_invariant
-            )
+            columns = request.token_columns[block.span]
+            if kept is not None:
+                logits = kept_token_logits(kept, columns, block.inv_temp)
+            else:
+                logits = token_logits(block.hidden, self.weight, columns, block.inv_temp)
+        if kept is not None:
+            top_values, top_ids = top_candidates(kept, block.inv_temp, request.top_k, p.vocab_start, p.batch_invariant)
         return partials, TokenPartials(logits, squares, top_values, top_ids)
 
     def token_gradients(
