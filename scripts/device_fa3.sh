@@ -14,7 +14,8 @@
 # 2026-12-05, on this project's 2-core CPU machine (nvcc 13.0.88, torch 2.14.1+cu130 headers, one job): pack, build
 # (429 s: the backward units 98 and 127 s, the forward 77 and 78 s; _C.abi3.so 16 MB, linking only torch's C shim
 # `aoti_torch_*` and libcudart.so.13), keep and install (imports, torch.ops.flash_attn_3 registered) ran; on the H200
-# (torch 2.11) neither install nor smoke has run yet.
+# (torch 2.11, 2026-12-05) install ran and megatron's batch_invariant_mode used it (device_te_runs.sh 6); the smoke's
+# first run failed its absolute bound (max|err| 0.0086-0.0625 against fp32 SDPA), now relative, not yet rerun.
 set -euo pipefail
 
 FA_COMMIT=0251105a2fb19d2957484b7f023cd8c115286ced      # flash-attention main, 2026-08-15 (#2798)
@@ -161,8 +162,10 @@ for hq, hk, d in ((14, 2, 64), (28, 4, 128)):           # Qwen2.5-0.5B and -7B a
     g = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
     rq, rk, rv = torch.autograd.grad(ref, (q, k, v), g.float())
-    err = [(a.float() - b).abs().max().item() for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv))]
-    print(f"hq={hq} hk={hk} d={d} max|err| out,dq,dk,dv = {err}"); assert max(err) < 5e-2
+    # bf16 outputs against an fp32 reference: bound each error relative to the reference's largest value (dk, dv sum
+    # hq/hk heads, so an absolute bound fails on one bf16 step: dv 0.0625 at values of 8-16 on the H200)
+    err = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv))]
+    print(f"hq={hq} hk={hk} d={d} max|err| / max|ref| out,dq,dk,dv = {err}"); assert max(err) < 2e-2
 PY
 }
 

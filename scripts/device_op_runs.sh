@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The op's runs on one H200 that no device has made yet (docs/benchmarks.md, "Not yet measured on the GPU"):
 # the GPU tests after the ops/ regrouping (issue 41), batch invariance and its cost (issue 42), distillation from
-# hidden states (issue 43). Six device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
+# hidden states (issue 43). Seven device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
 #
 # Here (with network), once:  bash scripts/device_wheels.sh
 #                             mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar
@@ -18,6 +18,9 @@
 #   step 6 (~6 min): token_log_probs as top-k distillation calls it (k teacher ids, own top k), the working tree
 #                    against main in rounds, k = 128 and 32, 16k and 64k tokens. For a branch that changes the op:
 #                    here `git archive main verl_fused_hook > build/ab/main.tar`, then run from the branch.
+#   step 7 (~2 min): where token_log_probs' top-k forward spends its time (torch.profiler), k = 128 and 32, at 16k and
+#                    64k tokens: what is left of issue 43's k=128 target (results/EXPERIMENTS.md, "Top-k from the
+#                    forward's fp32 logits")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -82,13 +85,21 @@ step6() {
     done
 }
 
+step7() {
+    local n
+    for n in 16384 65536; do
+        run_command 150 python3 scripts/profile_token_log_probs.py --shape "$n,4096,151936" \
+            --out "$OUT/profile_kl_topk_exact_$n.json"
+    done
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
     *)
-        echo "usage: $0 STEP... (1-6; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-7; see the top of this file)" >&2
         exit 2
         ;;
     esac

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge), measured end to
 # end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05 (about 20 minutes with the
-# machine's start); 5 to 8 have not run. What each measures, and the figures it gave: docs/benchmarks.md,
+# machine's start), 5 and 6 in a later session that day (7 and 6.5 minutes, start included); 8 stopped at model
+# build on megatron-energon, which Megatron-Bridge's training config imports (now among the carried wheels); 7 has
+# not run. What each measures, and the figures it gave: docs/benchmarks.md,
 # "Transformer Engine on the H200".
 #
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
 #                             (step 6: bash scripts/device_fa3.sh pack/build/keep; step 7: device_apex.sh pack)
 # Each call: run with carry [".whl", "build/te"] (and build/fa3 for step 6, build/apex for step 7) and the command
-# `bash scripts/device_te_runs.sh STEP...` (several steps share one call's 530 s).
+# `bash scripts/device_te_runs.sh STEP...` (several steps share one call's 530 s). .whl (20 MiB with megatron-energon's
+# wheels) and build/te (42 MiB) fill most of a call's 64 MiB: step 6 (build/fa3, 3 MiB more) goes in a call of its own.
 # build/te is git-ignored: after a fresh `pack` it has no prebuilt extension, and step 1 compiles it (1 min 41 s on
 # the H200's 16 cores) and hands it back as $OUT/transformer_engine_torch-*.so.xz: copy that file into build/te
 # before the next call, so that later calls only unpack it (`device_te.sh keep`).

@@ -67,8 +67,9 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     # verl's default builder is not installed here (it imports Transformer Engine): a warning with both ways out
     assert checks["bridge"] == (
         "warn Megatron-Bridge does not import (ModuleNotFoundError: No module named 'megatron.bridge'): verl's "
-        "default builder (vanilla_mbridge=False) fails here; install megatron-bridge (it needs Transformer Engine), "
-        "or build through mbridge with actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
+        "default builder (vanilla_mbridge=False) fails here; install megatron-bridge with what it imports "
+        "(Transformer Engine, megatron-energon), or build through mbridge with "
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
     )
     assert done.stdout.rstrip().endswith("doctor: OK (15 checks, 2 warnings)")
     assert len(done.stdout.splitlines()) == 16  # the checks and the verdict: upstream notices are summarised

@@ -5,6 +5,7 @@ refusal at start-up, naming the option, what is missing and what to do instead."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from verl_fused_hook_harness.support.layer_spec import (
     LAYER_SPECS,
@@ -91,15 +92,30 @@ def test_megatron_bridge_builds_te_spec_only_and_needs_its_package():
         assert bridge_refusal(bridge="mbridge", spec=spec, presence=no_bridge) is None
     assert bridge_refusal(bridge="megatron-bridge", spec="local", presence=no_bridge) == (
         "--bridge megatron-bridge: verl's default model builder cannot run here: the build uses the local spec; "
-        "Megatron-Bridge builds Transformer Engine's only (--layer-spec te); megatron.bridge does not import "
-        "(ModuleNotFoundError: No module named 'transformer_engine'); it needs Transformer Engine. --bridge mbridge "
-        "builds through mbridge (verl's vanilla_mbridge=True)"
+        "Megatron-Bridge builds Transformer Engine's only (--layer-spec te); Megatron-Bridge does not import "
+        "(ModuleNotFoundError: No module named 'transformer_engine'); it needs Transformer Engine and "
+        "megatron-energon. --bridge mbridge builds through mbridge (verl's vanilla_mbridge=True)"
     )
     assert bridge_refusal(bridge="nemo", spec="te", presence=bridge_here) == (
         "--bridge 'nemo': allowed: mbridge, megatron-bridge"
     )
     # here: not installed, or (installed) stopped by its import of Transformer Engine
     assert not megatron_bridge().importable
+
+
+def test_presence_names_the_first_module_that_does_not_import():
+    """Megatron-Bridge's package imported on the H200 while verl's build stopped at its training config (its import
+    of megatron-energon): every module verl imports is checked, and the one that fails is named."""
+    from verl_fused_hook_harness.support.layer_spec import versioned_presence
+
+    assert versioned_presence(("torch", "torch.nn"), "torch") == Presence(True, torch.__version__)
+    assert versioned_presence(("verl_fused_hook_no_such_package",), "torch") == Presence(
+        False, "ModuleNotFoundError: No module named 'verl_fused_hook_no_such_package'"
+    )
+    assert versioned_presence(("torch", "torch.no_such_module"), "torch") == Presence(
+        False,
+        "torch imports, torch.no_such_module does not: ModuleNotFoundError: No module named 'torch.no_such_module'",
+    )
 
 
 def test_train_parity_refuses_megatron_bridge_here_and_records_the_builder(capsys):

@@ -218,8 +218,8 @@ def bridge_finding(bridge: Presence) -> Finding:
         "bridge",
         WARN,
         f"Megatron-Bridge does not import ({bridge.detail}): verl's default builder (vanilla_mbridge=False) fails "
-        "here; install megatron-bridge (it needs Transformer Engine), or build through mbridge with "
-        "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+        "here; install megatron-bridge with what it imports (Transformer Engine, megatron-energon), or build "
+        "through mbridge with actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
     )
 
 

@@ -25,6 +25,7 @@ BUILT_SPECS = (LOCAL, TE)  # what a build uses (auto resolves to one of them)
 # verl's two model builders: mbridge (`vanilla_mbridge=True`) and Megatron-Bridge (verl 0.9.1's default)
 MBRIDGE, MEGATRON_BRIDGE = "mbridge", "megatron-bridge"
 BRIDGES = (MBRIDGE, MEGATRON_BRIDGE)
+BRIDGE_TRAINING_CONFIG = "megatron.bridge.training.config"
 
 # What megatron-core 0.19.2 imports for FlashAttention 3 and 4 (transformer/attention.py): its batch_invariant_mode
 # asserts attention_backend=flash and flash_attention_version 3 or 4 (TransformerConfig.__post_init__).
@@ -82,18 +83,20 @@ def _import_failure(module: str) -> str | None:
     return None
 
 
-def _versioned_presence(module: str, package: str) -> Presence:
-    """Whether `module` imports, with `package`'s `__version__` as the detail, else why not."""
-    failure = _import_failure(module)
-    if failure is not None:
-        return Presence(False, failure)
+def versioned_presence(modules: tuple[str, ...], package: str) -> Presence:
+    """Whether every one of `modules` imports, with `package`'s `__version__` as the detail, else why the first
+    that fails does not (naming it after the first, which a user installs by name)."""
+    for position, module in enumerate(modules):
+        failure = _import_failure(module)
+        if failure is not None:
+            return Presence(False, failure if position == 0 else f"{modules[0]} imports, {module} does not: {failure}")
     return Presence(True, str(getattr(importlib.import_module(package), "__version__", "version unknown")))
 
 
 @functools.cache
 def transformer_engine() -> Presence:
     """Transformer Engine's PyTorch part, as megatron-core's TE layers import it."""
-    return _versioned_presence("transformer_engine.pytorch", "transformer_engine")
+    return versioned_presence(("transformer_engine.pytorch",), "transformer_engine")
 
 
 @functools.cache
@@ -110,8 +113,10 @@ def flash_attention() -> FlashAttention:
 
 @functools.cache
 def megatron_bridge() -> Presence:
-    """Megatron-Bridge, verl's default model builder (its package imports Transformer Engine)."""
-    return _versioned_presence("megatron.bridge", "megatron.bridge.package_info")
+    """Megatron-Bridge, verl's default model builder: its package imports Transformer Engine, and the training
+    config verl 0.9.1's make_megatron_module imports for the DDP config imports megatron-energon (the package
+    alone imported on the H200 while the build stopped there)."""
+    return versioned_presence(("megatron.bridge", BRIDGE_TRAINING_CONFIG), "megatron.bridge.package_info")
 
 
 @functools.cache
@@ -202,7 +207,9 @@ def bridge_refusal(*, bridge: str, spec: str, presence: Presence) -> str | None:
             f"the build uses the {spec} spec; Megatron-Bridge builds Transformer Engine's only (--layer-spec te)"
         )
     if not presence.importable:
-        missing.append(f"megatron.bridge does not import ({presence.detail}); it needs Transformer Engine")
+        missing.append(
+            f"Megatron-Bridge does not import ({presence.detail}); it needs Transformer Engine and megatron-energon"
+        )
     if not missing:
         return None
     return (
