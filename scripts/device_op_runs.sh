@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The op's runs on one H200 that no device has made yet (docs/benchmarks.md, "Not yet measured on the GPU"):
 # the GPU tests after the ops/ regrouping (issue 41), batch invariance and its cost (issue 42), distillation from
-# hidden states (issue 43). Seven device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
+# hidden states (issue 43). Eight device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
 #
 # Here (with network), once:  bash scripts/device_wheels.sh
 #                             mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar
@@ -21,6 +21,9 @@
 #   step 7 (~2 min): where token_log_probs' top-k forward spends its time (torch.profiler), k = 128 and 32, at 16k and
 #                    64k tokens: what is left of issue 43's k=128 target (results/EXPERIMENTS.md, "Top-k from the
 #                    forward's fp32 logits")
+#   step 8 (~5 min): the top-k chunk budget (token_log_probs' top_k_chunk_bytes) at 2 and 4 GiB against the default
+#                    1 GiB, k = 128, in rounds with each step's peak memory: fewer chunks, fewer launches. The base
+#                    is the same code: here `git archive HEAD verl_fused_hook > build/ab/main.tar` first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -93,13 +96,23 @@ step7() {
     done
 }
 
+step8() {
+    local base=(--base main) bytes
+    [ -d .git ] || base+=(--base-archive build/ab/main.tar)
+    for bytes in 2147483648 4294967296; do
+        run_command 170 python3 scripts/ab_op_revisions.py "${base[@]}" --topk 128 --rounds 5 \
+            --new-options "{\"top_k_chunk_bytes\": $bytes}" --shapes "16384,4096,151936;65536,4096,151936" \
+            --out "$OUT/ab_kl_topk_chunk_bytes_$bytes.json"
+    done
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
     *)
-        echo "usage: $0 STEP... (1-7; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-8; see the top of this file)" >&2
         exit 2
         ;;
     esac

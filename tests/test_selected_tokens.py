@@ -228,6 +228,8 @@ def _call(**changes):
         ({"top_k": 198}, "top_k: must be an int in [0, 197] (vocab_size), got 198"),
         ({"top_k": 2.0}, "top_k: must be an int >= 0, got 2.0"),
         ({"top_k": True}, "top_k: must be an int >= 0, got True"),
+        ({"top_k_chunk_bytes": 0}, "top_k_chunk_bytes: must be an int >= 1 or None, got 0"),
+        ({"top_k_chunk_bytes": 1e9}, "top_k_chunk_bytes: must be an int >= 1 or None, got 1000000000.0"),
         ({"calculate_sum_pi_squared": 1}, "calculate_sum_pi_squared: expected a bool, got 1"),
         ({"calculate_log_probs": None}, "calculate_log_probs: expected a bool, got None"),
         ({"backend": "verl"}, "backend: 'verl' cannot run token_log_probs"),

@@ -97,12 +97,12 @@ def _op_cases() -> list[dict]:
         ("top-k in one chunk, one temperature", {"per_row_temperature": False}, 1024**3),
         ("ids without top-k, every row", {"masked": False}, None),
     ]:
-        if chunk_bytes:
-            triton_selected_tokens.TOP_K_CHUNK_BYTES = chunk_bytes
         case = make_case(n=70, h=64, padded=203, vocab=197, k=6, dtype=torch.float16, **options)
         top_k = 5 if chunk_bytes else 0
         want = reference(case, top_k=top_k)
-        out, d_hidden, d_weight = run_case(case, top_k=top_k, calculate_sum_pi_squared=True, backend="triton")
+        out, d_hidden, d_weight = run_case(
+            case, top_k=top_k, calculate_sum_pi_squared=True, backend="triton", top_k_chunk_bytes=chunk_bytes
+        )
         off = ~scored_rows(case)
         result = {
             "case": name,
@@ -116,10 +116,17 @@ def _op_cases() -> list[dict]:
             result[field] = max_abs(getattr(out, field), want[field])
         if top_k:
             result["top_ids_exact"] = bool(torch.equal(out.top_ids, want["top_ids"]))
+        if chunk_bytes and chunk_bytes < 1024**3:  # a row's outputs do not depend on the chunk it sits in
+            one_chunk = run_case(
+                case, top_k=top_k, calculate_sum_pi_squared=True, backend="triton", top_k_chunk_bytes=1024**3
+            )[0]
+            result["same_bits_in_one_chunk"] = all(
+                torch.equal(getattr(out, field), getattr(one_chunk, field))
+                for field in ("log_probs", "entropy", "token_log_probs", "top_ids", "top_log_probs", "sum_pi_squared")
+            )
         results.append(result)
 
     # top-3 of 2003 columns (62 whole tiles of 32 and a partial one): ranked within each row's 3 best tiles only
-    triton_selected_tokens.TOP_K_CHUNK_BYTES = 1024**3
     case = make_case(n=40, h=64, padded=2016, vocab=2003, k=4, dtype=torch.float16)
     want = reference(case, top_k=3)
     out, d_hidden, d_weight = run_case(case, top_k=3, backend="triton")
@@ -193,3 +200,5 @@ def test_token_log_probs_triton_path_in_the_interpreter():
         assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
         assert case.get("placeholder", True) and case.get("row_groups", 2) > 1, case
         assert case.get("best_tiles_path", True), case  # the case's shape takes top_columns' tile path
+        assert case.get("same_bits_in_one_chunk", True), case
+    assert cases[0]["same_bits_in_one_chunk"] is True

@@ -72,6 +72,7 @@ def token_log_probs(
     tile_rows: int | None = None,
     gradient_accumulation_fusion: bool = False,
     batch_invariant: bool = False,
+    top_k_chunk_bytes: int | None = None,
 ) -> TokenLogProbs:
     """Log-probs of `labels` and of every id in `token_ids`, entropy, the row's own top_k and sum pi^2 under
     softmax(hidden @ W.T / temperature), W every rank's `weight` shard; no [rows, vocab] tensor at any point.
@@ -91,6 +92,9 @@ def token_log_probs(
             returned, as log_probs_and_entropy's (so that every op call on one weight in a step treats it alike).
         batch_invariant: every forward output of a row the same bits whatever batch computes it, as
             log_probs_and_entropy's.
+        top_k_chunk_bytes: Triton under top_k: the bytes one chunk of rows may hold (its kept fp32 logits and the
+            top-k's selection; at least one row block). None: 1 GiB. More: fewer chunks and launches, more memory.
+            A row's outputs do not depend on it.
 
     Rows not computed (ignore_index, score_mask False) hold 0 in every output (top_ids -1) and get zero gradient.
     Every rank of tp_group returns identical outputs and its own d_weight shard; d_hidden as tp_hidden says.
@@ -106,6 +110,8 @@ def token_log_probs(
     check_bool("calculate_log_probs", calculate_log_probs)
     check_bool("calculate_sum_pi_squared", calculate_sum_pi_squared)
     check_int("top_k", top_k, low=0, expected="must be an int >= 0")
+    if top_k_chunk_bytes is not None:
+        check_int("top_k_chunk_bytes", top_k_chunk_bytes, low=1, expected="must be an int >= 1 or None")
     problem = build_problem(
         hidden, weight, labels, temperature=temperature, tp_group=tp_group, score_mask=score_mask,
         ignore_index=ignore_index, vocab_size=vocab_size, calculate_entropy=calculate_entropy, tile_rows=tile_rows,
@@ -120,7 +126,7 @@ def token_log_probs(
         expected=f"must be an int in [0, {problem.vocab_size}] (vocab_size)",
     )
     token_columns = _token_columns(problem, labels, token_ids)
-    request = TokenRequest(token_columns, top_k, calculate_sum_pi_squared)
+    request = TokenRequest(token_columns, top_k, calculate_sum_pi_squared, top_k_chunk_bytes)
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         chosen = resolve_backend(backend, problem, DRIVER)
         module = importlib.import_module(chosen.selected_tokens_module, package=__package__)

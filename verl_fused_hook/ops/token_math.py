@@ -31,11 +31,13 @@ class TokenRequest(NamedTuple):
     """What `token_log_probs` asks of a backend beyond the statistics, over the scored rows.
 
     token_columns: int64 [A, k] each asked id as a column of this shard, -1 where another rank (or none) holds it
-    (None: no ids asked); top_k: the row's top candidates to return (0: none); sum_squares: the square sum q."""
+    (None: no ids asked); top_k: the row's top candidates to return (0: none); sum_squares: the square sum q;
+    chunk_bytes: the memory a chunk of rows may hold under top_k where a backend chunks (None: its default)."""
 
     token_columns: Tensor | None
     top_k: int
     sum_squares: bool
+    chunk_bytes: int | None = None
 
 
 class TokenPartials(NamedTuple):

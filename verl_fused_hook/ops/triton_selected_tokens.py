@@ -46,8 +46,8 @@ from .triton_backend import (
 )
 from .weight_gradient import WeightGradientSum
 
-# Memory of one chunk of rows under top_k: the kept fp32 logits and tile maxima, and what the top-k's selection
-# reads and writes (`_selection_bytes`).
+# Memory of one chunk of rows under top_k unless the call says (`top_k_chunk_bytes`): the kept fp32 logits and tile
+# maxima, and what the top-k's selection reads and writes (`_selection_bytes`).
 TOP_K_CHUNK_BYTES = 1024**3
 # Columns per group of a tile that the top-k's selection ranks by its largest logit between ranking tiles and ranking
 # columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
@@ -67,15 +67,16 @@ class KeptLogits:
     tile_columns: int
 
 
-def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool) -> int | None:
-    """Rows per forward chunk (whole row blocks of the statistics kernel) under top_k, None without top_k."""
+def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int) -> int | None:
+    """Rows per forward chunk (whole row blocks of the statistics kernel, at least one) within `chunk_bytes` under
+    top_k, None without top_k."""
     if not top_k:
         return None
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
     per_row = 4 * pitch + 4 * tiles + _selection_bytes(columns, width, min(top_k, columns), distinct)
     block_m = backend.FORWARD_CONFIG.block_m
-    return max(block_m, TOP_K_CHUNK_BYTES // per_row // block_m * block_m)
+    return max(block_m, chunk_bytes // per_row // block_m * block_m)
 
 
 def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
@@ -352,6 +353,7 @@ def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> TritonTok
     """Every scored row in one compacted block; the forward in chunks of bounded kept logits under top_k."""
     active = p.active_rows.numel()
     block = backend._block(p, p.active_rows, slice(0, active))
-    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k, p.batch_invariant) or max(active, 1)
+    budget = request.chunk_bytes or TOP_K_CHUNK_BYTES
+    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k, p.batch_invariant, budget) or max(active, 1)
     spans = [slice(start, min(start + chunk, active)) for start in range(0, active, chunk)]
     return TritonTokenPasses(p, p.valid_columns, tma_ready(p.weight), block, request, spans)
