@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -25,10 +24,17 @@ from .determinism import prepare_cublas_workspace
 logger = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store(world_size: int) -> dist.TCPStore:
+    """The group's rendezvous, listening on a port the kernel picks and the store keeps: no gap between choosing a
+    free port and binding it, in which another process could take it."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def init_one_rank_group(backend: str) -> None:
+    """This process as a one-rank default group (NCCL on GPU 0, or gloo)."""
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=_rendezvous_store(1), rank=0, world_size=1)
 
 
 def backend_for(device: str) -> str:
@@ -37,6 +43,7 @@ def backend_for(device: str) -> str:
 
 def _worker(rank: int, world_size: int, port: int, folder: str, backend: str, fn: Callable, args: tuple, env: dict):
     os.environ.update(env)
+    # the variables too, for code that reads them; the group itself rendezvouses at the parent's store on `port`
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     if backend == "nccl":
         os.environ["LOCAL_RANK"] = str(rank)
@@ -44,7 +51,8 @@ def _worker(rank: int, world_size: int, port: int, folder: str, backend: str, fn
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(folder, f"rank{rank}.pt"))
@@ -64,10 +72,11 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any, backend: str = "
 
     fn must be importable at module level (spawn pickles it by name). A failing rank's traceback is raised in
     the parent as RuntimeError."""
+    store = _rendezvous_store(world_size)  # held until the ranks are done
     with tempfile.TemporaryDirectory() as folder:
         context = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), folder, backend, fn, args, dict(env or {})),
+            args=(world_size, store.port, folder, backend, fn, args, dict(env or {})),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -104,6 +113,5 @@ def init_single_process(device: str, seed: int) -> None:
     from ..stand_ins.megatron_cpu import init_model_parallel  # imports megatron-core: only where a model is built
 
     if device == "cuda" and not dist.is_initialized():
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_one_rank_group("nccl")
     init_model_parallel(1, seed=seed)

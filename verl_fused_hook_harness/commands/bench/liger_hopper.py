@@ -97,10 +97,9 @@ def liger_tp_native(shapes: list[tuple[int, int, int]]) -> Callable | str:
     if not shapes:
         return "no shapes to reserve its workspace for"
     if not dist.is_initialized():
-        from ...support.distributed import free_port
+        from ...support.distributed import init_one_rank_group
 
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_one_rank_group("nccl")
     group = dist.group.WORLD
     most_rows = max(n for n, _, _ in shapes)
     if most_rows > TP_NATIVE_MAX_TOKENS:
