@@ -121,7 +121,7 @@ def test_every_output_of_a_row_is_the_same_alone_and_in_a_batch():
     )
     probe = slice(3000, 3777)
 
-    def outputs(rows, mask=None):
+    def outputs(rows, mask=None, chunk_bytes=None):
         with torch.no_grad():
             out = token_log_probs(
                 case.hidden[rows],
@@ -135,6 +135,7 @@ def test_every_output_of_a_row_is_the_same_alone_and_in_a_batch():
                 calculate_sum_pi_squared=True,
                 backend="triton",
                 batch_invariant=True,
+                top_k_chunk_bytes=chunk_bytes,
             )
         return out
 
@@ -147,8 +148,9 @@ def test_every_output_of_a_row_is_the_same_alone_and_in_a_batch():
         mask[torch.arange(rows.numel(), device="cuda") % 3 == 0] = False
         probed = (rows >= 3000).nonzero().squeeze(1)
         mask[probed] = True
-        for name, value in alone._asdict().items():
-            for batch in (outputs(rows), outputs(rows, mask)):
+        # default chunks (1408 rows), and one row block a chunk (64 MiB: 128 rows)
+        for batch in (outputs(rows), outputs(rows, mask), outputs(rows, chunk_bytes=64 * 1024**2)):
+            for name, value in alone._asdict().items():
                 assert torch.equal(getattr(batch, name)[probed], value), name
 
 
