@@ -1,7 +1,9 @@
 """The harness's process launcher (`support.distributed.run_in_processes`) when a rank dies by a signal: after every
 rank wrote its result (gloo's threads aborting at exit under load, "terminate called without an active exception",
-seen on the 2-core CI machine) the results stand and a warning says so; before it, the call fails naming the rank.
-The aborts are real `os.abort()` calls in spawned gloo processes."""
+seen on the 2-core CI machine) the results stand and a warning says so; before it, the call fails naming that rank,
+not a peer whose collective or closing barrier failed because it was gone (seen once in CI: the barrier's
+"Connection reset by peer" reported as rank 0's failure). The aborts are real `os.abort()` calls in spawned gloo
+processes."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import logging
 import os
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
@@ -26,6 +30,14 @@ def _abort_before_the_result_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
+def _abort_inside_a_collective_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.abort()
+    total = torch.ones(1)
+    dist.all_reduce(total)  # rank 0 waits for rank 1, which is gone: its own error, or the launcher stops it
+    return int(total.item())
+
+
 def test_an_abort_after_every_result_keeps_the_results_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="verl_fused_hook_harness.support.distributed"):
         assert run_in_processes(_abort_at_exit_on_rank_0, 2) == [0, 10]
@@ -35,3 +47,8 @@ def test_an_abort_after_every_result_keeps_the_results_and_warns(caplog):
 def test_an_abort_before_the_result_fails_naming_the_rank():
     with pytest.raises(RuntimeError, match=r"^rank 1 of 2 died without a result \(process 1 terminated with signal"):
         run_in_processes(_abort_before_the_result_on_rank_1, 2)
+
+
+def test_a_rank_gone_inside_a_collective_is_named_not_its_peer():
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 died without a result \(process 1 terminated with signal"):
+        run_in_processes(_abort_inside_a_collective_on_rank_1, 2)

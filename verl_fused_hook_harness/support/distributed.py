@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -53,15 +54,20 @@ def _worker(rank: int, world_size: int, port: int, folder: str, backend: str, fn
         torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    path = os.path.join(folder, f"rank{rank}.pt")
     try:
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, os.path.join(folder, f"rank{rank}.pt"))
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException:  # report the worker's traceback to the parent
+            torch.save({"ok": False, "error": traceback.format_exc()}, path)
+            raise
+        torch.save({"ok": True, "result": result}, path)
         # every rank done before any tears its group down: a rank that exits while a peer's gloo threads still
         # talk to it aborts ("terminate called without an active exception"), seen with 4 ranks on 2 cores
-        dist.barrier()
-    except BaseException:  # report the worker's traceback to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(folder, f"rank{rank}.pt"))
-        raise
+        try:
+            dist.barrier()
+        except RuntimeError as error:  # a peer gone: the parent judges by every rank's file, this result stands
+            print(f"rank {rank}: the barrier after its result failed ({error})", file=sys.stderr, flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -93,7 +99,11 @@ def run_in_processes(fn: Callable, world_size: int, *args: Any, backend: str = "
         for rank in range(world_size):
             path = os.path.join(folder, f"rank{rank}.pt")
             outcomes.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-        # a rank's own error first: the ranks stopped after it (terminated by the launcher) leave no result
+        # the root cause first: a rank killed by a signal before its result (its peers' errors follow from it: a
+        # collective or the barrier with a rank gone), then a rank's own error (the ranks the launcher stopped after
+        # it leave no result)
+        if exit_error is not None and outcomes[exit_error.error_index] is None:
+            raise RuntimeError(f"rank {exit_error.error_index} of {world_size} died without a result ({exit_error})")
         for rank, outcome in enumerate(outcomes):
             if outcome is not None and not outcome["ok"]:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{outcome['error']}")
