@@ -43,6 +43,16 @@ def test_methods_agree_on_the_cpu():
             assert ((mine - theirs).norm() / theirs.norm()).item() <= 1e-5, name
 
 
+def test_chunk_budget_reaches_the_op():
+    """--top-k-chunk-bytes goes to token_log_probs: a budget it refuses is refused by name."""
+    hidden, weight, labels = _inputs()
+    fn = bench_distill.loaders(K, chunk_bytes=0)["kl_topk"]()
+    with pytest.raises(ValueError, match="top_k_chunk_bytes"):
+        fn(hidden, weight, labels, 0.7)
+    one = bench_distill.loaders(K, chunk_bytes=1 << 20)["kl_topk"]()(hidden, weight, labels, 0.7)
+    assert torch.equal(one, bench_distill.loaders(K)["kl_topk"]()(hidden, weight, labels, 0.7))
+
+
 def test_overlap_metrics_match_verls_comparison():
     g = torch.Generator().manual_seed(2)
     teacher = torch.randint(0, 20, (50, 6), generator=g)

@@ -68,7 +68,11 @@ def _with_accuracy(fn, k: int, clamp: float | None):
     return fn
 
 
-def ours_kl_topk(k: int, clamp: float | None = LOG_PROB_MIN_CLAMP, backend: str = "auto"):
+def ours_kl_topk(
+    k: int, clamp: float | None = LOG_PROB_MIN_CLAMP, backend: str = "auto", chunk_bytes: int | None = None
+):
+    """`chunk_bytes`: token_log_probs' top_k_chunk_bytes (None: its default)."""
+
     def fn(h, w, labels, temperature, score_mask=None):
         ids, teacher = teacher_top_k(h.shape[0], w.shape[0], k, str(h.device))
         out = token_log_probs(
@@ -81,6 +85,7 @@ def ours_kl_topk(k: int, clamp: float | None = LOG_PROB_MIN_CLAMP, backend: str 
             calculate_log_probs=False,
             calculate_entropy=False,
             top_k=k,
+            top_k_chunk_bytes=chunk_bytes,
             backend=backend,
         )
         per_token = forward_kl_topk(out.token_log_probs, teacher, clamp)
@@ -177,10 +182,10 @@ def kl_accuracy(fn, k: int, clamp: float | None, hidden, weight, labels, tempera
     }
 
 
-def loaders(k: int) -> dict:
-    """The bench's distillation methods at top-k `k`, by name."""
+def loaders(k: int, chunk_bytes: int | None = None) -> dict:
+    """The bench's distillation methods at top-k `k`, by name (`chunk_bytes`: our top-k's chunk budget)."""
     return {
-        "kl_topk": lambda: ours_kl_topk(k),
+        "kl_topk": lambda: ours_kl_topk(k, chunk_bytes=chunk_bytes),
         "verl_kl_topk": lambda: verl_kl_topk(k),
         "verl_kl_topk_chunked": lambda: verl_kl_topk_chunked(k),
         "sum_pi_squared": ours_sum_pi_squared,

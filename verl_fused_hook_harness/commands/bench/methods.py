@@ -120,10 +120,12 @@ def load_methods(
     skipped: dict[str, str] | None = None,
     shapes: list[tuple[int, int, int]] = (),
     topk: int = 128,
+    top_k_chunk_bytes: int | None = None,
 ) -> dict[str, Callable]:
     """The named methods that can run here (the floor is measured apart); why each other one cannot goes into
     `skipped` and on a line. `shapes`: every (N, H, V) the run will time (Liger's native kernel reserves its
-    workspace for the largest once); `topk`: the teacher's top-k of the distillation methods."""
+    workspace for the largest once); `topk`: the teacher's top-k of the distillation methods;
+    `top_k_chunk_bytes`: kl_topk's chunk budget (None: the op's default)."""
     loaders = {
         "triton": lambda: ours("triton"),
         "triton_keep": lambda: ours("triton", KEEP_LOGITS_BYTES),
@@ -139,7 +141,7 @@ def load_methods(
         "verl_loss": lambda: policy_loss.verl_loss_method(verl_kernel(verl_kernel_dir)),
         "fused_loss_gspo": lambda: policy_loss.fused_loss_method("gspo"),
         "verl_loss_gspo": lambda: policy_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
-        **distill.loaders(topk),
+        **distill.loaders(topk, top_k_chunk_bytes),
     }
     methods = {}
     for name in names:

@@ -358,6 +358,13 @@ def main(argv=None) -> int:
         help="the teacher's top-k of the distillation methods "
         "(kl_topk, verl_kl_topk, verl_kl_topk_chunked; verl's default 128)",
     )
+    parser.add_argument(
+        "--top-k-chunk-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="kl_topk: token_log_probs' top_k_chunk_bytes, the memory for one chunk of rows (default: the op's, 1 GiB)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
@@ -403,6 +410,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA device")
     args.methods = known_names(parser, "--methods", args.methods, ALL_METHODS)
+    if args.top_k_chunk_bytes is not None and args.top_k_chunk_bytes < 1:
+        parser.error(f"--top-k-chunk-bytes: must be an int >= 1, got {args.top_k_chunk_bytes}")
     if args.leave_free_gib is not None and args.leave_free_gib <= 0:
         parser.error(f"--leave-free-gib: must be > 0, got {args.leave_free_gib}")
     with UpstreamNotices(verbose=args.verbose):
@@ -427,13 +436,16 @@ def measure(args, argv: list[str]) -> int:
     skipped: dict[str, str] = {}
     shapes = [(n, h, v) for h, v in SWEEP_WIDTHS for n in SWEEP_TOKENS] if args.sweep else parse_shapes(args.shapes)
     accuracy_shapes = parse_shapes(args.accuracy_shape) if args.accuracy_shape else []
-    methods = load_methods(args.methods, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk)
+    methods = load_methods(
+        args.methods, args.verl_kernel_dir, skipped, shapes + accuracy_shapes, args.topk, args.top_k_chunk_bytes
+    )
     results = {
         "device": device_name("cuda"),
         "torch": torch.__version__,
         "command": " ".join(["verl-fused-hook", "bench", *argv]),
         "temperature": args.temperature,
         "topk": args.topk,
+        "top_k_chunk_bytes": args.top_k_chunk_bytes,
         "methods": (["floor"] if args.floor else []) + list(methods),
         "skipped": skipped,
         "leave_free_gib": args.leave_free_gib,
