@@ -327,8 +327,8 @@ def test_top_k_comes_from_the_rows_best_tiles(wanted, distinct):
     logits[9, ::7] = 4.0  # equal values in every tile and group at the top
     tiles = -(-columns // width)
     padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), float("-inf"))], 1)
-    tile_max = padded.view(rows, tiles, width).amax(2)
-    found = top_columns(KeptLogits(logits, tile_max, width), wanted, distinct)
+    group_max = padded.view(rows, tiles * width // 16, 16).amax(2)  # as the kernel writes them (GROUP_N = 16)
+    found = top_columns(KeptLogits(logits, group_max, width, 16), wanted, distinct)
     assert found.shape == (rows, wanted) and found.dtype == torch.int64
     assert all(len(set(row.tolist())) == wanted for row in found)
     expected = torch.topk(logits, wanted, dim=1).values  # equal values: compare values, not ids
@@ -338,7 +338,7 @@ def test_top_k_comes_from_the_rows_best_tiles(wanted, distinct):
         by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
         assert torch.equal(found.sort(1).values, by_column.sort(1).values)
         for row in (6, 7, 8, 9):
-            alone = KeptLogits(logits[row : row + 1], tile_max[row : row + 1], width)
+            alone = KeptLogits(logits[row : row + 1], group_max[row : row + 1], width, 16)
             assert torch.equal(
                 top_columns(alone, wanted, distinct).sort(1).values, by_column[row : row + 1].sort(1).values
             )

@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from verl_fused_hook.ops import triton_kernels as kernels  # noqa: E402
 from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, GRAD_BLOCK, GRAD_CONFIG  # noqa: E402
-from verl_fused_hook.ops.triton_selected_tokens import HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
+from verl_fused_hook.ops.triton_selected_tokens import GROUP_COLUMNS, HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -63,7 +63,7 @@ def test_forward_statistics_kernel_fits_hopper(store, raw, squares):
     c = FORWARD_CONFIG
     constants = dict(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=True, STORE=store,
-        SQUARES=squares, RAW=raw,
+        SQUARES=squares, RAW=raw, GROUP_N=GROUP_COLUMNS,
     )  # fmt: skip
     if not store:
         constants |= {"store_desc": None, "tile_max_ptr": None}

@@ -31,9 +31,14 @@ def _kernel_cases() -> dict:
     from verl_fused_hook.ops.arguments import build_problem
     from verl_fused_hook.ops.softmax_math import inverse_temperature, label_columns
     from verl_fused_hook.ops.token_math import combine_duplicate_columns, square_sum
-    from verl_fused_hook.ops.triton_selected_tokens import statistics_with_squares, token_logits
+    from verl_fused_hook.ops.triton_selected_tokens import (
+        GROUP_COLUMNS,
+        KeptLogits,
+        statistics_with_squares,
+        token_logits,
+    )
 
-    _interpret_on_cpu()
+    triton_backend = _interpret_on_cpu()
     g = torch.Generator().manual_seed(3)
     n, h, v, k = 21, 200, 150, 19  # H not a multiple of the gather-dot's 128, k of its 16
     hidden = torch.randn(n, h, generator=g).half()
@@ -79,6 +84,21 @@ def _kernel_cases() -> dict:
     z = hidden.double() @ weight.double().t() * inv_temp.double().unsqueeze(1)
     results["squares"] = ((squares.double() - square_sum(z)) / square_sum(z)).abs().max().item()
     results["row_max"] = (partials.row_max.double() - z.amax(1)).abs().max().item()
+
+    # STORE and RAW (the top-k's kept logits): raw fp32 logits and every 16-column group's max, the last tile's
+    # padding columns left out of its groups
+    width = triton_backend.FORWARD_CONFIG.block_n
+    pitch, tiles = triton_backend.stored_layout(v, width)
+    kept = KeptLogits(
+        torch.empty(n, pitch)[:, :v], torch.empty(n, tiles * width // GROUP_COLUMNS), width, GROUP_COLUMNS
+    )
+    statistics_with_squares(
+        problem, hidden, weight, label_columns(problem, rows).int(), inverse_temperature(temperature, rows), True, kept
+    )
+    raw = hidden.double() @ weight.double().t()
+    results["kept_raw"] = ((kept.raw.double() - raw).abs().max() / raw.abs().max()).item()
+    padded = torch.cat([kept.raw, kept.raw.new_full((n, tiles * width - v), float("-inf"))], 1)
+    results["group_max_exact"] = bool(torch.equal(kept.group_max, padded.view(n, -1, GROUP_COLUMNS).amax(2)))
     return results
 
 
@@ -186,6 +206,7 @@ def test_selected_token_kernels_in_the_interpreter():
     assert results["gather_dot"] <= VALUE_TOL, results
     assert results["fix_up"] == 0.0, results  # fp16(old + c / T), the same rounding as the torch expectation
     assert results["squares"] <= VALUE_TOL and results["row_max"] <= VALUE_TOL, results
+    assert results["kept_raw"] <= 1e-6 and results["group_max_exact"], results
 
 
 def test_token_log_probs_triton_path_in_the_interpreter():

@@ -65,7 +65,7 @@ def forward_statistics_kernel(
     dot_ptr,
     label_ptr,  # fp32 [num_splits, rows] partial statistics
     store_desc,
-    tile_max_ptr,  # STORE only: fp16 [rows, valid_columns] logits - tile max; fp32 [rows, num_col_tiles]
+    tile_max_ptr,  # STORE: fp16 [rows, valid_columns] logits - tile max, fp32 [rows, num_col_tiles] (RAW: below)
     rows,
     H,
     valid_columns,
@@ -81,6 +81,7 @@ def forward_statistics_kernel(
     square_ptr=None,
     SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
     RAW: tl.constexpr = False,  # STORE in fp32 as computed (store_desc: fp32 [rows, valid_columns], half-tile blocks)
+    GROUP_N: tl.constexpr = 16,  # RAW: tile_max_ptr gets each GROUP_N-column group's max [rows, tiles * groups]
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
@@ -92,7 +93,9 @@ def forward_statistics_kernel(
     the probability is 0 anyway), and the tile's row max in fp32. With RAW as well, the raw
     logits themselves in fp32, the accumulator's exact values (token_log_probs' top-k and
     ids read them): stored as two [BLOCK_M, BLOCK_N / 2] halves through one staging buffer,
-    since a whole fp32 tile's would not fit beside the pipeline in shared memory.
+    since a whole fp32 tile's would not fit beside the pipeline in shared memory; and, in place of
+    the tile max, the max of each group of GROUP_N columns (the top-k ranks the best tiles' groups
+    without reading their logits).
 
     The running max is kept on the raw dot products a (z = a / T) and exponents in
     base 2, so each logit costs a max, a subtract, a multiply, an ex2 and two adds;
@@ -125,15 +128,25 @@ def forward_statistics_kernel(
         # Most tiles hold no row's label (81% for 128 uniform labels over 594 tiles): skip their select and sum.
         if tl.max(((label_col >= off_n) & (label_col < off_n + BLOCK_N)).to(tl.int32), axis=0) > 0:
             label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
-        tile_max = tl.max(acc, axis=1)
+        if STORE and RAW:
+            group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
+            tile_max = tl.max(group_max, axis=1)
+        else:
+            tile_max = tl.max(acc, axis=1)
         if STORE:
             if RAW:
                 left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
                 store_desc.store([off_m, off_n], left)
                 store_desc.store([off_m, off_n + BLOCK_N // 2], right)
+                groups = tile * (BLOCK_N // GROUP_N) + tl.arange(0, BLOCK_N // GROUP_N)
+                tl.store(
+                    tile_max_ptr + row_ids[:, None] * (num_col_tiles * (BLOCK_N // GROUP_N)) + groups[None, :],
+                    group_max,
+                    mask=row_ok[:, None],
+                )
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
-            tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
+                tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
         new_max = tl.maximum(run_max, tile_max)
         shift = (run_max - new_max) * scale
         rescale = tl.exp2(shift)

@@ -61,11 +61,13 @@ HIDDEN_BLOCK = 128
 @dataclass(frozen=True)
 class KeptLogits:
     """A chunk's raw logits h . W_j as the forward kernel computed them, fp32 [rows, valid_columns] (row stride a
-    multiple of 8 elements), and each row's max over every `tile_columns`-wide tile, fp32 [rows, column tiles]."""
+    multiple of 8 elements), and each row's max over every `group_columns`-wide group of every `tile_columns`-wide
+    tile, fp32 [rows, column tiles x groups a tile] (the kernel's GROUP_N; -inf-like for groups of padding only)."""
 
     raw: Tensor
-    tile_max: Tensor
+    group_max: Tensor
     tile_columns: int
+    group_columns: int
 
 
 def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int) -> int | None:
@@ -75,7 +77,8 @@ def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int
         return None
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
-    per_row = 4 * pitch + 4 * tiles + _selection_bytes(columns, width, min(top_k, columns), distinct)
+    per_row = 4 * pitch + 4 * tiles * (width // _group_columns(width))
+    per_row += _selection_bytes(columns, width, min(top_k, columns), distinct)
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, chunk_bytes // per_row // block_m * block_m)
 
@@ -87,14 +90,15 @@ def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
 
 
 def _selection_bytes(columns: int, width: int, wanted: int, distinct: bool) -> int:
-    """Bytes per row `top_columns` allocates: every column's value, or the best tiles' values, their groups'
-    maxima, the best groups' values and the partial tile; the int64 indices; with `distinct` the largest rank's
-    int64 keys, their temporary and columns."""
+    """Bytes per row `top_columns` allocates: every column's value, or the tiles' maxima, the best tiles' group
+    maxima, the best groups' columns and values and the partial tile; the int64 indices; with `distinct` the largest
+    rank's int64 keys, their temporary and columns."""
     if not _ranks_best_tiles(columns, width, wanted):
         return 8 * wanted + (24 * columns if distinct else 0)
     group = _group_columns(width)
     keys = 24 * (wanted * group + width) if distinct else 0
-    return 4 * wanted * width + 4 * wanted * (width // group) + 4 * wanted * group + 4 * width + 32 * wanted + keys
+    tiles = -(-columns // width)
+    return 4 * tiles + 4 * wanted * (width // group) + 12 * wanted * group + 4 * width + 32 * wanted + keys
 
 
 def _group_columns(width: int) -> int:
@@ -112,7 +116,7 @@ def statistics_with_squares(
 ) -> tuple[Partials, Tensor | None]:
     """This rank's partials of `hidden`'s rows and, with `squares`, their square sums relative to the row max: the
     launch of triton_backend.local_statistics with the kernel's SQUARES flag, its splits chosen and merged the same
-    way; with `kept`, the rows' raw logits and tile maxima written there (STORE and RAW)."""
+    way; with `kept`, the rows' raw logits and group maxima written there (STORE and RAW)."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
@@ -132,7 +136,7 @@ def statistics_with_squares(
         parts[2],
         parts[3],
         None if kept is None else descriptor(kept.raw, [c.block_m, c.block_n // 2]),
-        None if kept is None else kept.tile_max,
+        None if kept is None else kept.group_max,
         n,
         hidden.shape[1],
         p.valid_columns,
@@ -150,6 +154,7 @@ def statistics_with_squares(
         square_ptr=parts[4] if squares else None,
         SQUARES=squares,
         RAW=kept is not None,
+        GROUP_N=_group_columns(c.block_n),
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
@@ -195,27 +200,28 @@ def top_columns(kept: KeptLogits, wanted: int, distinct: bool) -> Tensor:
     `wanted` tiles of largest max (or in a partial last tile, always read); by the same argument within those tiles,
     in their `wanted` groups of GROUP_COLUMNS columns of largest max. With `distinct` a tile or group ranks by its
     max, then by its first column, which keeps that argument for equal values. At k=128 of 151936 columns the ranks
-    run over 594 tile maxima, 2048 group maxima and 2048 logits instead of 151936. Where the best tiles would not be
+    run over 594 tile maxima, 2048 group maxima and 2048 logits instead of 151936; the forward kernel wrote every
+    group's max, so only those 2048 group maxima and 2048 logits a row are read here. Where the best tiles would not be
     a fraction of the columns (few tiles, large k), every column is ranked. The logits are T-free; their order is
     z's (T > 0)."""
-    raw, tile_max, width = kept.raw, kept.tile_max, kept.tile_columns
+    raw, width, group = kept.raw, kept.tile_columns, kept.group_columns
     rows, columns = raw.shape
     whole = columns // width
     device = raw.device
     if not _ranks_best_tiles(columns, width, wanted):
         return top_positions(raw, torch.arange(columns, device=device), wanted, distinct)
-    group = _group_columns(width)
     per_tile = width // group
-    tiles = top_positions(tile_max[:, :whole], torch.arange(whole, device=device), wanted, distinct)
-    body = raw[:, : whole * width].unflatten(1, (whole, width))
-    grouped = body.gather(1, tiles[:, :, None].expand(rows, wanted, width)).view(rows, wanted * per_tile, group)
+    group_max = kept.group_max.view(rows, -1, per_tile)  # [rows, tiles, groups a tile]
+    tiles = top_positions(group_max[:, :whole].amax(2), torch.arange(whole, device=device), wanted, distinct)
+    best_tiles_groups = group_max.gather(1, tiles[:, :, None].expand(rows, wanted, per_tile)).view(rows, -1)
     group_first = None  # each group's first column, the tie-break of `distinct`
     if distinct:
         group_first = (tiles[:, :, None] * width + torch.arange(0, width, group, device=device)).view(rows, -1)
-    groups = top_positions(grouped.amax(2), group_first, wanted, distinct)
-    values = grouped.gather(1, groups[:, :, None].expand(rows, wanted, group)).view(rows, wanted * group)
+    groups = top_positions(best_tiles_groups, group_first, wanted, distinct)
     first_column = tiles.gather(1, groups // per_tile) * width + groups % per_tile * group  # [rows, wanted]
-    key_columns = (first_column[:, :, None] + torch.arange(group, device=device)).view(rows, -1) if distinct else None
+    group_columns = (first_column[:, :, None] + torch.arange(group, device=device)).view(rows, -1)
+    values = raw.gather(1, group_columns)
+    key_columns = group_columns if distinct else None
     if columns > whole * width:  # the partial last tile, whole
         values = torch.cat([values, raw[:, whole * width :]], 1)
         if distinct:
@@ -223,7 +229,7 @@ def top_columns(kept: KeptLogits, wanted: int, distinct: bool) -> Tensor:
             key_columns = torch.cat([key_columns, tail_columns], 1)
     best = top_positions(values, key_columns, wanted, distinct)
     in_groups = best < wanted * group
-    from_group = first_column.gather(1, (best // group).clamp_max(wanted - 1)) + best % group
+    from_group = group_columns.gather(1, best.clamp_max(wanted * group - 1))
     return torch.where(in_groups, from_group, best - wanted * group + whole * width)
 
 
@@ -258,10 +264,13 @@ class TritonTokenPasses:
         chunk = spans[0].stop - spans[0].start if spans else 0
         if request is not None and request.top_k and chunk and valid_columns:
             pitch, tiles = stored_layout(valid_columns, backend.FORWARD_CONFIG.block_n)
+            width = backend.FORWARD_CONFIG.block_n
+            group = _group_columns(width)
             self.kept = KeptLogits(
                 torch.empty(chunk, pitch, dtype=torch.float32, device=weight.device)[:, :valid_columns],
-                torch.empty(chunk, tiles, dtype=torch.float32, device=weight.device),
-                backend.FORWARD_CONFIG.block_n,
+                torch.empty(chunk, tiles * (width // group), dtype=torch.float32, device=weight.device),
+                width,
+                group,
             )
 
     def blocks(self) -> Iterator[RowBlock]:
@@ -273,7 +282,7 @@ class TritonTokenPasses:
         p, request, count = self.p, self.request, block.rows.numel()
         kept = None
         if self.kept is not None:
-            kept = KeptLogits(self.kept.raw[:count], self.kept.tile_max[:count], self.kept.tile_columns)
+            kept = replace(self.kept, raw=self.kept.raw[:count], group_max=self.kept.group_max[:count])
         partials, squares = statistics_with_squares(
             p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, kept
         )
