@@ -32,6 +32,7 @@ def _compile(kernel, signature: dict, constants: dict, num_warps: int, num_stage
 def _forward_signature(store: bool, raw: bool) -> dict:
     c = FORWARD_CONFIG
     kept = f"tensordesc<fp32[{c.block_m}, {c.block_n // 2}]>" if raw else f"tensordesc<fp16[{c.block_m}, {c.block_n}]>"
+    group_max = f"tensordesc<fp32[{c.block_m}, {c.block_n // GROUP_COLUMNS}]>"
     return {
         "h_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
         "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
@@ -42,7 +43,7 @@ def _forward_signature(store: bool, raw: bool) -> dict:
         "dot_ptr": "*fp32",
         "label_ptr": "*fp32",
         "store_desc": kept if store else "constexpr",
-        "tile_max_ptr": "*fp32" if store else "constexpr",
+        "tile_max_ptr": "constexpr" if not store else group_max if raw else "*fp32",
         "rows": "i32",
         "H": "i32",
         "valid_columns": "i32",

@@ -88,17 +88,17 @@ def _kernel_cases() -> dict:
     # STORE and RAW (the top-k's kept logits): raw fp32 logits and every 16-column group's max, the last tile's
     # padding columns left out of its groups
     width = triton_backend.FORWARD_CONFIG.block_n
-    pitch, tiles = triton_backend.stored_layout(v, width)
-    kept = KeptLogits(
-        torch.empty(n, pitch)[:, :v], torch.empty(n, tiles * width // GROUP_COLUMNS), width, GROUP_COLUMNS
-    )
+    tiles = -(-v // width)
+    kept = KeptLogits.allocate(n, v, width, "cpu")
+    group = kept.group_columns  # a quarter of the interpreter's 32-wide tiles (GROUP_COLUMNS on the GPU's 256)
+    assert group == min(GROUP_COLUMNS, width // 4) and kept.group_max.shape == (n, tiles * width // group)
     statistics_with_squares(
         problem, hidden, weight, label_columns(problem, rows).int(), inverse_temperature(temperature, rows), True, kept
     )
     raw = hidden.double() @ weight.double().t()
     results["kept_raw"] = ((kept.raw.double() - raw).abs().max() / raw.abs().max()).item()
-    padded = torch.cat([kept.raw, kept.raw.new_full((n, tiles * width - v), float("-inf"))], 1)
-    results["group_max_exact"] = bool(torch.equal(kept.group_max, padded.view(n, -1, GROUP_COLUMNS).amax(2)))
+    padded = torch.cat([kept.raw, kept.raw.new_full((n, tiles * width - v), -1.0e30)], 1)  # the kernel's NEG
+    results["group_max_exact"] = bool(torch.equal(kept.group_max, padded.view(n, -1, group).amax(2)))
     return results
 
 

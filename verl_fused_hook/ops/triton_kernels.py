@@ -81,7 +81,7 @@ def forward_statistics_kernel(
     square_ptr=None,
     SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
     RAW: tl.constexpr = False,  # STORE in fp32 as computed (store_desc: fp32 [rows, valid_columns], half-tile blocks)
-    GROUP_N: tl.constexpr = 16,  # RAW: tile_max_ptr gets each GROUP_N-column group's max [rows, tiles * groups]
+    GROUP_N: tl.constexpr = 16,  # RAW: tile_max_ptr, a descriptor, gets each GROUP_N columns' max [rows, groups]
 ):
     """One program: one row block against one contiguous split of column tiles,
     reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
@@ -129,21 +129,16 @@ def forward_statistics_kernel(
         if tl.max(((label_col >= off_n) & (label_col < off_n + BLOCK_N)).to(tl.int32), axis=0) > 0:
             label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
         if STORE and RAW:
+            left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+            store_desc.store([off_m, off_n], left)
+            store_desc.store([off_m, off_n + BLOCK_N // 2], right)
             group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
-            tile_max = tl.max(group_max, axis=1)
+            tile_max = tl.max(acc, axis=1)
         else:
             tile_max = tl.max(acc, axis=1)
         if STORE:
             if RAW:
-                left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-                store_desc.store([off_m, off_n], left)
-                store_desc.store([off_m, off_n + BLOCK_N // 2], right)
-                groups = tile * (BLOCK_N // GROUP_N) + tl.arange(0, BLOCK_N // GROUP_N)
-                tl.store(
-                    tile_max_ptr + row_ids[:, None] * (num_col_tiles * (BLOCK_N // GROUP_N)) + groups[None, :],
-                    group_max,
-                    mask=row_ok[:, None],
-                )
+                tile_max_ptr.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
                 tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)

@@ -69,6 +69,19 @@ class KeptLogits:
     tile_columns: int
     group_columns: int
 
+    @classmethod
+    def allocate(cls, rows: int, columns: int, width: int, device) -> KeptLogits:
+        """Buffers for `rows` rows of `columns` logits in `width`-wide tiles, each row's start 16-byte aligned (TMA;
+        the group maxima's rows are whole tiles of at least 4)."""
+        pitch, tiles = stored_layout(columns, width)
+        group = _group_columns(width)
+        return cls(
+            torch.empty(rows, pitch, dtype=torch.float32, device=device)[:, :columns],
+            torch.empty(rows, tiles * (width // group), dtype=torch.float32, device=device),
+            width,
+            group,
+        )
+
 
 def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int) -> int | None:
     """Rows per forward chunk (whole row blocks of the statistics kernel, at least one) within `chunk_bytes` under
@@ -102,7 +115,9 @@ def _selection_bytes(columns: int, width: int, wanted: int, distinct: bool) -> i
 
 
 def _group_columns(width: int) -> int:
-    return GROUP_COLUMNS if width % GROUP_COLUMNS == 0 else width
+    """GROUP_COLUMNS, or a quarter of a narrower tile (power-of-two widths): a row of the group maxima's TMA block
+    needs at least 16 bytes, 4 fp32 maxima."""
+    return min(GROUP_COLUMNS, width // 4)
 
 
 def statistics_with_squares(
@@ -136,7 +151,7 @@ def statistics_with_squares(
         parts[2],
         parts[3],
         None if kept is None else descriptor(kept.raw, [c.block_m, c.block_n // 2]),
-        None if kept is None else kept.group_max,
+        None if kept is None else descriptor(kept.group_max, [c.block_m, c.block_n // kept.group_columns]),
         n,
         hidden.shape[1],
         p.valid_columns,
@@ -154,7 +169,7 @@ def statistics_with_squares(
         square_ptr=parts[4] if squares else None,
         SQUARES=squares,
         RAW=kept is not None,
-        GROUP_N=_group_columns(c.block_n),
+        GROUP_N=GROUP_COLUMNS if kept is None else kept.group_columns,
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
@@ -263,15 +278,7 @@ class TritonTokenPasses:
         self.kept = None
         chunk = spans[0].stop - spans[0].start if spans else 0
         if request is not None and request.top_k and chunk and valid_columns:
-            pitch, tiles = stored_layout(valid_columns, backend.FORWARD_CONFIG.block_n)
-            width = backend.FORWARD_CONFIG.block_n
-            group = _group_columns(width)
-            self.kept = KeptLogits(
-                torch.empty(chunk, pitch, dtype=torch.float32, device=weight.device)[:, :valid_columns],
-                torch.empty(chunk, tiles * (width // group), dtype=torch.float32, device=weight.device),
-                width,
-                group,
-            )
+            self.kept = KeptLogits.allocate(chunk, valid_columns, backend.FORWARD_CONFIG.block_n, weight.device)
 
     def blocks(self) -> Iterator[RowBlock]:
         b = self.block
