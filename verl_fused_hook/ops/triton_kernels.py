@@ -128,16 +128,14 @@ def forward_statistics_kernel(
         # Most tiles hold no row's label (81% for 128 uniform labels over 594 tiles): skip their select and sum.
         if tl.max(((label_col >= off_n) & (label_col < off_n + BLOCK_N)).to(tl.int32), axis=0) > 0:
             label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
-        if STORE and RAW:
-            left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-            store_desc.store([off_m, off_n], left)
-            store_desc.store([off_m, off_n + BLOCK_N // 2], right)
-            group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
-            tile_max = tl.max(acc, axis=1)
-        else:
-            tile_max = tl.max(acc, axis=1)
+        tile_max = tl.max(acc, axis=1)
         if STORE:
             if RAW:
+                left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+                store_desc.store([off_m, off_n], left)
+                store_desc.store([off_m, off_n + BLOCK_N // 2], right)
+                # each group's max: the top-k ranks the best tiles' groups without reading their logits
+                group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
                 tile_max_ptr.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
