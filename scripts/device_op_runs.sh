@@ -19,11 +19,11 @@
 #                    against main in rounds, k = 128 and 32, 16k and 64k tokens. For a branch that changes the op:
 #                    here `git archive main verl_fused_hook > build/ab/main.tar`, then run from the branch.
 #   step 7 (~2 min): where token_log_probs' top-k forward spends its time (torch.profiler), k = 128 and 32, at 16k and
-#                    64k tokens: what is left of issue 43's k=128 target (results/EXPERIMENTS.md, "Top-k from the
-#                    forward's fp32 logits")
+#                    64k tokens (results/EXPERIMENTS.md, "Group maxima from the forward kernel": 64k, k = 128)
 #   step 8 (~5 min): the top-k chunk budget (token_log_probs' top_k_chunk_bytes) at 2 and 4 GiB against the default
-#                    1 GiB, k = 128, in rounds with each step's peak memory: fewer chunks, fewer launches. The base
-#                    is the same code: here `git archive HEAD verl_fused_hook > build/ab/main.tar` first.
+#                    1 GiB, k = 128, in rounds with each step's peak memory. The base is the same code: here
+#                    `git archive HEAD verl_fused_hook > build/ab/main.tar` first. (`bench --top-k-chunk-bytes`
+#                    reads it against the floor in one run: 4 GiB gave no gain, EXPERIMENTS.md.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh

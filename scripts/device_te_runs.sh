@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge), measured end to
-# end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05 (about 20 minutes with the
-# machine's start), 5 and 6 in a later session that day (7 and 6.5 minutes, start included); 8 stopped at model
-# build on megatron-energon, which Megatron-Bridge's training config imports (now among the carried wheels); 7 has
-# not run. What each measures, and the figures it gave: docs/benchmarks.md,
-# "Transformer Engine on the H200".
+# Issue 44's runs on one H200 with Transformer Engine: the TE layer spec as verl builds it (mbridge and
+# Megatron-Bridge), measured end to end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05
+# (about 20 minutes with the machine's start), 5 and 6 in a later session that day (7 and 6.5 minutes, start
+# included), 7 and 8 in a third (3.6 and 2.4 minutes). What each measures, and the figures it gave:
+# docs/benchmarks.md, "Transformer Engine on the H200".
 #
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
 #                             (step 6: bash scripts/device_fa3.sh pack/build/keep; step 7: device_apex.sh pack)
 # Each call: run with carry [".whl", "build/te"] (and build/fa3 for step 6, build/apex for step 7) and the command
 # `bash scripts/device_te_runs.sh STEP...` (several steps share one call's 530 s). .whl (20 MiB with megatron-energon's
 # wheels) and build/te (42 MiB) fill most of a call's 64 MiB: step 6 (build/fa3, 3 MiB more) goes in a call of its own.
+# Step 8 carries build/apex and build/fa3 as well, over 64 MiB: its call on 2026-12-05 moved
+# build/te/wheels/nvidia_cudnn_frontend-*.whl (11.6 MB) aside first (TE imports that package only for its flex
+# attention and grouped MLP; only a fresh build of TE's extension, not needed with its .so.xz in build/te, might).
 # build/te is git-ignored: after a fresh `pack` it has no prebuilt extension, and step 1 compiles it (1 min 41 s on
 # the H200's 16 cores) and hands it back as $OUT/transformer_engine_torch-*.so.xz: copy that file into build/te
 # before the next call, so that later calls only unpack it (`device_te.sh keep`).
@@ -34,7 +36,10 @@
 #                    build/apex): its smoke check, then step 3's 7B run at 16k tokens with the weight gradients going
 #                    into DDP's fp32 main_grad
 #   step 8 (~4 min): train-parity on the TE spec built through Megatron-Bridge (verl 0.9.1's default builder;
-#                    steps 1-7 build through mbridge): 2 GRPO steps, legacy / hook-verl / hook-auto-fused-loss
+#                    steps 1-7 build through mbridge): 2 GRPO steps, legacy / hook-verl / hook-auto-fused-loss.
+#                    Carry build/apex (with step 7's prebuilt extension) and build/fa3 too: Megatron-Bridge turns
+#                    on gradient_accumulation_fusion where TE imports (the output layer then needs apex), and
+#                    verl's Megatron-Bridge build sets attention_backend=flash (TE then needs a FlashAttention)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -116,6 +121,11 @@ step7() {
 }
 
 step8() {
+    bash scripts/device_apex.sh install /tmp/apex_site build/apex || return 1
+    # shellcheck disable=SC1091
+    source /tmp/apex_env.sh
+    bash scripts/device_fa3.sh install /tmp/fa3_site build/fa3/fa3_site.tar.xz || return 1
+    export PYTHONPATH="/tmp/fa3_site:$PYTHONPATH"
     run 300 train-parity --device cuda --layer-spec te --bridge megatron-bridge --steps 2 --no-resume --prompts 2 \
         --n 5 --prompt-lengths 32,128 --response-lengths 64,256 --micro-batch 5 --offload off \
         --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_megatron_bridge"

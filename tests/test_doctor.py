@@ -71,8 +71,9 @@ def test_doctor_passes_on_a_supported_cpu_machine():
         "(Transformer Engine, megatron-energon), or build through mbridge with "
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
     )
-    assert done.stdout.rstrip().endswith("doctor: OK (15 checks, 2 warnings)")
-    assert len(done.stdout.splitlines()) == 16  # the checks and the verdict: upstream notices are summarised
+    assert checks["verl defaults"] == "ok no TE build here (the TE line says why): nothing more to check"
+    assert done.stdout.rstrip().endswith("doctor: OK (16 checks, 2 warnings)")
+    assert len(done.stdout.splitlines()) == 17  # the checks and the verdict: upstream notices are summarised
     assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 
@@ -155,6 +156,38 @@ def test_the_layer_spec_lines_follow_the_facts():
         "the harness's commands: local (auto: transformer_engine does not import (ImportError: libcudnn.so.9: cannot "
         "open shared object file))"
     )
+
+
+def test_the_verl_defaults_line_names_each_gap_and_its_way_out():
+    """A TE build with verl's defaults: a FlashAttention for attention_backend=flash (either builder), apex's
+    extension where Megatron-Bridge turns on gradient_accumulation_fusion; nothing to check without TE."""
+    from verl_fused_hook_harness.commands.doctor import verl_defaults_finding
+    from verl_fused_hook_harness.support.layer_spec import Presence
+
+    te, no_te = Presence(True, "2.20.2"), Presence(False, "ModuleNotFoundError: No module named 'transformer_engine'")
+    bridge, no_bridge = Presence(True, "0.6.2"), Presence(False, "ModuleNotFoundError: megatron.bridge")
+    apex = Presence(True, "fused_weight_gradient_mlp_cuda")
+    no_apex = Presence(False, "ModuleNotFoundError: No module named 'fused_weight_gradient_mlp_cuda'")
+    flash = Presence(True, "FlashAttention-3 (flash_attn_3.flash_attn_interface)")
+    no_flash = Presence(False, "ModuleNotFoundError: No module named 'flash_attn'")
+
+    line = verl_defaults_finding(te, bridge, apex, flash)
+    assert line.status == "ok" and line.text == (
+        "attention_backend=flash runs FlashAttention-3 (flash_attn_3.flash_attn_interface), apex "
+        "fused_weight_gradient_mlp_cuda (Megatron-Bridge's gradient_accumulation_fusion)"
+    )
+    line = verl_defaults_finding(te, bridge, no_apex, no_flash)
+    assert line.status == "warn"
+    assert "No dot product attention backend is available" in line.text
+    assert "override_transformer_config.attention_backend=fused" in line.text
+    assert "+actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion=False" in (
+        line.text
+    )
+    # through mbridge alone no fusion is turned on: only the attention gap remains
+    line = verl_defaults_finding(te, no_bridge, no_apex, no_flash)
+    assert line.status == "warn" and "gradient_accumulation_fusion" not in line.text
+    assert verl_defaults_finding(te, no_bridge, no_apex, flash).status == "ok"
+    assert verl_defaults_finding(no_te, bridge, no_apex, no_flash).status == "ok"
 
 
 def _visible_devices() -> str | None:

@@ -13,6 +13,9 @@ status is 1 when something would fail at start-up:
 - Transformer Engine and the layer spec: whether TE imports (its version, or why not; verl's engine builds
   TE's layer spec only, through Megatron-Bridge or mbridge) and which spec a model build uses here and why;
 - bridge: whether Megatron-Bridge, verl's default model builder, imports;
+- verl defaults: on a TE build, what verl's default config needs beyond TE (a FlashAttention for its
+  attention_backend=flash; apex's weight-gradient extension where Megatron-Bridge turns on
+  gradient_accumulation_fusion), each missing one with its way out;
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
@@ -43,7 +46,17 @@ from verl_fused_hook.ops import describe_backends
 from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
-from ..support.layer_spec import AUTO, Presence, choose_layer_spec, megatron_bridge, te_missing, transformer_engine
+from ..support.layer_spec import (
+    AUTO,
+    Presence,
+    apex_weight_gradient_fusion,
+    choose_layer_spec,
+    megatron_bridge,
+    te_flash_attention,
+    te_missing,
+    transformer_engine,
+    verl_default_build_gaps,
+)
 from ..support.reference import reference_log_probs_entropy, relative_error
 from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 
@@ -221,6 +234,17 @@ def bridge_finding(bridge: Presence) -> Finding:
         "here; install megatron-bridge with what it imports (Transformer Engine, megatron-energon), or build "
         "through mbridge with actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
     )
+
+
+def verl_defaults_finding(te: Presence, bridge: Presence, apex: Presence, flash: Presence) -> Finding:
+    """What a TE build with verl's default config needs beyond TE itself (layer_spec.verl_default_build_gaps)."""
+    if not te.importable:
+        return Finding("verl defaults", OK, "no TE build here (the TE line says why): nothing more to check")
+    gaps = verl_default_build_gaps(te=te, bridge=bridge, apex=apex, flash=flash)
+    if gaps:
+        return Finding("verl defaults", WARN, "; ".join(gaps))
+    fusion = f", apex {apex.detail} (Megatron-Bridge's gradient_accumulation_fusion)" if bridge.importable else ""
+    return Finding("verl defaults", OK, f"attention_backend=flash runs {flash.detail}{fusion}")
 
 
 def check_entry_point(entries: list | None = None) -> Finding:
@@ -406,6 +430,11 @@ def main(argv=None) -> int:
         findings += check_device_and_backends(args.hidden_size, dtype)
         findings += check_layer_spec()
         findings.append(bridge_finding(megatron_bridge()))
+        findings.append(
+            verl_defaults_finding(
+                transformer_engine(), megatron_bridge(), apex_weight_gradient_fusion(), te_flash_attention()
+            )
+        )
         findings.append(check_entry_point())
         findings.append(check_plan(args.config_name, args.overrides))
         findings.append(check_op(dtype))

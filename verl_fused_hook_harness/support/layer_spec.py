@@ -33,7 +33,10 @@ FLASH_ATTENTION_MODULES = {
     4: ("flash_attn.cute",),
     3: ("flash_attn_3.flash_attn_interface", "flashattn_hopper.flash_attn_interface"),
 }
+# TE's flash backend also runs FlashAttention 2 (megatron's batch_invariant_mode needs 3 or 4)
+FLASH_ATTENTION_2_MODULE = "flash_attn.flash_attn_interface"
 APEX_WEIGHT_GRADIENT_MODULE = "fused_weight_gradient_mlp_cuda"
+VERL_MEGATRON_OVERRIDES = "actor_rollout_ref.actor.megatron.override_transformer_config"
 # What was seen on the H200 (docs/benchmarks.md, "Transformer Engine on the H200"), for the refusals' words.
 H200_FLASH_NOTE = (
     "on the H200 TransformerConfig(batch_invariant_mode=True) raised 'AssertionError: Batch invariant mode only "
@@ -109,6 +112,19 @@ def flash_attention() -> FlashAttention:
                 return FlashAttention(version, f"FlashAttention-{version} ({module})")
             failures.append(f"{module}: {failure}")
     return FlashAttention(None, "; ".join(failures))
+
+
+@functools.cache
+def te_flash_attention() -> Presence:
+    """A FlashAttention that TE's flash backend runs (2, 3 or 4), the one verl's default attention_backend=flash
+    leaves TE."""
+    newer = flash_attention()
+    if newer.version is not None:
+        return Presence(True, newer.detail)
+    failure = _import_failure(FLASH_ATTENTION_2_MODULE)
+    if failure is None:
+        return Presence(True, f"FlashAttention-2 ({FLASH_ATTENTION_2_MODULE})")
+    return Presence(False, f"{newer.detail}; {FLASH_ATTENTION_2_MODULE}: {failure}")
 
 
 @functools.cache
@@ -191,6 +207,34 @@ def grad_accum_fusion_refusal(*, spec: str, apex: Presence) -> str | None:
     if not missing:
         return None
     return f"--grad-accum-fusion: megatron's gradient_accumulation_fusion cannot run here: {'; '.join(missing)}"
+
+
+def verl_default_build_gaps(*, te: Presence, bridge: Presence, apex: Presence, flash: Presence) -> list[str]:
+    """What a TE build with verl 0.9.1's defaults needs and this machine lacks, each with its way out (empty where TE
+    does not import: the TE line says so). Both were seen on the H200 (docs/benchmarks.md, "Through
+    Megatron-Bridge"):
+    - verl's trainer config sets `attention_backend: flash` for either builder; megatron then turns TE's cuDNN and
+      unfused attention off (NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0), so without a FlashAttention the first forward
+      raises "No dot product attention backend is available";
+    - Megatron-Bridge 0.6.2 turns gradient_accumulation_fusion on wherever TE imports, and megatron-core's
+      ColumnParallelLinear (the output layer) raises at model build without apex's fused_weight_gradient_mlp_cuda."""
+    if not te.importable:
+        return []
+    gaps = []
+    if not flash.importable:
+        gaps.append(
+            "verl's default attention_backend=flash leaves TE no attention without FlashAttention 2, 3 or 4 (the "
+            f"first forward raises 'No dot product attention backend is available'; here: {flash.detail}): install "
+            f"flash-attn, or set {VERL_MEGATRON_OVERRIDES}.attention_backend=fused (cuDNN's attention)"
+        )
+    if bridge.importable and not apex.importable:
+        gaps.append(
+            "Megatron-Bridge turns gradient_accumulation_fusion on where TE imports, and megatron-core's "
+            f"ColumnParallelLinear (the output layer) then raises at model build without apex's "
+            f"{APEX_WEIGHT_GRADIENT_MODULE} ({apex.detail}): install apex with its CUDA extensions, or set "
+            f"+{VERL_MEGATRON_OVERRIDES}.gradient_accumulation_fusion=False"
+        )
+    return gaps
 
 
 def bridge_refusal(*, bridge: str, spec: str, presence: Presence) -> str | None:
