@@ -240,7 +240,7 @@ def verl_defaults_finding(te: Presence, bridge: Presence, apex: Presence, flash:
     """What a TE build with verl's default config needs beyond TE itself (layer_spec.verl_default_build_gaps)."""
     if not te.importable:
         return Finding("verl defaults", OK, "no TE build here (the TE line says why): nothing more to check")
-    gaps = verl_default_build_gaps(te=te, bridge=bridge, apex=apex, flash=flash)
+    gaps = verl_default_build_gaps(bridge=bridge, apex=apex, flash=flash)
     if gaps:
         return Finding("verl defaults", WARN, "; ".join(gaps))
     fusion = f", apex {apex.detail} (Megatron-Bridge's gradient_accumulation_fusion)" if bridge.importable else ""

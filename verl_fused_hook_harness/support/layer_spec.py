@@ -209,17 +209,15 @@ def grad_accum_fusion_refusal(*, spec: str, apex: Presence) -> str | None:
     return f"--grad-accum-fusion: megatron's gradient_accumulation_fusion cannot run here: {'; '.join(missing)}"
 
 
-def verl_default_build_gaps(*, te: Presence, bridge: Presence, apex: Presence, flash: Presence) -> list[str]:
-    """What a TE build with verl 0.9.1's defaults needs and this machine lacks, each with its way out (empty where TE
-    does not import: the TE line says so). Both were seen on the H200 (docs/benchmarks.md, "Through
+def verl_default_build_gaps(*, bridge: Presence, apex: Presence, flash: Presence) -> list[str]:
+    """What a TE build with verl 0.9.1's defaults needs beyond TE and this machine lacks, each with its way out (the
+    caller asks only where TE imports). Both were seen on the H200 (docs/benchmarks.md, "Through
     Megatron-Bridge"):
     - verl's trainer config sets `attention_backend: flash` for either builder; megatron then turns TE's cuDNN and
       unfused attention off (NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0), so without a FlashAttention the first forward
       raises "No dot product attention backend is available";
     - Megatron-Bridge 0.6.2 turns gradient_accumulation_fusion on wherever TE imports, and megatron-core's
       ColumnParallelLinear (the output layer) raises at model build without apex's fused_weight_gradient_mlp_cuda."""
-    if not te.importable:
-        return []
     gaps = []
     if not flash.importable:
         gaps.append(
