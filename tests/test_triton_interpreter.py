@@ -13,7 +13,11 @@ cannot do:
 - a small tile configuration and four "SMs" (`triton_backend.FORWARD_CONFIG`, `triton_backend.GRAD_CONFIG`,
   `triton_backend.num_sms`);
 - `torch.addmm(..., out_dtype=torch.float32)` (cuBLAS only) done as an fp32 addmm on fp32 copies;
-- the backend's availability check (CUDA, Hopper, bf16) answered "available".
+- the backend's availability check (CUDA, Hopper, bf16) answered "available";
+- the interpreter's `tl.dot` (numpy's matmul, so the host BLAS's kernel choice) done as a sum of the K products in
+  order (`_row_independent_dot`): an output's bits then depend on its own row and column alone, as on the GPU,
+  whatever BLAS kernel, core type or thread count the host picks; the bitwise batch-invariance checks test the
+  kernels' split layout and merges, not OpenBLAS.
 The interpreter is set at import time, so the checks run in a fresh subprocess.
 """
 
@@ -36,11 +40,34 @@ VALUE_TOL = 1e-5  # fp32 statistics, as the Triton backend's
 GRAD_TOL = 1e-3  # fp16 d_logits (2^-11 rounding) and fp16 outputs: relative, Frobenius (3e-4 measured)
 
 
+def _row_independent_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's `create_dot` without BLAS: a @ b + d with the K products added one after another in d's dtype
+    (fp32), each an elementwise numpy operation, so no output depends on which other rows share the tile."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle, _convert_float, tl
+
+    a_data, b_data = a.data, b.data
+    if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or (
+        b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()
+    ):
+        a_data = _convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+        b_data = _convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+    dtype = d.data.dtype
+    a_data, b_data = a_data.astype(dtype), b_data.astype(dtype)
+    total = a_data[..., :, 0:1] * b_data[..., 0:1, :]
+    for k in range(1, a_data.shape[-1]):
+        total += a_data[..., :, k : k + 1] * b_data[..., k : k + 1, :]
+    return TensorHandle(total + d.data, d.dtype.scalar)
+
+
 def _interpret_on_cpu():
     """The named fakes above; returns the Triton backend module (its backward's budgets are in it too)."""
     import torch
+    from triton.runtime.interpreter import InterpreterBuilder
 
     from verl_fused_hook.ops import triton_backend
+
+    InterpreterBuilder.create_dot = _row_independent_dot
 
     small = triton_backend.TileConfig(
         block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, ctas_per_sm=1
