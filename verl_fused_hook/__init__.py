@@ -6,7 +6,15 @@ load on first use, so `from verl_fused_hook import log_probs_and_entropy` stays 
 
 import importlib
 
-from .ops import BACKEND_CHOICES, TokenLogProbs, log_probs_and_entropy, log_probs_entropy_and_loss, token_log_probs
+from .ops import (
+    BACKEND_CHOICES,
+    ReplayedLogProbs,
+    TokenLogProbs,
+    log_probs_and_entropy,
+    log_probs_entropy_and_loss,
+    replayed_log_probs,
+    token_log_probs,
+)
 
 _LAZY = {
     "FusedOutputProcessorContext": ".context",
@@ -18,9 +26,11 @@ _LAZY = {
 
 __all__ = [
     "BACKEND_CHOICES",
+    "ReplayedLogProbs",
     "TokenLogProbs",
     "log_probs_and_entropy",
     "log_probs_entropy_and_loss",
+    "replayed_log_probs",
     "token_log_probs",
     *_LAZY,
 ]

@@ -3,7 +3,8 @@
 Three drivers over one contract with the backends (backends.py): `log_probs_and_entropy` (statistics in forward,
 logits recomputed in backward), `log_probs_entropy_and_loss` (a token-separable loss inside,
 each chunk's logits computed once) and `token_log_probs` (log-probs of given ids per row, the row's top-k and
-sum pi^2, two passes). See docs/op.md.
+sum pi^2, two passes). `replayed_log_probs` renormalizes over each row's kept set (sampling replay) and touches only
+those columns (replay.py). See docs/op.md.
 """
 
 from .arguments import check_temperature_values
@@ -15,6 +16,7 @@ from .backends import (
     describe_backends,
 )
 from .loss_inside import FusedLossResult, log_probs_entropy_and_loss
+from .replay import ReplayedLogProbs, replayed_log_probs
 from .selected_tokens import TokenLogProbs, token_log_probs
 from .separability import LossGradientError, NonFiniteLossGradientError, NonSeparableLossError
 from .tensor_parallel import TP_HIDDEN_CHOICES
@@ -27,6 +29,7 @@ __all__ = [
     "LossGradientError",
     "NonFiniteLossGradientError",
     "NonSeparableLossError",
+    "ReplayedLogProbs",
     "TP_HIDDEN_CHOICES",
     "TokenLogProbs",
     "backend_capabilities",
@@ -35,5 +38,6 @@ __all__ = [
     "check_temperature_values",
     "log_probs_and_entropy",
     "log_probs_entropy_and_loss",
+    "replayed_log_probs",
     "token_log_probs",
 ]
