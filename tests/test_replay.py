@@ -205,7 +205,6 @@ def test_rows_keep_their_bits_whatever_the_batch_with_the_flag():
     hidden, weight, labels, temperature, _ = _case(n=80, seed=8)
     kept = _random_sets(labels.clamp_min(0), 12, seed=9)
     labels = labels.clamp_min(0)
-    probe = slice(0, 5)
 
     def run(rows, chunk_rows, **sets):
         hid = hidden[rows].clone().requires_grad_()

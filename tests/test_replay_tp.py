@@ -44,7 +44,11 @@ def worker(rank, world_size):
                 )  # fmt: skip
                 (out.log_probs * torch.linspace(-1, 1, ROWS) + 0.5 * out.entropy).sum().backward()
                 results[(source, layout, invariant)] = (
-                    out.log_probs.detach(), out.entropy.detach(), out.kept_ids, hid.grad, shard.grad
+                    out.log_probs.detach(),
+                    out.entropy.detach(),
+                    out.kept_ids,
+                    hid.grad,
+                    shard.grad,
                 )
     return results
 
