@@ -261,3 +261,25 @@ def test_bad_arguments_are_refused_by_name():
     for arguments, message in cases:
         with pytest.raises(ValueError, match=message):
             replayed_log_probs(hidden, weight, labels, backend="torch", **arguments)
+
+
+def test_d_weight_into_main_grad_as_megatron_layers_do():
+    """gradient_accumulation_fusion: d_weight added onto an fp32 main_grad (straight) or a bf16 one (summed in fp32,
+    rounded once); the placeholder returned where DDP tracks grad_added_to_main_grad."""
+    hidden, weight, labels, temperature, _ = _case(n=40, seed=13)
+    labels = labels.clamp_min(0)
+    kept = _random_sets(labels, 7, seed=14)
+    w = weight.clone().requires_grad_()
+    out = replayed_log_probs(hidden, w, labels, temperature=temperature, kept_ids=kept, vocab_size=VOCAB)
+    (out.log_probs.sum() - out.entropy.sum()).backward()
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        w_fused = weight.clone().requires_grad_()
+        w_fused.main_grad = torch.ones(V, H, dtype=dtype)
+        w_fused.grad_added_to_main_grad = False
+        out = replayed_log_probs(
+            hidden, w_fused, labels, temperature=temperature, kept_ids=kept, vocab_size=VOCAB,
+            gradient_accumulation_fusion=True,
+        )  # fmt: skip
+        (out.log_probs.sum() - out.entropy.sum()).backward()
+        assert w_fused.grad_added_to_main_grad is True
+        assert _rel(w_fused.main_grad.float() - 1, w.grad) <= tolerance

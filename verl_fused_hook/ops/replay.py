@@ -418,11 +418,12 @@ def _sparse_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidd
     """d_hidden (this shard's part, per row) and d_weight (at the sets' columns) from [A, k] d_logits."""
     device = d_raw.device
     grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if needs[0] else None
-    wants_weight = needs[1] or owner is not None
-    on_shard = plan.columns[plan.columns >= 0]
-    union_all = torch.unique(on_shard) if wants_weight else None
+    # d_weight's rows at the union of the sets' columns, summed in fp32 and rounded once: straight into an fp32
+    # main_grad, else into a buffer of the union's rows (at most the shard's; flat in the row count)
+    union_all = torch.unique(plan.columns[plan.columns >= 0]) if needs[1] or owner is not None else None
+    into_main_grad = owner is not None and owner.main_grad.dtype == torch.float32
     weight_sum = None
-    if wants_weight:
+    if union_all is not None and not into_main_grad:
         weight_sum = torch.zeros(union_all.numel(), weight_shape[1], dtype=torch.float32, device=device)
     for span in plan.spans:
         rows, union, w_union, position = plan.operands(span)
@@ -439,12 +440,14 @@ def _sparse_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidd
             else:
                 d_rows = plan.gemm(dense, w_union)
             grad_hidden.index_copy_(0, plan.p.active_rows[span], d_rows.to(hidden_dtype))
-        if weight_sum is not None:
-            at = torch.searchsorted(union_all, union)
-            weight_sum.index_add_(0, at, plan.gemm(dense.t(), rows))
+        if into_main_grad:  # unique indices: each row of main_grad gets one add per chunk, in chunk order
+            owner.main_grad.index_add_(0, union, plan.gemm(dense.t(), rows))
+        elif weight_sum is not None:
+            weight_sum.index_add_(0, torch.searchsorted(union_all, union), plan.gemm(dense.t(), rows))
     grad_weight = None
     if owner is not None:
-        owner.main_grad.index_add_(0, union_all, weight_sum.to(owner.main_grad.dtype))
+        if not into_main_grad:
+            owner.main_grad.index_add_(0, union_all, weight_sum.to(owner.main_grad.dtype))
         grad_weight = returned_weight_grad(owner)
     elif needs[1]:
         grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device)

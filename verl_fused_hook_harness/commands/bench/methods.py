@@ -1,5 +1,6 @@
 """The methods the op benchmark times: this package's op (each backend), full logits, verl's kernel and the
-peers users pick instead (Liger-Kernel, cut-cross-entropy), and the policy-loss methods (policy_loss.py).
+peers users pick instead (Liger-Kernel, cut-cross-entropy), the policy-loss methods (policy_loss.py), distillation
+(distill.py) and sampling replay (replay.py).
 
 Each method: fn(hidden, weight, labels, temperature, score_mask) -> (log_probs, entropy or None), or a scalar
 loss for the loss methods (marked `fn.returns_loss`). A peer that is not installed is skipped with a line.
@@ -15,12 +16,14 @@ import torch
 from verl_fused_hook.ops import log_probs_and_entropy
 
 from ...stand_ins.verl_kernel_files import load_verl_linear_cross_entropy
-from . import distill, liger_hopper, policy_loss
+from . import distill, liger_hopper, policy_loss, replay
 
 ALL_METHODS = (
     "floor", "triton", "triton_keep", "triton_main_grad", "torch", "naive", "verl", "liger", "liger_sm90",
     "liger_tp_native", "cce", "fused_loss", "verl_loss",
     "fused_loss_gspo", "verl_loss_gspo", "kl_topk", "verl_kl_topk", "verl_kl_topk_chunked", "sum_pi_squared",
+    "replay_given_20", "replay_given_64", "replay_given_512", "replay_given_mix", "replay_trainer",
+    "replay_masked_logits",
 )  # fmt: skip
 
 
@@ -142,6 +145,7 @@ def load_methods(
         "fused_loss_gspo": lambda: policy_loss.fused_loss_method("gspo"),
         "verl_loss_gspo": lambda: policy_loss.verl_loss_method(verl_kernel(verl_kernel_dir), "gspo"),
         **distill.loaders(topk, top_k_chunk_bytes),
+        **replay.loaders(),
     }
     methods = {}
     for name in names:

@@ -22,13 +22,17 @@ inside) and verl_loss (verl's kernel, then verl's ppo_loss) time the output
 layer plus the policy loss (policy_loss.py; they need `import verl`). kl_topk (token_log_probs at the teacher's
 --topk ids), verl_kl_topk (verl's megatron forward_kl_topk on full logits) and verl_kl_topk_chunked (its
 use_chunked_topk path) time the output layer plus verl's forward_kl_topk; sum_pi_squared our log-probs, entropy
-and sum pi^2 (distill.py).
+and sum pi^2 (distill.py). replay_* time sampling replay: given kept sets of 20, 64, 512 ids or shaped like top-p
+sets, sets computed in the trainer, and full logits masked to the sets (replay.py).
 
     verl-fused-hook bench --out results/bench
     verl-fused-hook bench --shapes 8192,4096,151936 --methods triton,floor
     verl-fused-hook bench --shapes "$STANDARD" --methods floor,fused_loss,verl_loss
     verl-fused-hook bench --shapes "16384,4096,151936;65536,4096,151936" --topk 128 \
         --methods floor,kl_topk,verl_kl_topk,verl_kl_topk_chunked,sum_pi_squared
+    verl-fused-hook bench --shapes "16384,4096,151936;131072,4096,151936" \
+        --methods floor,replay_given_20,replay_given_64,replay_given_512,replay_given_mix,replay_trainer,\
+replay_masked_logits
     verl-fused-hook bench --plot-only results/bench_every_peer.json --out docs/images/bench_every_peer.png  # redraw,
     no GPU
 """
@@ -291,8 +295,10 @@ def accuracy(methods, n, h, v, temperature) -> dict:
     }
     torch.cuda.empty_cache()
     for name, fn in methods.items():
-        if getattr(fn, "returns_loss", False):
-            check = getattr(fn, "accuracy", None) or functools.partial(policy_loss.loss_accuracy, fn)
+        check = getattr(fn, "accuracy", None)  # a method whose reference is not the plain log-probs' own
+        if check is None and getattr(fn, "returns_loss", False):
+            check = functools.partial(policy_loss.loss_accuracy, fn)
+        if check is not None:
             out[name] = _guard(f"accuracy {name}", lambda: check(hidden, weight, labels, temperature))
             print(f"# accuracy {name} {out[name]}", flush=True)
             continue
