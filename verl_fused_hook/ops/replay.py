@@ -48,10 +48,12 @@ from .weight_gradient import returned_weight_grad
 
 logger = logging.getLogger(__name__)
 
-# Rows per chunk of the GEMM path: at most rows x |S| distinct columns, so a chunk's GEMM against W[U] costs at most
-# what gathering every row's |S| weight rows would on an H100 (tensor cores ~200x the FLOPs per byte of HBM), and
-# usually far less.
-UNION_CHUNK_ROWS = 256
+# Kept ids per chunk of the GEMM path (rows = this / the mean set size, within the bounds below): at most this many
+# distinct columns, so a chunk's W[U] copy and GEMM stay near what gathering each row's |S| weight rows would cost,
+# and neighbouring rows' shared ids are read once; enough rows that per-chunk launches and host syncs (the union's
+# size) do not dominate (measured on the H100: 256-row chunks at |S| = 20 spent 54 ms on 16384 rows).
+UNION_CHUNK_ENTRIES = 32768
+UNION_CHUNK_ROWS = (64, 4096)
 # The batch-invariant path's fp32 products [rows, |S|, H] per chunk.
 INVARIANT_CHUNK_BYTES = 256 * 1024**2
 
@@ -106,8 +108,9 @@ def replayed_log_probs(
             >= 1; top_p in (0, 1], 1: off); `backend` is the one that finds the candidates (token_log_probs').
         max_kept: the widest kept set allowed (given or computed; >= top_k); a wider one is a ValueError.
         token_ids: integer [..., k]: also return log p_S at these ids (-inf where an id is outside S).
-        chunk_rows: rows per chunk (None: 256 on the GEMM path; under batch_invariant, what fits 256 MiB of fp32
-            products). A row's values do not depend on it under batch_invariant.
+        chunk_rows: rows per chunk (None: 32768 kept ids' worth, 64-4096 rows, on the GEMM path; under
+            batch_invariant, what fits 256 MiB of fp32 products). A row's values do not depend on it under
+            batch_invariant.
 
     A label outside a computed set (trainer-side only: the trainer's logits differ from the rollout's in the last
     bits, so a token at the top-p boundary can fall out) is added to its set and marked in `label_added`, with a
@@ -230,12 +233,16 @@ def _computed_sets(hidden, weight, labels, p: LogProbProblem, score_mask, finder
             f"max_kept: scored row {row}'s kept set under top_k={top_k}, top_p={top_p} holds more than "
             f"max_kept={max_kept} ids; raise max_kept (or sample with a smaller top_p / top_k)"
         )
-    width = int(count.max()) if count.numel() else 0
-    slot = torch.arange(width, device=ids.device)
-    kept = torch.where(slot < count.unsqueeze(1), ids[:, :width], -1)
     scored_labels = p.labels.index_select(0, rows)
-    hits = kept == scored_labels.unsqueeze(1)
-    added = ~hits.any(dim=1)
+    ids = torch.cat([ids, ids.new_full((ids.shape[0], 1), -1)], 1)  # room for an added label
+    slot = torch.arange(ids.shape[1], device=ids.device)
+    inside = slot < count.unsqueeze(1)
+    added = ~((ids == scored_labels.unsqueeze(1)) & inside).any(dim=1)
+    # an added label goes right after its row's own set, so a row's layout never depends on the other rows
+    at_end = (slot == count.unsqueeze(1)) & added.unsqueeze(1)
+    kept = torch.where(inside, ids, torch.where(at_end, scored_labels.unsqueeze(1), -1))
+    width = int((count + added).max()) if count.numel() else 0
+    kept = kept[:, :width]
     if bool(added.any()):
         log_once(
             logger,
@@ -244,12 +251,7 @@ def _computed_sets(hidden, weight, labels, p: LogProbProblem, score_mask, finder
             "is added to its set and marked in label_added",
             logging.WARNING,
         )
-        kept = torch.cat([kept, torch.full_like(kept[:, :1], -1)], 1)
-        kept[:, -1] = torch.where(added, scored_labels, -1)
-        hits = kept == scored_labels.unsqueeze(1)
-        kept = kept[:, : int((kept >= 0).sum(dim=1).max())] if kept.numel() else kept
-        hits = hits[:, : kept.shape[1]]
-    return kept, first_position(hits), mass, added
+    return kept, first_position(kept == scored_labels.unsqueeze(1)), mass, added
 
 
 def _candidate_sets(hidden, weight, labels, score_mask, finder, top_k, top_p, vocab, rows: Tensor, count: int):
@@ -309,7 +311,8 @@ class _SparsePlan:
             self.inv_temp = torch.full((active,), 1.0 / p.temperature, device=kept.device)
         width, hidden_size = max(kept.shape[1], 1), p.hidden.shape[1]
         if chunk_rows is None:
-            chunk_rows = UNION_CHUNK_ROWS
+            mean_set = max(1, int(self.valid.sum()) // max(active, 1))
+            chunk_rows = min(max(UNION_CHUNK_ENTRIES // mean_set, UNION_CHUNK_ROWS[0]), UNION_CHUNK_ROWS[1])
             if p.batch_invariant:
                 chunk_rows = max(1, INVARIANT_CHUNK_BYTES // (4 * width * hidden_size))
         self.spans = [slice(s, min(s + chunk_rows, active)) for s in range(0, active, chunk_rows)]
