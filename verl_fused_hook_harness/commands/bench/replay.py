@@ -28,7 +28,7 @@ TRAINER_TOP_K, TRAINER_TOP_P = 50, 0.9
 MIX_LARGEST = 512
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=8)  # every kind of one shape: the methods are timed in interleaved rounds
 def kept_sets(n: int, vocab: int, kind: str, device: str) -> torch.Tensor:
     """int64 [n, k_max] kept ids (-1 padding), each id once per row."""
     g = torch.Generator(device=device).manual_seed(n * 7 + vocab)
