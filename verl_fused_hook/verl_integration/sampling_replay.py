@@ -20,6 +20,9 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import torch
+
+from ..context import SamplingReplay
 from ..log_once import log_once
 from ..switch import CONFIG_PREFIX, CONFIG_REPLAY_KEY, CONFIG_REPLAY_MAX_KEPT_KEY, FusedForwardPlan
 
@@ -131,3 +134,40 @@ def install_init_model_wrapper(workers_module) -> None:
     from .replacements import replace
 
     replace(workers_module.ActorRolloutRefWorker, "init_model", make_init_model)
+
+
+KEPT_IDS_KEY = "rollout_kept_ids"  # the rollout's kept sets in the batch: [bs, response_len, k], -1 padding
+
+
+def step_replay(batch, plan: FusedForwardPlan, prompt_lens, response_lens) -> SamplingReplay:
+    """The step's SamplingReplay: the batch's `rollout_kept_ids` laid out by prediction row (nested like input_ids
+    plus a last dim, -1 where a row has no set), or none given: the plan's top_k / top_p computed from pi's logits.
+
+    `rollout_kept_ids[i, j]` is the set the rollout sampled response token j of sequence i from (row-aligned with
+    `responses` and `rollout_log_probs`); it is predicted at position prompt_len_i - 1 + j of input_ids."""
+    replay = SamplingReplay(top_k=plan.replay_top_k, top_p=plan.replay_top_p, max_kept=plan.replay_max_kept)
+    if KEPT_IDS_KEY not in batch.keys():
+        return replay
+    kept = batch[KEPT_IDS_KEY]
+    if kept.is_floating_point() or kept.dim() != 3 or kept.shape[0] != len(response_lens):
+        raise ValueError(
+            f"{KEPT_IDS_KEY}: expected integer ids [batch, response_len, k] (-1 padding) = [{len(response_lens)}, "
+            f"..., ...], got {kept.dtype} {tuple(kept.shape)}"
+        )
+    if kept.is_nested:
+        kept = torch.nested.to_padded_tensor(kept, -1)
+    if len(response_lens) and int(response_lens.max()) > kept.shape[1]:
+        raise ValueError(
+            f"{KEPT_IDS_KEY}: holds {kept.shape[1]} response positions, the longest response has "
+            f"{int(response_lens.max())}"
+        )
+    offsets = batch["input_ids"].offsets().to(kept.device)
+    prompt_lens, response_lens = prompt_lens.to(kept.device), response_lens.to(kept.device)
+    rows = torch.full((int(offsets[-1]), kept.shape[2]), -1, dtype=torch.long, device=kept.device)
+    sample = torch.arange(kept.shape[0], device=kept.device).repeat_interleave(response_lens)
+    position = torch.arange(int(response_lens.sum()), device=kept.device) - (
+        response_lens.cumsum(0) - response_lens
+    ).repeat_interleave(response_lens)
+    rows[offsets[sample] + prompt_lens[sample] - 1 + position] = kept[sample, position].long()
+    nested = torch.nested.nested_tensor_from_jagged(rows, offsets=offsets)
+    return dataclasses.replace(replay, kept_ids=nested)
