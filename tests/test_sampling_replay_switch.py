@@ -1,9 +1,11 @@
 """The sampling-replay entries: parsed like the others, refused at start-up where replay cannot mean anything, one
 log line when on, and the rollout's sampling carried from ActorRolloutRefWorker.init_model to the engine build."""
 
+import dataclasses
 import logging
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from verl_fused_hook.switch import ENV_VAR, resolve_plan
@@ -165,3 +167,46 @@ def test_doctor_line_checks_the_rollout_as_the_build_does(monkeypatch):
         "FAIL",
         refusal(replay_plan(), RolloutSampling(top_k=-1, top_p=1.0)),
     )
+
+
+def _batch(**fields):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_tensordict(fields)
+
+
+def test_a_replay_step_refuses_what_reads_the_full_vocabulary():
+    from verl_fused_hook.verl_integration.forward_step import replay_of_step
+
+    plan = replay_plan()
+    for tokens, flag in (({"distillation": object()}, "distillation_use_topk"), ({"sum_pi_squared": True}, None)):
+        flag = flag or "calculate_sum_pi_squared"
+        with pytest.raises(ValueError) as error:
+            replay_of_step(_batch(x=torch.zeros(2)), plan, tokens)
+        assert str(error.value) == (
+            f"{PREFIX}.output_processor_sampling_replay=true cannot run a step with {flag}: it reads the "
+            "full-vocabulary distribution, not the kept set; set output_processor_sampling_replay to false for such "
+            "a job"
+        )
+    assert replay_of_step(_batch(x=torch.zeros(2)), resolve_plan({}, environ=HOOK), {}) is None
+
+
+def test_the_rollouts_sets_land_on_the_rows_that_predict_each_response_token():
+    from verl_fused_hook.verl_integration.sampling_replay import step_replay
+
+    plan = dataclasses.replace(replay_plan(), replay_top_k=4)
+    offsets = torch.tensor([0, 5, 8])  # sequence 0: prompt 3 + response 2; sequence 1: prompt 1 + response 2
+    input_ids = torch.nested.nested_tensor_from_jagged(torch.arange(8), offsets=offsets)
+    kept = torch.tensor([[[7, 1], [2, -1]], [[5, -1], [6, 9]]])
+    batch = {"input_ids": input_ids, "rollout_kept_ids": kept}
+    replay = step_replay(_Keys(batch), plan, torch.tensor([3, 1]), torch.tensor([2, 2]))
+    assert (replay.top_k, replay.max_kept) == (4, 512)
+    rows = replay.kept_ids.values().tolist()
+    assert rows == [[-1, -1], [-1, -1], [7, 1], [2, -1], [-1, -1], [5, -1], [6, 9], [-1, -1]]
+    with pytest.raises(ValueError) as error:
+        step_replay(_Keys(dict(batch, rollout_kept_ids=kept[:, :1])), plan, torch.tensor([3, 1]), torch.tensor([2, 2]))
+    assert str(error.value) == "rollout_kept_ids: holds 1 response positions, the longest response has 2"
+
+
+class _Keys(dict):
+    """A batch as step_replay reads it (keys() and items)."""
