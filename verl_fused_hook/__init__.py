@@ -18,6 +18,7 @@ from .ops import (
 
 _LAZY = {
     "FusedOutputProcessorContext": ".context",
+    "SamplingReplay": ".context",
     "LogProbsOutput": ".hook",
     "fused_output_processor": ".hook",
     "OutputProcessorUnsupportedError": ".probe",

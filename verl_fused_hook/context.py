@@ -18,6 +18,21 @@ from .checks import check_bool, check_int
 from .ops import BACKEND_CHOICES, backend_capabilities, check_temperature_values
 
 
+@dataclass(frozen=True)
+class SamplingReplay:
+    """What `fused_output_processor` replays (the op `replayed_log_probs`): the rollout's kept sets, or its truncation
+    to compute them from the trainer's own logits.
+
+    kept_ids: integer [b, s, k] like labels plus a last dim, each row's kept ids (-1 padding, the label among them on
+        every scored row), or None: computed with vLLM's rule from top_k / top_p.
+    top_k: -1 (off) or >= 1; top_p: in (0, 1] (1: off); max_kept: the widest kept set (>= top_k)."""
+
+    kept_ids: torch.Tensor | None = field(default=None, repr=False)
+    top_k: int = -1
+    top_p: float = 1.0
+    max_kept: int = 512
+
+
 def _check_temperature_field(temperature) -> None:
     if isinstance(temperature, torch.Tensor) and (not temperature.is_floating_point() or temperature.dim() > 2):
         raise ValueError(
@@ -64,6 +79,9 @@ class FusedOutputProcessorContext:
     The last four run the op `token_log_probs` (two passes); not with loss_fn, keep_logits_bytes or as_tuple.
     batch_invariant: every forward value of a row the same bits whatever batch computes it (exact on-policy
         training; the ops' `batch_invariant`, docs/op.md).
+    replay: a SamplingReplay: log-probs and entropy renormalized over each row's kept set (sampling replay, the op
+        `replayed_log_probs`); the output also carries `kept_ids` [b, s, k] and, when computed, `kept_mass` [b, s].
+        With token_ids only (no loss_fn, keep_logits_bytes, as_tuple, top_k, calculate_sum_pi_squared).
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -85,6 +103,7 @@ class FusedOutputProcessorContext:
     calculate_sum_pi_squared: bool = False
     calculate_log_probs: bool = True
     batch_invariant: bool = False
+    replay: SamplingReplay | None = None
 
     @property
     def asks_token_outputs(self) -> bool:
@@ -141,6 +160,7 @@ class FusedOutputProcessorContext:
             )
         check_int("FusedOutputProcessorContext.vocab_size", self.vocab_size, low=1, optional=True)
         self._check_token_fields(capabilities)
+        self._check_replay(capabilities)
         unsupported = [
             name
             for name, used in (
@@ -161,6 +181,34 @@ class FusedOutputProcessorContext:
                 "(its kernel takes a scalar temperature over every row and column); "
                 f"use backend in {', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).row_selection)}"
             )
+
+    def _check_replay(self, capabilities) -> None:
+        if self.replay is None:
+            return
+        if not isinstance(self.replay, SamplingReplay):
+            raise ValueError(
+                "FusedOutputProcessorContext.replay: expected None or a SamplingReplay, got "
+                f"{type(self.replay).__name__}"
+            )
+        if not capabilities.selected_tokens:
+            raise ValueError(
+                f"FusedOutputProcessorContext.replay: needs the op replayed_log_probs, which backend={self.backend!r} "
+                f"has no kernel for; use backend in "
+                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).selected_tokens)}"
+            )
+        for other, used in (
+            ("loss_fn", self.loss_fn is not None),
+            ("keep_logits_bytes", self.keep_logits_bytes > 0),
+            ("as_tuple", self.as_tuple),
+            ("top_k", self.top_k > 0),
+            ("calculate_sum_pi_squared", self.calculate_sum_pi_squared),
+            ("calculate_log_probs", not self.calculate_log_probs),
+        ):
+            if used:
+                raise ValueError(
+                    f"FusedOutputProcessorContext.replay: runs the op replayed_log_probs, which takes no {other}; set "
+                    "one or the other"
+                )
 
     def _check_token_fields(self, capabilities) -> None:
         check_int("FusedOutputProcessorContext.top_k", self.top_k, low=0)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .context import FusedOutputProcessorContext
-from .ops import log_probs_and_entropy, log_probs_entropy_and_loss, token_log_probs
+from .ops import log_probs_and_entropy, log_probs_entropy_and_loss, replayed_log_probs, token_log_probs
 from .output_layer import (
     adds_weight_grad_to_main_grad,
     check_output_layer_has_no_bias,
@@ -44,6 +44,9 @@ class LogProbsOutput:
     top_ids: torch.Tensor | None = None
     top_log_probs: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    # what context.replay adds: each row's kept set [b, s, k] (-1 padding), its full-vocabulary mass when computed
+    kept_ids: torch.Tensor | None = None
+    kept_mass: torch.Tensor | None = None
 
 
 def _make_output(log_probs: torch.Tensor | None, entropy: torch.Tensor | None, hidden_states: torch.Tensor):
@@ -103,6 +106,35 @@ def _token_outputs(hidden_states, weight, labels_sb, labels, context: FusedOutpu
     return output
 
 
+def _replayed_outputs(hidden_states, weight, labels_sb, labels, context: FusedOutputProcessorContext, problem: dict):
+    """The op `replayed_log_probs` for context.replay: log-probs, entropy (and token_ids') over each row's kept set."""
+    replay = context.replay
+    given = replay.kept_ids
+    if given is not None and given.shape[:2] != labels.shape:
+        raise ValueError(
+            f"SamplingReplay.kept_ids: must be shaped like labels [b, s] = {tuple(labels.shape)} plus a last dim of "
+            f"ids, got {tuple(given.shape)}"
+        )
+    token_ids = context.token_ids
+    out = replayed_log_probs(
+        hidden_states,
+        weight,
+        labels_sb,
+        kept_ids=_transposed(None if given is None else given.to(labels.device)),
+        top_k=-1 if given is not None else replay.top_k,
+        top_p=1.0 if given is not None else replay.top_p,
+        max_kept=replay.max_kept,
+        token_ids=_transposed(None if token_ids is None else token_ids.to(labels.device)),
+        chunk_rows=context.tile_rows,
+        **problem,
+    )
+    output = _make_output(_transposed(out.log_probs), _transposed(out.entropy), hidden_states)
+    output.token_log_probs = _transposed(out.token_log_probs)
+    output.kept_ids = _transposed(out.kept_ids)
+    output.kept_mass = _transposed(out.kept_mass)
+    return output
+
+
 def fused_output_processor(
     *,
     hidden_states: torch.Tensor,
@@ -124,6 +156,8 @@ def fused_output_processor(
     d_weight goes into the weight's `main_grad`, as megatron's layer would put it (ops/weight_gradient.py).
     With `context.token_ids`, `top_k` or `calculate_sum_pi_squared` the op is `token_log_probs`, and the output
     also carries `token_log_probs`, `top_ids`, `top_log_probs`, `sum_pi_squared` ([b, s, ...], None when not asked).
+    With `context.replay` the op is `replayed_log_probs` (sampling replay): log-probs and entropy over each row's kept
+    set, and the output also carries `kept_ids` and `kept_mass`.
     Returns verl's CausalLMOutputForPPO (or LogProbsOutput without verl), or a
     `(log_probs, entropy)` tuple when `context.as_tuple`.
     """
@@ -193,6 +227,8 @@ def fused_output_processor(
         output = _make_output(fused.log_probs.t().contiguous(), _transposed(fused.entropy), hidden_states)
         output.loss, output.loss_metrics = fused.loss, fused.metrics
         return output
+    if context.replay is not None:
+        return _replayed_outputs(hidden_states, weight, labels_sb, labels, context, problem)
     if context.asks_token_outputs:
         return _token_outputs(hidden_states, weight, labels_sb, labels, context, problem)
     log_probs, entropy = log_probs_and_entropy(

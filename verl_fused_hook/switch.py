@@ -19,7 +19,10 @@ and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: 
 and `...output_processor_keep_logits_gib` (default null: none; the memory the op may hold from the output
 layer's forward to its backward to keep logits instead of recomputing them, where the loss is not fused),
 `...output_processor_batch_invariant` (default false: a sequence's log-probs may differ in the last bits between
-micro-batches; true: the same bits whatever batch computes them, for exact on-policy training; docs/op.md).
+micro-batches; true: the same bits whatever batch computes them, for exact on-policy training; docs/op.md),
+`...output_processor_sampling_replay` (default false: log-probs over the whole vocabulary; true: renormalized over the
+rollout's top-k / top-p kept set, checked against the rollout config in verl_integration/sampling_replay.py) and its
+bound `...output_processor_sampling_replay_max_kept` (default 512: the widest kept set).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 from .checks import is_number
 from .ops import BACKEND_CHOICES, backend_capabilities
+from .ops.kept_sets import DEFAULT_MAX_KEPT
 
 ENV_VAR = "VERL_FUSED_USE_OP_HOOK"
 ENV_VALUES = {"1": "hook", "0": "legacy"}
@@ -44,6 +48,8 @@ CONFIG_FUSED_LOSS_CHUNK_KEY = "output_processor_fused_loss_chunk_gib"
 CONFIG_SCORE_MASK_KEY = "output_processor_score_mask"
 CONFIG_KEEP_LOGITS_KEY = "output_processor_keep_logits_gib"
 CONFIG_BATCH_INVARIANT_KEY = "output_processor_batch_invariant"
+CONFIG_REPLAY_KEY = "output_processor_sampling_replay"
+CONFIG_REPLAY_MAX_KEPT_KEY = "output_processor_sampling_replay_max_kept"
 CONFIG_KEYS = (
     CONFIG_HOOK_KEY,
     CONFIG_BACKEND_KEY,
@@ -52,6 +58,8 @@ CONFIG_KEYS = (
     CONFIG_SCORE_MASK_KEY,
     CONFIG_KEEP_LOGITS_KEY,
     CONFIG_BATCH_INVARIANT_KEY,
+    CONFIG_REPLAY_KEY,
+    CONFIG_REPLAY_MAX_KEPT_KEY,
 )
 # Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
 # near miss of ours (at most this many single-letter edits away).
@@ -78,6 +86,11 @@ class FusedForwardPlan:
     score_mask: bool = True  # hook mode scores only the rows the step's loss reads (where it can tell)
     keep_logits_bytes: int = 0  # hook mode's op keeps logits for its backward within this (0: recomputes them)
     batch_invariant: bool = False  # hook mode's op gives a row the same bits whatever batch computes it
+    sampling_replay: bool = False  # hook mode renormalizes log-probs over the rollout's kept sets
+    replay_max_kept: int = DEFAULT_MAX_KEPT  # the widest kept set replay accepts or computes
+    # the rollout's truncation, filled in where the rollout config is read (verl_integration/sampling_replay.py)
+    replay_top_k: int = -1
+    replay_top_p: float = 1.0
 
     @property
     def is_set(self) -> bool:
@@ -98,6 +111,11 @@ class FusedForwardPlan:
                 text += f", {CONFIG_KEEP_LOGITS_KEY}={self.keep_logits_bytes / 1024**3:g}"
             if self.batch_invariant:
                 text += f", {CONFIG_BATCH_INVARIANT_KEY}=true"
+            if self.sampling_replay:
+                text += (
+                    f", {CONFIG_REPLAY_KEY}=true (rollout top_k={self.replay_top_k}, top_p={self.replay_top_p:g}, "
+                    f"{CONFIG_REPLAY_MAX_KEPT_KEY}={self.replay_max_kept})"
+                )
         elif self.mode == LEGACY:
             text = f"verl_fused_hook: {engine_name} uses verl's legacy fused forward ({self.source})"
         else:
@@ -158,6 +176,24 @@ def parse_config_fused_loss(options: Mapping | None) -> bool | None:
 def parse_config_batch_invariant(options: Mapping | None) -> bool | None:
     """`fused_kernel_options.output_processor_batch_invariant` as a bool, or None when absent/null."""
     return _parse_config_bool(options, CONFIG_BATCH_INVARIANT_KEY, "off")
+
+
+def parse_config_sampling_replay(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_sampling_replay` as a bool, or None when absent/null."""
+    return _parse_config_bool(options, CONFIG_REPLAY_KEY, "off")
+
+
+def parse_config_replay_max_kept(options: Mapping | None) -> int | None:
+    """`fused_kernel_options.output_processor_sampling_replay_max_kept` (an int >= 1), or None when absent/null."""
+    value = None if options is None else options.get(CONFIG_REPLAY_MAX_KEPT_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_REPLAY_MAX_KEPT_KEY}={value!r} is not allowed; use an integer >= 1 (the widest "
+            f"kept set, at least rollout.top_k) or null ({DEFAULT_MAX_KEPT})"
+        )
+    return value
 
 
 def parse_config_score_mask(options: Mapping | None) -> bool | None:
@@ -233,6 +269,8 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     score_mask = parse_config_score_mask(options)
     keep_logits = parse_config_keep_logits(options)
     batch_invariant = parse_config_batch_invariant(options)
+    sampling_replay = parse_config_sampling_replay(options)
+    replay_max_kept = parse_config_replay_max_kept(options)
 
     notes = []
     if env_mode is not None:
@@ -269,6 +307,15 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} ignored outside hook mode")
     if batch_invariant and mode != HOOK:
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true ignored outside hook mode")
+    if sampling_replay and mode != HOOK:
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_REPLAY_KEY}=true ignored outside hook mode")
+    if sampling_replay and mode == HOOK and not backend_capabilities(backend).selected_tokens:
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_REPLAY_KEY}=true needs the op: {CONFIG_PREFIX}.{CONFIG_BACKEND_KEY}={backend} "
+            "runs a kernel that cannot find or replay kept sets; use output_processor_backend=auto"
+        )
+    if replay_max_kept is not None and not (sampling_replay and mode == HOOK):
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_REPLAY_MAX_KEPT_KEY} ignored: sampling replay is off")
     if keep_logits is not None and mode == HOOK and not backend_capabilities(backend).keep_logits:
         raise ValueError(
             f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} needs a backend that keeps logits: "
@@ -285,4 +332,6 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         score_mask=score_mask is not False,
         keep_logits_bytes=keep_logits if keep_logits is not None and mode == HOOK else 0,
         batch_invariant=bool(batch_invariant) and mode == HOOK,
+        sampling_replay=bool(sampling_replay) and mode == HOOK,
+        replay_max_kept=replay_max_kept or DEFAULT_MAX_KEPT,
     )

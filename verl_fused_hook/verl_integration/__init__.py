@@ -25,6 +25,12 @@ def _on_engine_import(engine_module) -> None:
     install_build_gate(engine_module)
 
 
+def _on_workers_import(workers_module) -> None:
+    from .sampling_replay import install_init_model_wrapper
+
+    install_init_model_wrapper(workers_module)
+
+
 def _on_mbridge_import(util_module) -> None:
     from .mbridge_compat import apply
 
@@ -64,6 +70,7 @@ def install() -> None:
             logger, f"verl_fused_hook: {error} (the Megatron engine build will stop with this error)", logging.ERROR
         )
     when_imported("verl.workers.engine.megatron.transformer_impl", _on_engine_import)
+    when_imported("verl.workers.engine_workers", _on_workers_import)
     when_imported("mbridge.core.util", _on_mbridge_import)
     install_ray_env_forwarding()
 

@@ -26,6 +26,7 @@ from .mtp import keep_fused_kernels_with_mtp, make_patch_postprocess, make_proce
 from .parallel_checks import refuse_unsupported_parallelism
 from .replacements import original, restore  # noqa: F401  (call_sites.original/restore: tests and users)
 from .replacements import replace as _replace
+from .sampling_replay import plan_with_rollout_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ def _make_build_gate(verl_enable):
             return verl_enable(self)
         if plan.mode == HOOK:
             refuse_unsupported_parallelism(self)
+            plan = plan_with_rollout_sampling(plan)
         reasons = verl_disabling_reasons(self)
         lifted = [reason for reason in reasons if plan.mode == HOOK and reason in reasons_hook_mode_lifts(reasons)]
         for model in self.module:

@@ -13,6 +13,7 @@ the op `token_log_probs`). What the step asks for arrives in one `HookStep`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -94,6 +95,19 @@ def _token_options(step: HookStep, layout, device, keep_logits_bytes: int) -> di
     return options
 
 
+def _replay_options(step: HookStep, layout, device, score_mask):
+    """(the context's SamplingReplay with given kept ids in the model's layout, the score mask): rows without a given
+    set (prompt, padding) are not scored, as verl reads none of them."""
+    replay = step.replay
+    if replay.kept_ids is None:
+        return replay, score_mask
+    ids = replay.kept_ids.to(device)
+    # shifted by one so that the layout's zero padding reads as -1 (no set) after the shift back
+    kept = layout.pack(torch.nested.nested_tensor_from_jagged(ids.values() + 1, offsets=ids.offsets())) - 1
+    has_set = kept[..., 0] >= 0
+    return dataclasses.replace(replay, kept_ids=kept), has_set if score_mask is None else score_mask & has_set
+
+
 def make_engine_forward(vision_model: bool):
     """The engine forward for one architecture family (language model or VLM), like verl's factory."""
 
@@ -156,16 +170,20 @@ def make_engine_forward(vision_model: bool):
                     f"verl_fused_hook: BSHD with output_processor_backend={backend} scores every row, padding included",
                 )
             score_mask = None
+        replay = None
+        if step.replay is not None and gpt.post_process:
+            replay, score_mask = _replay_options(step, layout, input_ids.device, score_mask)
         context = FusedOutputProcessorContext(
             temperature=layout.token_temperature(temperature),
             calculate_entropy=bool(calculate_entropy),
             score_mask=score_mask,
             backend=backend,
             batch_invariant=plan.batch_invariant,
+            replay=replay,
             **(
                 _fused_loss_options(step, layout, model_inputs["labels"])
                 if fused_loss is not None
-                else tokens or {"keep_logits_bytes": plan.keep_logits_bytes}
+                else tokens or {"keep_logits_bytes": 0 if replay is not None else plan.keep_logits_bytes}
             ),
         )
         output = model(**model_inputs, output_processor=fused_output_processor, output_processor_context=context)

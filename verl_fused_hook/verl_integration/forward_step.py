@@ -31,15 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import is_number
+from ..context import SamplingReplay
 from ..log_once import log_once
 from ..ops import backend_capabilities
 from ..probe import unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, CONFIG_SCORE_MASK_KEY, HOOK
+from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, CONFIG_REPLAY_KEY, CONFIG_SCORE_MASK_KEY, HOOK
 from .distillation import TopKDistillation, check_teacher_fields, distillation_config_of, topk_distillation
 from .layouts import BSHD, THD
 from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
+from .sampling_replay import KEPT_IDS_KEY, step_replay
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class HookStep:
     mtp: MtpStepInputs | None = None  # when the model trains its MTP layers
     distillation: TopKDistillation | None = None  # distillation_use_topk: verl's top-k distillation outputs
     sum_pi_squared: bool = False  # calculate_sum_pi_squared: sum_j p_j^2 per row in the output
+    replay: SamplingReplay | None = None  # output_processor_sampling_replay: kept sets by prediction row, or truncation
 
 
 _current_step: contextvars.ContextVar[HookStep | None] = contextvars.ContextVar("verl_fused_hook_step", default=None)
@@ -151,6 +154,29 @@ def token_step(batch, model, loss_function, backend: str) -> tuple[dict, object]
     return fields, batch
 
 
+def replay_of_step(batch, plan, tokens: dict) -> SamplingReplay | None:
+    """The step's SamplingReplay when the plan turns replay on (ValueError for a step it cannot mean anything for)."""
+    if not plan.sampling_replay:
+        return None
+    asked = next((name for name in ("distillation", "sum_pi_squared") if tokens.get(name)), None)
+    if asked is not None:
+        flag = "distillation_use_topk" if asked == "distillation" else "calculate_sum_pi_squared"
+        raise ValueError(
+            f"{CONFIG_PREFIX}.{CONFIG_REPLAY_KEY}=true cannot run a step with {flag}: it reads the full-vocabulary "
+            f"distribution, not the kept set; set {CONFIG_REPLAY_KEY} to false for such a job"
+        )
+    if KEPT_IDS_KEY in batch.keys():
+        if "prompts" not in batch.keys() or "responses" not in batch.keys():
+            raise ValueError(f"{KEPT_IDS_KEY}: the batch needs prompts and responses to place the rollout's sets")
+        return step_replay(batch, plan, *_prompt_and_response_lengths(batch))
+    log_once(
+        logger,
+        f"verl_fused_hook: {CONFIG_REPLAY_KEY}: the batch carries no {KEPT_IDS_KEY}; kept sets computed from the "
+        "trainer's logits with vLLM's rule",
+    )
+    return step_replay(batch, plan, None, None)
+
+
 def make_forward_step(original):
     """Wrap verl's forward_step: in hook mode, run it inside a HookStep; otherwise call it untouched."""
 
@@ -186,6 +212,12 @@ def make_forward_step(original):
                 "verl_fused_hook: output_processor_fused_loss: a training step with calculate_sum_pi_squared is not "
                 "fused (sum_pi_squared comes from the op token_log_probs); two-pass path",
             )
+        elif plan.fused_loss and plan.sampling_replay:
+            log_once(
+                logger,
+                "verl_fused_hook: output_processor_fused_loss: a step with output_processor_sampling_replay is not "
+                "fused (replayed_log_probs has no loss inside); two-pass path",
+            )
         elif plan.fused_loss:
             fused = fused_loss_request(self, batch, logits_processor_func, forward_only, plan.fused_loss_chunk_bytes)
         if fused is not None:
@@ -194,7 +226,10 @@ def make_forward_step(original):
                 postprocess_micro_batch_func, loss_function=fused_result_loss
             )
         mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
-        token = _current_step.set(HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, **layout, **tokens))
+        replay = replay_of_step(batch, plan, tokens)
+        token = _current_step.set(
+            HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, replay=replay, **layout, **tokens)
+        )
         try:
             return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
         finally:

@@ -19,6 +19,8 @@ status is 1 when something would fail at start-up:
 - entry point: the `verl.plugins` entry as `import verl` sees it (and `VERL_USE_EXTERNAL_PLUGINS`);
 - plan: the switch and `fused_kernel_options` resolved as the engine build will resolve them,
   from the environment and, when given, verl's Hydra config with overrides;
+- sampling replay: with `output_processor_sampling_replay=true`, the composed config's rollout checked as the engine
+  build checks it (truncation configured, processed log-probs, the bound at least top_k);
 - op self-check: log-probs, entropy and both gradients against fp64 on the device at hand;
 - batch invariance: with the opt-in batch_invariant, rows' log-probs and entropy alone and inside bigger batches
   (first, last, others masked) on the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
@@ -43,7 +45,7 @@ from packaging.version import Version
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import describe_backends
-from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, ENV_VAR, resolve_plan
+from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, CONFIG_REPLAY_KEY, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
 from ..support.layer_spec import (
@@ -288,7 +290,7 @@ def check_entry_point(entries: list | None = None) -> Finding:
     )
 
 
-def _fused_kernel_options(config_name: str | None, overrides: list[str]):
+def _composed_config(config_name: str | None, overrides: list[str]):
     """verl's trainer config composed as `python -m verl.trainer.main_ppo` composes it, or None without one."""
     if config_name is None and not overrides:
         return None
@@ -297,8 +299,12 @@ def _fused_kernel_options(config_name: str | None, overrides: list[str]):
 
     config_dir = os.path.join(os.path.dirname(main_ppo.__file__), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name=config_name or "ppo_trainer", overrides=overrides)
-    return config.actor_rollout_ref.model.get("fused_kernel_options")
+        return compose(config_name=config_name or "ppo_trainer", overrides=overrides)
+
+
+def _fused_kernel_options(config_name: str | None, overrides: list[str]):
+    config = _composed_config(config_name, overrides)
+    return None if config is None else config.actor_rollout_ref.model.get("fused_kernel_options")
 
 
 def check_plan(config_name: str | None, overrides: list[str]) -> Finding:
@@ -310,6 +316,32 @@ def check_plan(config_name: str | None, overrides: list[str]) -> Finding:
     source = "the environment" if options is None else f"the environment and {CONFIG_PREFIX} of the composed config"
     return Finding(
         "plan", OK, f"from {source} ({ENV_VAR}={os.environ.get(ENV_VAR, 'unset')}): {plan.log_line('MegatronEngine')}"
+    )
+
+
+def check_sampling_replay(config_name: str | None, overrides: list[str]) -> Finding:
+    """Sampling replay as the engine build will decide it: off, on with the rollout's truncation, or refused."""
+    from verl_fused_hook.verl_integration.sampling_replay import replay_refusal, sampling_of_rollout_config
+
+    try:
+        config = _composed_config(config_name, overrides)
+        options = None if config is None else config.actor_rollout_ref.model.get("fused_kernel_options")
+        plan = resolve_plan(options)
+    except Exception as error:  # the plan line says it
+        return Finding("replay", WARN, f"not checked: the plan fails ({type(error).__name__})")
+    if not plan.sampling_replay:
+        return Finding("replay", OK, f"off ({CONFIG_PREFIX}.{CONFIG_REPLAY_KEY} not true in hook mode)")
+    sampling = None if config is None else sampling_of_rollout_config(config.actor_rollout_ref.rollout)
+    if sampling is None:
+        return Finding("replay", WARN, "on; give the trainer config (overrides) to check the rollout's")
+    reason = replay_refusal(plan, sampling)
+    if reason is not None:
+        return Finding("replay", FAIL, reason)
+    return Finding(
+        "replay",
+        OK,
+        f"on: log-probs renormalized over the rollout's kept sets (top_k={sampling.top_k}, top_p={sampling.top_p:g}, "
+        f"at most {plan.replay_max_kept} ids per token)",
     )
 
 
@@ -437,6 +469,7 @@ def main(argv=None) -> int:
         )
         findings.append(check_entry_point())
         findings.append(check_plan(args.config_name, args.overrides))
+        findings.append(check_sampling_replay(args.config_name, args.overrides))
         findings.append(check_op(dtype))
         findings.append(check_batch_invariance(dtype))
     for finding in findings:

@@ -1,0 +1,177 @@
+"""Sampling replay through verl's real Megatron engine on the CPU (issue 54 item 3).
+
+A rollout is drawn token by token from the reference sampler (vLLM's top-k / top-p rule in fp64, `replay_reference`)
+on megatron's own logits of the engine's model, with rollout.top_k=50, top_p=0.9: its `processed_logprobs` are
+renormalized over each token's kept set, and those sets are what vLLM's mask replay returns. The engine's
+old-log-prob pass then gives, per response token:
+- with `output_processor_sampling_replay=true`, sets computed in the trainer: pi_old / pi_rollout = 1 within fp32
+  numerics; with the rollout's sets in the batch (`rollout_kept_ids`): the same;
+- with replay off: pi_old / pi_rollout = the kept set's full-vocabulary mass (the bias replay removes);
+and a GRPO update with old_log_probs = the rollout's (bypass_mode) has ppo_kl 0 within numerics with replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import pytest
+import torch
+from replay_reference import vllm_keep_mask
+
+from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
+
+TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.7
+PROMPT_LENGTHS = (5, 9, 3, 7)
+RESPONSE_LENGTHS = (6, 3, 8, 5)
+# fp32 logits of one model through two paths (megatron's output layer, the op), exp'd; measured 4.8e-7
+RATIO_TOLERANCE = 2e-6
+
+
+def _sample_rollout(gpt, vocab_size: int) -> dict[str, torch.Tensor]:
+    """verl's padded rollout fields, the responses drawn with vLLM's rule on megatron's own logits, plus the
+    rollout's log-probs, kept sets [bs, response_len, k] (-1 padding) and each token's kept mass."""
+    from verl_fused_hook_harness.support.grpo_batches import PAD_TOKEN_ID
+
+    generator = torch.Generator().manual_seed(7)
+    count, max_prompt, max_response = len(PROMPT_LENGTHS), max(PROMPT_LENGTHS), max(RESPONSE_LENGTHS)
+    prompts = torch.full((count, max_prompt), PAD_TOKEN_ID)
+    responses = torch.full((count, max_response), PAD_TOKEN_ID)
+    prompt_mask, response_mask = torch.zeros_like(prompts), torch.zeros_like(responses)
+    log_probs, kept_mass = torch.zeros(count, max_response), torch.ones(count, max_response)
+    sets = [[None] * max_response for _ in range(count)]
+    for row, (p, r) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)):
+        sequence = torch.randint(1, vocab_size, (p,), generator=generator)
+        for j in range(r):
+            n = sequence.numel()
+            causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]  # True: masked
+            with torch.no_grad():
+                logits = gpt(input_ids=sequence[None], position_ids=torch.arange(n)[None], attention_mask=causal)
+            z = logits[0, -1].double()
+            keep = vllm_keep_mask(z[None], torch.tensor([TEMPERATURE]), TOP_K, TOP_P)[0]
+            processed = torch.log_softmax((z / TEMPERATURE).masked_fill(~keep, float("-inf")), dim=0)
+            token = torch.multinomial(processed.exp(), 1, generator=generator)
+            log_probs[row, j] = processed[token].float()
+            kept_mass[row, j] = torch.softmax(z / TEMPERATURE, dim=0)[keep].sum().float()
+            sets[row][j] = keep.nonzero().flatten()
+            sequence = torch.cat([sequence, token])
+        prompts[row, max_prompt - p :], prompt_mask[row, max_prompt - p :] = sequence[:p], 1
+        responses[row, :r], response_mask[row, :r] = sequence[p:], 1
+    width = max(s.numel() for row in sets for s in row if s is not None)
+    kept = torch.full((count, max_response, width), -1)
+    for row, r in enumerate(RESPONSE_LENGTHS):
+        for j in range(r):
+            kept[row, j, : sets[row][j].numel()] = sets[row][j]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    generator.manual_seed(11)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp_min(0),
+        "response_mask": response_mask,
+        "advantages": torch.randn(count, 1, generator=generator) * response_mask,
+        "rollout_log_probs": log_probs,
+        "rollout_kept_ids": kept,
+        "kept_mass": kept_mass,
+    }
+
+
+def _engine_keys(micro_batch: int, remove_padding: bool) -> dict:
+    return dict(
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch,
+        use_fused_kernels=True,
+    )
+
+
+def _old_log_probs(engine, fields, remove_padding: bool) -> torch.Tensor:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_fused_hook_harness.support.grpo_batches import packed
+
+    data = packed(fields, TEMPERATURE, calculate_entropy=True, compute_loss=False, **_engine_keys(2, remove_padding))
+    with engine.eval_mode():
+        output = engine.infer_batch(data, loss_function=None)
+    return no_padding_2_padding(output["model_output"]["log_probs"], data).float().cpu()
+
+
+def _ppo_loss(sequences: int):
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    config = McoreActorConfig(
+        ppo_mini_batch_size=sequences,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+        loss_agg_mode="token-mean",
+        rollout_n=1,
+    )
+    return functools.partial(ppo_loss, config=config)
+
+
+def _replay_worker(rank: int, world_size: int, layout: str) -> dict:
+    from verl_fused_hook.probe import unwrap_to_gpt
+    from verl_fused_hook.switch import ENV_VAR
+    from verl_fused_hook.verl_integration.model_plan import plan_of, set_plan
+    from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
+    from verl_fused_hook_harness.commands.train.runs import metric_values
+    from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
+    from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
+    from verl_fused_hook_harness.support.grpo_batches import packed
+    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
+    from verl_fused_hook_harness.support.verl_engine import prepare_verl_process
+
+    thd = layout == "thd"
+    prepare_verl_process(rank)
+    init_model_parallel(1, seed=5)
+    os.environ[ENV_VAR] = "1"
+    setup = EngineSetup(
+        hf_path=str(TINY_QWEN2), tp=1, dtype="float32", seed=5, micro_batch_size=2, total_steps=2, lr=1e-4,
+        offload=False, fused_kernel_options={"output_processor_sampling_replay": True}, use_remove_padding=thd,
+    )  # fmt: skip
+    with cuda_names_on_cpu():
+        with rollout_sampling(RolloutSampling(top_k=TOP_K, top_p=TOP_P)):
+            actor = build_engine(setup)
+        (model,) = actor.module
+        plan = plan_of(model)
+        fields = _sample_rollout(unwrap_to_gpt(model), actor.model_config.hf_config.vocab_size)
+        mask = fields["response_mask"].bool()
+        given = {key: value for key, value in fields.items() if key != "kept_mass"}
+        computed = {key: value for key, value in given.items() if key != "rollout_kept_ids"}
+        replay_computed = _old_log_probs(actor, computed, thd)
+        replay_given = _old_log_probs(actor, given, thd)
+        set_plan(model, dataclasses.replace(plan, sampling_replay=False))
+        full = _old_log_probs(actor, computed, thd)
+        set_plan(model, plan)
+        update = dict(computed, old_log_probs=fields["rollout_log_probs"])  # bypass_mode: pi_old = pi_rollout
+        data = packed(update, TEMPERATURE, calculate_entropy=True, global_batch_size=len(PROMPT_LENGTHS),
+                      **_engine_keys(2, thd))  # fmt: skip
+        with actor.train_mode():
+            output = actor.train_batch(data, loss_function=_ppo_loss(len(PROMPT_LENGTHS)))
+    rollout = fields["rollout_log_probs"]
+    return {
+        "plan": (plan.sampling_replay, plan.replay_top_k, plan.replay_top_p),
+        "computed_ratio": (replay_computed - rollout).exp()[mask],
+        "given_ratio": (replay_given - rollout).exp()[mask],
+        "full_ratio": (full - rollout).exp()[mask],
+        "kept_mass": fields["kept_mass"][mask],
+        "ppo_kl": metric_values(output["metrics"]["actor/ppo_kl"]),
+    }
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_grpo_step_with_replay_has_ratio_one_and_without_the_kept_mass(layout):
+    result = run_in_processes(_replay_worker, 1, layout)[0]
+    assert result["plan"] == (True, TOP_K, TOP_P)
+    ones = torch.ones_like(result["computed_ratio"])
+    torch.testing.assert_close(result["computed_ratio"], ones, rtol=0, atol=RATIO_TOLERANCE)
+    torch.testing.assert_close(result["given_ratio"], ones, rtol=0, atol=RATIO_TOLERANCE)
+    # without replay the trainer's full-vocabulary log-prob over the rollout's renormalized one is the kept mass
+    torch.testing.assert_close(result["full_ratio"], result["kept_mass"], rtol=RATIO_TOLERANCE, atol=0)
+    assert float(result["kept_mass"].max()) < 0.5  # the bias is real here, not a ratio near 1 by accident
+    assert result["ppo_kl"] and all(abs(value) < 1e-6 for value in result["ppo_kl"]), result["ppo_kl"]
