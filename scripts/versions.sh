@@ -6,6 +6,7 @@
 #   bash scripts/versions.sh               # both columns: lower, then newest
 #   bash scripts/versions.sh lower         # the oldest releases pyproject.toml allows
 #   bash scripts/versions.sh newest        # no pins: whatever the index serves today
+#   REUSE_VENVS=1 bash scripts/versions.sh # rerun in the venvs already built (this checkout is installed editable)
 #
 # Not part of .ci/run: each column downloads torch with its CUDA libraries (~3.5 GB) and the tests take ~15 minutes
 # a column on 2 cores. The newest column ignores this machine's pip configuration (PIP_CONFIG_FILE=/dev/null): a
@@ -18,16 +19,19 @@ source scripts/env.sh
 # The oldest releases pyproject.toml allows (keep in step with its dependencies and docs/usage.md).
 LOWER_PINS=("torch==2.8.*" "megatron-core==0.19.0" "verl==0.9.1" "mbridge[megatron]==0.15.1")
 # The verl-facing subset: the switch, the hook and its probe, A/B parity, the op, distillation, exact on-policy,
-# train parity with checkpoint and resume, pipeline parallelism, MTP.
+# train parity with checkpoint and resume, pipeline parallelism, MTP; the process launcher (gloo's lines on torch 2.8).
 TESTS=(
     tests/test_switch.py tests/test_hook.py tests/test_probe.py tests/test_ab_parity.py tests/test_op.py
     tests/test_distillation.py tests/test_exact_on_policy.py tests/test_train_parity.py
-    tests/test_pipeline_parallel.py tests/test_mtp.py
+    tests/test_pipeline_parallel.py tests/test_mtp.py tests/test_process_launcher.py
 )
 
 build_column() {
-    local name="$1" venv="$root/build/versions/$1"
+    local venv="$root/build/versions/$1"
     shift
+    if [ "${REUSE_VENVS:-0}" = 1 ] && [ -x "$venv/bin/python" ]; then
+        return 0
+    fi
     rm -rf "$venv"
     "$(find_python312)" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
@@ -39,11 +43,12 @@ run_column() {
     python="$venv/bin/python"
     summary="$venv/summary.txt"
     {
-        echo "column: $name, $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD)"
+        echo "column: $name, $(date -u +%Y-%m-%d), commit $(git describe --always --dirty)"
         "$python" -m pip list 2>/dev/null | grep -i -E '^(torch|megatron-core|verl|mbridge|transformers|triton) '
     } > "$summary"
     if "$python" -m verl_fused_hook_harness.cli ab-parity > "$venv/demo.out" 2>&1; then
-        echo "demo: PASS, $(wc -l < "$venv/demo.out") lines of output" >> "$summary"
+        echo "demo: PASS, $(wc -l < "$venv/demo.out") lines of output, $(grep -c 'peer ranks' "$venv/demo.out") of gloo's" \
+            >> "$summary"
     else
         echo "demo: FAIL (see $venv/demo.out)" >> "$summary"
         status=1
