@@ -38,7 +38,7 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     done = doctor("--hidden-size", "3584", env={"VERL_FUSED_USE_OP_HOOK": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     checks = lines(done)
-    assert checks["megatron-core"].startswith("ok 0.19.2 (>= 0.18)")
+    assert checks["megatron-core"].startswith("ok 0.19.2 (>= 0.19)")
     assert checks["verl"].startswith("ok 0.9.1")
     assert checks["hook probe"].startswith("ok") and "log-probs match its logits" in checks["hook probe"]
     assert (
@@ -84,6 +84,23 @@ def test_doctor_fails_when_megatron_core_lacks_the_hook():
     assert probe.startswith("FAIL GPTModel.forward has no output_processor / output_processor_context parameter")
     assert "needs megatron-core>=0.18.0" in probe
     assert "doctor: FAIL: hook probe" in done.stdout
+
+
+def test_releases_below_the_declared_bounds_fail_naming_what_needs_the_newer_one():
+    """pyproject.toml's bounds, said by the versions line: torch 2.7 and megatron-core 0.18 are too old."""
+    from verl_fused_hook_harness.commands.doctor import check_versions
+
+    installed = {"torch": "2.7.1", "megatron-core": "0.18.1", "verl": "0.9.1", "mbridge": "0.15.1"}
+    findings = {finding.topic: finding for finding in check_versions(installed.get)}
+    assert findings["torch"].status == "FAIL"
+    assert findings["torch"].text == (
+        "2.7.1 is too old (>= 2.8 needed for verl 0.9.1's engine and distillation, and gloo's port 0 on the CPU)"
+    )
+    assert findings["megatron-core"].text == (
+        "0.18.1 is too old (>= 0.19 needed for the output_processor hook (0.18, PR 4686) and the MTP loss's config "
+        "and logging (0.19))"
+    )
+    assert findings["verl"].status == "ok" and findings["mbridge"].status == "ok"
 
 
 def test_entry_point_missing_says_where_the_package_imports_from_and_what_to_do():

@@ -17,6 +17,7 @@ from verl_fused_hook_harness.support.layer_spec import (
     choose_layer_spec,
     grad_accum_fusion_refusal,
     megatron_bridge,
+    padded_fp32_refusal,
     spec_overrides,
     transformer_engine,
 )
@@ -101,6 +102,22 @@ def test_megatron_bridge_builds_te_spec_only_and_needs_its_package():
     )
     # here: not installed, or (installed) stopped by its import of Transformer Engine
     assert not megatron_bridge().importable
+
+
+def test_te_is_refused_the_padded_layout_in_fp32_naming_whose_limitation_it_is():
+    """Transformer Engine's fp32 attention (its unfused backend) cannot take verl's padded mask (the H100, issue 56):
+    refused at start-up; bf16 on TE, and the local spec in fp32, run."""
+    message = padded_fp32_refusal(spec="te", layout="bshd", fp32=True)
+    assert message == (
+        "--layout bshd in fp32 on Transformer Engine's layer spec: TE runs fp32 attention in its unfused backend only, "
+        "and that backend's get_full_mask cannot take the padded attention mask verl passes (on the H100: 'The size "
+        "of tensor a (14) must match the size of tensor b (4) at non-singleton dimension 2', in the decoder before "
+        "the output layer, so verl's path and hook mode alike): Transformer Engine's limitation; use --dtype bf16 "
+        "or --layer-spec local"
+    )
+    assert padded_fp32_refusal(spec="te", layout="bshd", fp32=False) is None
+    assert padded_fp32_refusal(spec="te", layout="thd", fp32=True) is None
+    assert padded_fp32_refusal(spec="local", layout="bshd", fp32=True) is None
 
 
 def test_presence_names_the_first_module_that_does_not_import():

@@ -10,6 +10,8 @@ acceptance counts, and every parameter gradient of sum(g * log_probs) (which car
 injected MTP loss).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -93,8 +95,9 @@ def compare_scenario(name, verl_patch):
         sequence_parallel=sp, mtp_num_layers=mtp_layers, use_mup=extras.get("use_mup", False)
     )
     config.mtp_loss_scaling_factor = 0.3
-    config.mtp_detach_heads = extras.get("mtp_detach_heads", False)
     config.calculate_per_token_loss = extras.get("per_token", False)
+    if "mtp_detach_heads" in extras:  # a field from megatron-core 0.19 on: replace() refuses it where it is missing
+        config = dataclasses.replace(config, mtp_detach_heads=extras["mtp_detach_heads"])
     model = build_cpu_gpt(config, vocab_size=VOCAB, tied=tied)
     batch, labels, loss_mask = make_batch(layout)
     if "factor" in extras:  # verl's mtp_loss_normalization_factor travels on the packed params (THD only)

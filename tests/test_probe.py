@@ -79,7 +79,8 @@ def test_probe_names_the_version_when_hook_parameters_are_missing(outcomes):
     message = outcomes["old_signature"]
     assert message is not None
     assert "output_processor / output_processor_context" in message
-    assert "megatron-core>=0.18.0 (upstream PR 4686)" in message
+    assert "megatron-core>=0.18.0 (upstream PR 4686) and verl_fused_hook needs >=0.19.0" in message
+    assert "pip install 'megatron-core>=0.19.0'" in message
     # megatron-core appends `git rev-parse --short HEAD` of the current directory to its version at import
     # time, so a commit between two imports changes the suffix: compare the release part
     assert f"installed megatron-core is {__version__.split('+')[0]}" in message

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,30 @@ def test_megatron_without_hook_fails_at_build_instead_of_falling_back(monkeypatc
     with pytest.raises(OutputProcessorUnsupportedError, match=r"megatron-core>=0.18.0 \(upstream PR 4686\)"):
         megatron_engine([model])._maybe_enable_fused_kernels()
     assert "forward" not in model.__dict__  # no silent legacy patch
+
+
+def test_mtp_in_hook_mode_on_megatron_core_0_18_is_refused_at_build_by_name(monkeypatch):
+    """megatron-core 0.18.x has the hook but neither name the fused MTP loss reads: the build stops naming both,
+    instead of an AttributeError at the first training step."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from verl_fused_hook.probe import installed_megatron_version
+
+    monkeypatch.setenv(ENV_VAR, "1")
+    monkeypatch.delattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+    model = tiny_model(mtp_num_layers=1)
+    engine = megatron_engine([model], mtp_enable=True, mtp_enable_train=True)
+    fields_of_0_18 = {name: value for name, value in vars(model.config).items() if name != "mtp_detach_heads"}
+    engine.tf_config = types.SimpleNamespace(**fields_of_0_18)
+    with pytest.raises(OutputProcessorUnsupportedError) as refused:
+        engine._maybe_enable_fused_kernels()
+    assert str(refused.value) == (
+        "hook mode on an MTP model needs megatron-core>=0.19.0 for TransformerConfig.mtp_detach_heads and "
+        f"MTPLossLoggingHelper.save_metrics_to_tracker; installed megatron-core is {installed_megatron_version()}. "
+        "Upgrade with `pip install 'megatron-core>=0.19.0'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's path "
+        "(fused kernels off with MTP)"
+    )
+    assert not hasattr(model, "_verl_fused_hook_plan")
 
 
 def test_switch_without_fused_kernels_has_no_effect_and_says_so(monkeypatch, caplog):

@@ -22,6 +22,31 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 from .ops import log_probs_and_entropy
 from .output_layer import adds_weight_grad_to_main_grad, logit_multiplier, resolve_output_weight, tensor_parallel_layout
+from .probe import SUPPORTED_MEGATRON, OutputProcessorUnsupportedError, installed_megatron_version
+
+
+def megatron_mtp_gaps(config) -> list[str]:
+    """The megatron-core names `fused_process_mtp_loss` reads that this release lacks (0.18.x lacks both; 0.19.0
+    has them). Read from the objects, not the version string, so dev builds and backports pass."""
+    gaps = []
+    if not hasattr(config, "mtp_detach_heads"):
+        gaps.append("TransformerConfig.mtp_detach_heads")
+    if not hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        gaps.append("MTPLossLoggingHelper.save_metrics_to_tracker")
+    return gaps
+
+
+def require_fused_mtp_support(config) -> None:
+    """Refuse hook mode on an MTP model at build when megatron-core lacks what the fused MTP loss reads: the
+    alternative is an AttributeError at the first training step."""
+    gaps = megatron_mtp_gaps(config)
+    if gaps:
+        raise OutputProcessorUnsupportedError(
+            f"hook mode on an MTP model needs megatron-core>={SUPPORTED_MEGATRON} for {' and '.join(gaps)}; "
+            f"installed megatron-core is {installed_megatron_version()}. Upgrade with "
+            f"`pip install 'megatron-core>={SUPPORTED_MEGATRON}'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's "
+            "path (fused kernels off with MTP)"
+        )
 
 
 def fused_process_mtp_loss(

@@ -14,6 +14,9 @@ import torch
 
 HOOK_PARAMETERS = ("output_processor", "output_processor_context")
 MODELS_WITHOUT_HOOK = ("HybridModel", "MambaModel")
+# The oldest megatron-core the plugin supports (pyproject.toml's bound): 0.18.x has the hook but not every name
+# the plugin reads (mtp_loss.megatron_mtp_gaps).
+SUPPORTED_MEGATRON = "0.19.0"
 _WRAPPER_ATTRIBUTES = ("module", "language_model")
 
 
@@ -21,7 +24,7 @@ class OutputProcessorUnsupportedError(RuntimeError):
     """The model cannot run fused_output_processor."""
 
 
-def _installed_megatron_version() -> str:
+def installed_megatron_version() -> str:
     try:
         from megatron.core import __version__
     except ImportError:
@@ -71,8 +74,8 @@ def require_output_processor_support(model: torch.nn.Module) -> torch.nn.Module:
     if missing:
         raise OutputProcessorUnsupportedError(
             f"{type(inner).__name__}.forward has no {' / '.join(missing)} parameter: the output_processor hook needs "
-            f"megatron-core>=0.18.0 (upstream PR 4686); installed megatron-core is {_installed_megatron_version()}. "
-            "Upgrade with `pip install 'megatron-core>=0.18'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's legacy "
-            "forward"
+            f"megatron-core>=0.18.0 (upstream PR 4686) and verl_fused_hook needs >={SUPPORTED_MEGATRON}; installed "
+            f"megatron-core is {installed_megatron_version()}. Upgrade with `pip install 'megatron-core>="
+            f"{SUPPORTED_MEGATRON}'`, or set VERL_FUSED_USE_OP_HOOK=0 to keep verl's legacy forward"
         )
     return inner

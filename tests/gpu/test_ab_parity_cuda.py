@@ -1,4 +1,5 @@
-"""`verl-fused-hook ab-parity` on CUDA (skipped without CUDA), run as users run it, TP=1 on the shipped tiny Qwen2.
+"""`verl-fused-hook ab-parity` on CUDA (skipped without CUDA), run as users run it, TP=1 on the shipped tiny Qwen2,
+on megatron-core's local layer spec and on Transformer Engine's (where TE imports).
 
 - backend verl (legacy's own kernel on the hook side): max_abs = 0 on log-probs, entropy, loss and every
   gradient, and the legacy rerun identical (the run is deterministic, so the zero means something);
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_spec_cases import BOTH_SPECS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,8 +37,10 @@ def _run(tmp_path, *extra):
     return json.loads(out.read_text())
 
 
-def test_one_kernel_is_bit_identical(tmp_path):
-    report = _run(tmp_path, "--backend", "verl")
+@pytest.mark.parametrize("layer_spec", BOTH_SPECS)
+def test_one_kernel_is_bit_identical(tmp_path, layer_spec):
+    report = _run(tmp_path, "--backend", "verl", "--layer-spec", layer_spec)
+    assert report["layer_spec"] == layer_spec
     assert report["one_kernel"] and report["match"]
     assert [e["scenario"]["name"] for e in report["scenarios"]] == ["tp1/nosp/untied", "tp1/nosp/tied"]
     for entry in report["scenarios"]:
@@ -45,8 +49,10 @@ def test_one_kernel_is_bit_identical(tmp_path):
         assert all(entry["legacy_rerun"][k] == 0.0 for k in PARITY_KEYS), entry["legacy_rerun"]
 
 
-def test_our_triton_kernel_within_kernel_accuracy(tmp_path):
-    report = _run(tmp_path, "--backend", "triton", "--dtype", "bf16")
+@pytest.mark.parametrize("layer_spec", BOTH_SPECS)
+def test_our_triton_kernel_within_kernel_accuracy(tmp_path, layer_spec):
+    report = _run(tmp_path, "--backend", "triton", "--dtype", "bf16", "--layer-spec", layer_spec)
+    assert report["layer_spec"] == layer_spec
     assert not report["one_kernel"] and report["match"] and report["dtype"] == "bf16"
     for entry in report["scenarios"]:
         assert all(entry["max_abs"][k] <= 1e-4 for k in ("log_probs", "entropy", "policy_loss")), entry["max_abs"]

@@ -1,5 +1,6 @@
 """`verl-fused-hook ab-parity --mtp-layers 1` on CUDA (skipped without CUDA): hook mode's fused MTP loss (this
-package's Triton kernel, bf16) against verl's own MTP path (fused kernels off), TP=1 on the shipped tiny Qwen2.
+package's Triton kernel, bf16) against verl's own MTP path (fused kernels off), TP=1 on the shipped tiny Qwen2, on
+megatron-core's local layer spec and on Transformer Engine's (where TE imports).
 
 At one rank the command runs both sides in one worker process (commands/ab/mtp.py), so the run pays
 Python's imports and CUDA/NCCL start-up twice (this command, its worker), not three times; on the CPU the
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_spec_cases import BOTH_SPECS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TIME_LIMIT_S = 150
 
 
-def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
+@pytest.mark.parametrize("layer_spec", BOTH_SPECS)
+def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path, layer_spec):
     out = tmp_path / "ab_mtp.json"
     command = [
         sys.executable,
@@ -45,6 +48,8 @@ def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
         "bf16",
         "--mtp-layers",
         "1",
+        "--layer-spec",
+        layer_spec,
         "--json",
         str(out),
     ]
@@ -62,6 +67,7 @@ def test_fused_mtp_loss_matches_verls_mtp_path_on_cuda(tmp_path):
             pytest.fail(f"ab-parity --mtp-layers 1 ran past {TIME_LIMIT_S}s; what it printed:\n{printed[-4000:]}")
     print(printed[-3000:])  # the per-phase timings, for the log
     assert process.returncode == 0, printed[-6000:]
+    assert f"layer spec: {layer_spec} (" in printed
     report = json.loads(out.read_text())
     assert report["match"] and [e["scenario"] for e in report["scenarios"]] == ["tp1/nosp/untied", "tp1/nosp/tied"]
     for entry in report["scenarios"]:

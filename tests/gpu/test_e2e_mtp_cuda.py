@@ -1,7 +1,8 @@
 """`verl-fused-hook e2e-bench --mtp 1` on CUDA at a small size (skipped without CUDA): the step runs on both sides,
 and the output layer's memory probe (commands/e2e/head_memory.py) gives real CUDA figures that add up.
 
-Tiny Qwen2 shapes with a 32000-token vocabulary, 4096 tokens, bf16, hook mode on this package's Triton kernel.
+Tiny Qwen2 shapes with a 32000-token vocabulary, 4096 tokens, bf16, hook mode on this package's Triton kernel, on
+megatron-core's local layer spec and on Transformer Engine's (where TE imports).
 Checked: both sides measured, parity with verl's MTP path within bf16 tolerances, and per side a measured peak
 at or above base plus the returned gradients (extra >= 0: the gradients were allocated inside the interval),
 with hook mode's extra within the 1.5 GiB + accumulator target at this size.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_spec_cases import BOTH_SPECS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +31,8 @@ GRAD_REL = 5e-2  # bf16: verl's unfused path rounds logits and their gradient to
 MTP_LOSS_REL = 1e-3  # a mean over the rows: bf16 rounding of single logits averages out (4.2e-6 at 32k tokens)
 
 
-def test_e2e_mtp_output_layer_memory_on_cuda(tmp_path):
+@pytest.mark.parametrize("layer_spec", BOTH_SPECS)
+def test_e2e_mtp_output_layer_memory_on_cuda(tmp_path, layer_spec):
     command = [
         sys.executable,
         "-m",
@@ -49,6 +52,8 @@ def test_e2e_mtp_output_layer_memory_on_cuda(tmp_path):
         "1",
         "--repeats",
         "1",
+        "--layer-spec",
+        layer_spec,
         "--out",
         str(tmp_path),
     ]

@@ -2,7 +2,8 @@
 
 Runs `verl-fused-hook e2e-bench` as users run it (its own process: NCCL, megatron
 parallel state) on the shipped tiny Qwen2 config in bf16, 2048 tokens in 8
-packed sequences, every mode once, and checks its JSON:
+packed sequences, every mode once, on megatron-core's local layer spec and on
+Transformer Engine's (where TE imports), and checks its JSON:
 - the parity step is bitwise repeatable: a second legacy run is identical;
 - hook + verl's kernel gives exactly legacy's log-probs, entropy, loss and every
   parameter gradient (one kernel, one input);
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_spec_cases import BOTH_SPECS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,8 +36,8 @@ VALUE_TOL = 1e-4  # two kernels, each within 3e-5 of fp64 (docs/benchmarks.md), 
 GRAD_REL = 2e-2  # bf16 gradients, worst parameter, relative to its largest magnitude
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+@pytest.fixture(scope="module", params=BOTH_SPECS)
+def report(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("e2e")
     command = [
         *COMMAND,
@@ -49,13 +51,17 @@ def report(tmp_path_factory):
         "1",
         "--repeats",
         "1",
+        "--layer-spec",
+        request.param,
         "--out",
         str(out),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((out / "e2e.json").read_text())
+    report = json.loads((out / "e2e.json").read_text())
+    assert report["layer_specs"] == [request.param]
+    return report
 
 
 def _rows(report):

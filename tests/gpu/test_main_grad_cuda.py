@@ -4,7 +4,8 @@ d_weight added into an fp32 `main_grad` (as megatron's DDP gives every parameter
 each walking the whole vocabulary (backward_plan.row_groups with the sum in place): log-probs, entropy and
 d_hidden as without it, d_weight without its bf16 rounding, and the backward's working memory one group's walk.
 The `main_grad` / `grad_added_to_main_grad` attributes set by hand in the first test are the ones megatron's DDP
-sets; the last runs the hook on a tiny GPTModel in megatron's real DDP.
+sets; the last runs the hook on a tiny GPTModel in megatron's real DDP, built on megatron-core's local layer spec
+(`build_cpu_gpt`) whether Transformer Engine is installed or not.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+# the local spec, named: the parallel comparison draws each layer's weights inside the local-spec build (ab-parity
+# refuses --layer-spec te with --pp/--vpp/--ep/--moe-experts)
 COMMAND = [sys.executable, "-m", "verl_fused_hook_harness.cli", "ab-parity", "--device", "cuda"]
+COMMAND += ["--layer-spec", "local"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 

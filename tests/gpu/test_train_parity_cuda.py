@@ -1,5 +1,5 @@
-"""`verl-fused-hook train-parity` on CUDA (skipped without CUDA) at the shipped tiny Qwen2, bf16, 4 steps:
-
+"""`verl-fused-hook train-parity` on CUDA (skipped without CUDA) at the shipped tiny Qwen2, bf16, 4 steps, on
+megatron-core's local layer spec and on Transformer Engine's (where TE imports):
 legacy and hook with backend verl (one kernel) identical at every step, the resumed steps identical to the
 uninterrupted ones and offload on identical to off in every mode; hook with backend auto (this package's
 kernel) within the tool's bounds of legacy, and with the fused loss (ppo_loss inside the op) within its
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layer_spec_cases import BOTH_SPECS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,12 +29,13 @@ TINY = ROOT / "verl_fused_hook_harness" / "configs" / "tiny_qwen2"
 FIELDS = ("loss", "grad_norm", "param_checksum")
 
 
-def test_train_parity_on_cuda(tmp_path):
+@pytest.mark.parametrize("layer_spec", BOTH_SPECS)
+def test_train_parity_on_cuda(tmp_path, layer_spec):
     command = [
         sys.executable, "-m", "verl_fused_hook_harness.cli", "train-parity", "--device", "cuda", "--hf-config",
         str(TINY),
         "--steps", "4", "--prompts", "2", "--prompt-lengths", "3,9", "--response-lengths", "2,10",
-        "--offload", "both", "--out", str(tmp_path),
+        "--offload", "both", "--layer-spec", layer_spec, "--out", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass
 
 from ..log_once import log_once, note
-from ..mtp_loss import fused_process_mtp_loss
+from ..mtp_loss import fused_process_mtp_loss, require_fused_mtp_support
 from ..ops import backend_capabilities
 from ..probe import unwrap_to_gpt
 from ..switch import HOOK
@@ -88,13 +88,15 @@ def hook_mtp_call(call: HookMtpCall):
 
 @contextlib.contextmanager
 def keep_fused_kernels_with_mtp(engine, plan):
-    """Around verl's `_maybe_enable_fused_kernels`: in hook mode, show it the model config with
-    `mtp.enable=False` so its blanket MTP disable does not fire (its other checks still run), then
-    record `mtp.enable_train` on every model and log what runs fused. Anything else: no change."""
+    """Around verl's `_maybe_enable_fused_kernels`: in hook mode, refuse a megatron-core that cannot run the fused
+    MTP loss, then show verl the model config with `mtp.enable=False` so its blanket MTP disable does not fire
+    (its other checks still run), then record `mtp.enable_train` on every model and log what runs fused.
+    Anything else: no change."""
     real = engine.model_config
     if plan.mode != HOOK or not real.mtp.enable:
         yield
         return
+    require_fused_mtp_support(engine.tf_config)
     shown = copy.copy(real)
     object.__setattr__(shown, "mtp", dataclasses.replace(real.mtp, enable=False))  # verl's configs are frozen
     engine.model_config = shown

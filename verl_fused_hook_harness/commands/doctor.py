@@ -5,7 +5,8 @@ show up in a minute on the login node, not as a different code path hours
 into a run. Each check prints one line (`ok`, `warn` or `FAIL`) and the exit
 status is 1 when something would fail at start-up:
 
-- versions: torch, megatron-core (>= 0.18: the hook), verl (>= 0.9.1), mbridge; optional ones;
+- versions: torch (>= 2.8), megatron-core (>= 0.19: the hook and what the MTP loss reads), verl (>= 0.9.1),
+  mbridge; optional ones;
 - hook probe: a tiny megatron-core GPTModel (CPU, its own process) built and run through
   `fused_output_processor`; its log-probs must equal the model's own logits path;
 - device and backends: the GPU, which op backend `auto` picks for the job's hidden size and dtype,
@@ -38,6 +39,7 @@ import importlib.util
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +67,8 @@ from ..support.upstream_notices import UpstreamNotices, add_verbose_argument
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # (distribution, oldest supported, what needs it)
 REQUIRED = (
-    ("torch", "2.6", "the op"),
-    ("megatron-core", "0.18", "the output_processor hook (PR 4686)"),
+    ("torch", "2.8", "verl 0.9.1's engine and distillation, and gloo's port 0 on the CPU"),
+    ("megatron-core", "0.19", "the output_processor hook (0.18, PR 4686) and the MTP loss's config and logging (0.19)"),
     ("verl", "0.9.1", "the plugin's call sites"),
     ("mbridge", "0.15.1", "verl's model build (the plugin fixes its ModelType lookup on megatron-core >= 0.18)"),
 )
@@ -100,17 +102,17 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def check_versions() -> list[Finding]:
+def check_versions(version_of: Callable[[str], str | None] = _version) -> list[Finding]:
     findings = []
     for distribution, oldest, needed_by in REQUIRED:
-        found = _version(distribution)
+        found = version_of(distribution)
         if found is None:
             findings.append(Finding(distribution, FAIL, f"not installed (>= {oldest} needed for {needed_by})"))
         elif Version(found) < Version(oldest):
             findings.append(Finding(distribution, FAIL, f"{found} is too old (>= {oldest} needed for {needed_by})"))
         else:
             findings.append(Finding(distribution, OK, f"{found} (>= {oldest})"))
-    optional = ", ".join(f"{name} {_version(name) or 'not installed'}" for name in OPTIONAL)
+    optional = ", ".join(f"{name} {version_of(name) or 'not installed'}" for name in OPTIONAL)
     findings.append(Finding("optional", OK, optional))
     return findings
 

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from ..support.upstream_notices import unprinted_gloo_connections
 from .bshd_attention import PaddedDotProductAttention
 from .moe_cpu import enable_cpu_moe
 
@@ -113,16 +114,17 @@ def init_model_parallel(
 ) -> None:
     """Set up megatron's parallel state on an already initialized gloo group (or a one-process one)."""
     enable_cpu_megatron()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp_size,
-        context_parallel_size=cp_size,
-        pipeline_model_parallel_size=pp_size,
-        virtual_pipeline_model_parallel_size=vpp_size,
-        expert_model_parallel_size=ep_size,
-    )
+    with unprinted_gloo_connections():
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            context_parallel_size=cp_size,
+            pipeline_model_parallel_size=pp_size,
+            virtual_pipeline_model_parallel_size=vpp_size,
+            expert_model_parallel_size=ep_size,
+        )
     seed_model_parallel_rng(seed)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .determinism import prepare_cublas_workspace
+from .upstream_notices import unprinted_gloo_connections
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def init_one_rank_group(backend: str) -> None:
     """This process as a one-rank default group (NCCL on GPU 0, or gloo)."""
     if backend == "nccl":
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, store=_rendezvous_store(1), rank=0, world_size=1)
+    with unprinted_gloo_connections():
+        dist.init_process_group(backend, store=_rendezvous_store(1), rank=0, world_size=1)
 
 
 def backend_for(device: str) -> str:
@@ -53,7 +55,8 @@ def _worker(rank: int, world_size: int, port: int, folder: str, backend: str, fn
     else:
         torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    with unprinted_gloo_connections():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
         try:

@@ -304,6 +304,29 @@ def add_layer_spec_arguments(parser, *, batch_invariant: bool = True) -> None:
         )
 
 
+def padded_fp32_refusal(*, spec: str, layout: str, fp32: bool) -> str | None:
+    """Why TE's layer spec cannot run the padded (BSHD) layout in fp32, or None where it can. Transformer Engine's
+    limitation: it runs fp32 attention in its unfused backend only (its flash and cuDNN backends take fp16/bf16), and
+    that backend's get_full_mask cannot take the padded attention mask verl's BSHD path passes. It fails in the
+    decoder, before the output layer, so verl's path and hook mode alike (seen on the H100)."""
+    if spec != TE or layout != "bshd" or not fp32:
+        return None
+    return (
+        "--layout bshd in fp32 on Transformer Engine's layer spec: TE runs fp32 attention in its unfused backend only, "
+        "and that backend's get_full_mask cannot take the padded attention mask verl passes (on the H100: 'The size "
+        "of tensor a (14) must match the size of tensor b (4) at non-singleton dimension 2', in the decoder before "
+        "the output layer, so verl's path and hook mode alike): Transformer Engine's limitation; use --dtype bf16 "
+        "or --layer-spec local"
+    )
+
+
+def check_padded_fp32(parser, *, spec: str, layout: str, fp32: bool) -> None:
+    """parser.error with the reason when TE's spec would be asked to run the padded layout in fp32."""
+    refusal = padded_fp32_refusal(spec=spec, layout=layout, fp32=fp32)
+    if refusal:
+        parser.error(refusal)
+
+
 def resolve_layer_spec(parser, requested: str, device: str) -> SpecChoice:
     """The spec for `requested` on `device`; parser.error with the reason where `te` cannot build."""
     te = transformer_engine() if requested != LOCAL else Presence(False, "not asked")

@@ -12,6 +12,7 @@ runtime never does, so a user's training job prints everything as before. `--ver
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing.resource_tracker
 import os
 import re
@@ -188,3 +189,22 @@ def add_verbose_argument(parser) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data) :]
+
+
+@contextlib.contextmanager
+def unprinted_gloo_connections():
+    """fd 1 at /dev/null while gloo groups connect. Why: gloo as torch 2.8 bundles it writes "[Gloo] Rank N is
+    connected to M peer ranks" to std::cout piece by piece for every rank and group it connects (megatron's parallel
+    state connects dozens: 700 lines in the demo), and ranks' pieces interleave, so no line filter can catch them.
+    A connection that fails still raises; what Python prints within the block is dropped too."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)

@@ -76,6 +76,7 @@ from ...support.layer_spec import (
     add_layer_spec_arguments,
     batch_invariant_kernels,
     check_batch_invariant,
+    check_padded_fp32,
     resolve_layer_spec,
 )
 from ...support.reports import write_json
@@ -248,6 +249,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return run_parallel(parser, args, device, backend, hf_path if args.hf_config else None)
     choice = resolve_layer_spec(parser, args.layer_spec, device)
     check_batch_invariant(parser, args.batch_invariant, choice.spec)
+    check_padded_fp32(parser, spec=choice.spec, layout=args.layout, fp32=dtype == "fp32")
     rtol = UNFUSED_RTOL_BF16 if dtype == "bf16" else UNFUSED_RTOL_CUDA if device == "cuda" else UNFUSED_RTOL
     setup = Setup(
         hf_path=hf_path,

@@ -27,6 +27,7 @@ from ...support.layer_spec import (
     add_layer_spec_arguments,
     apex_weight_gradient_fusion,
     check_batch_invariant,
+    check_padded_fp32,
     grad_accum_fusion_refusal,
     resolve_layer_spec,
 )
@@ -81,6 +82,7 @@ def resolve_specs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("--output-layer-share: the packed layout's modes only; drop --mtp / --fused-loss / --layout bshd")
     for spec in args.layer_specs:
         check_batch_invariant(parser, args.batch_invariant, spec)
+        check_padded_fp32(parser, spec=spec, layout=args.layout, fp32=args.dtype == torch.float32)
         if args.grad_accum_fusion:
             refusal = grad_accum_fusion_refusal(spec=spec, apex=apex_weight_gradient_fusion())
             if refusal:
