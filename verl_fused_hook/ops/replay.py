@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from ..checks import check_int, is_number
 from ..log_once import log_once
 from .arguments import LogProbProblem, build_problem
+from .backends import BACKEND_CHOICES
 from .kept_sets import (
     DEFAULT_MAX_KEPT,
     FIRST_CANDIDATES,
@@ -142,7 +143,7 @@ def replayed_log_probs(
 
         kept_mass, label_added = _full(problem, mass, 0.0), _full(problem, added, False)
     token_position = _token_positions(problem, token_ids, labels, kept)
-    plan = _SparsePlan(problem, kept, label_position, token_position, chunk_rows)
+    plan = _SparsePlan(problem, kept, label_position, token_position, chunk_rows, _uses_triton(problem, backend))
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         if problem.needs_grad:
             log_probs, entropy, token_lp = _ReplayedSoftmax.apply(problem.hidden, problem.weight, plan)
@@ -187,6 +188,24 @@ def _check_replay_arguments(kept_ids, kept_csr, top_k, top_p, max_kept, chunk_ro
         raise ValueError("kept_ids: expected an integer torch.Tensor [..., k_max] (-1 padding)")
     if kept_csr is not None and not (isinstance(kept_csr, (tuple, list)) and len(kept_csr) == 2):
         raise ValueError("kept_csr: expected a pair (token_ids, offsets) of 1-d integer tensors")
+
+
+def _uses_triton(p: LogProbProblem, backend: str) -> bool:
+    """The sparse passes' path: Triton's gather-dot kernels where the Triton backend runs (CUDA, Hopper, bf16), the
+    portable chunks elsewhere; "auto" says once why it passes Triton over on CUDA, "triton" refuses."""
+    if backend not in BACKEND_CHOICES or backend == "verl":
+        allowed = ", ".join(name for name in BACKEND_CHOICES if name != "verl")
+        raise ValueError(f"backend: {backend!r} cannot run replayed_log_probs; allowed: {allowed}")
+    if backend == "torch":
+        return False
+    from . import triton_backend
+
+    reason = triton_backend.unavailable_reason(p)
+    if reason is not None and backend == "triton":
+        raise ValueError(f"backend: 'triton' cannot run replayed_log_probs here: {reason}")
+    if reason is not None and p.hidden.is_cuda:
+        log_once(logger, f"replayed_log_probs: the portable path, not Triton's kernels: {reason}", logging.WARNING)
+    return reason is None
 
 
 def _given_rows(p: LogProbProblem, kept_ids: Tensor | None, kept_csr, labels: Tensor) -> Tensor:
@@ -296,10 +315,11 @@ def _full(p: LogProbProblem, values: Tensor | None, fill) -> Tensor | None:
 
 class _SparsePlan:
     """What the sparse passes need beside hidden and weight: the scored rows, their kept ids as this shard's columns
-    (-1 elsewhere), the label's and the asked ids' positions in the sets, 1/T, the chunks."""
+    (-1 elsewhere), the label's and the asked ids' positions in the sets, 1/T, the path (`triton`: the gather-dot
+    kernels; else the portable chunks)."""
 
-    def __init__(self, p: LogProbProblem, kept: Tensor, label_position: Tensor, token_position, chunk_rows):
-        self.p, self.kept = p, kept
+    def __init__(self, p: LogProbProblem, kept: Tensor, label_position: Tensor, token_position, chunk_rows, triton):
+        self.p, self.kept, self.triton = p, kept, triton
         self.valid = kept >= 0
         local = kept - p.vocab_start
         self.columns = torch.where(self.valid & (local >= 0) & (local < p.valid_columns), local, -1)
@@ -341,6 +361,10 @@ class _SparsePlan:
 
 def _shard_logits(plan: _SparsePlan) -> Tensor:
     """fp32 [A, k] raw logits h . W[id] of the kept ids on this shard, 0 elsewhere."""
+    if plan.triton:  # token_log_probs' gather-dot: each W row read in place, fp32 in a fixed order over H
+        from .triton_selected_tokens import token_logits
+
+        return token_logits(_scored_hidden(plan.p), plan.p.weight, plan.columns, torch.ones_like(plan.inv_temp))
     out = torch.zeros(plan.kept.shape, dtype=torch.float32, device=plan.kept.device)
     for span in plan.spans:
         rows, union, w_union, position = plan.operands(span)
@@ -413,7 +437,8 @@ class _ReplayedSoftmax(torch.autograd.Function):
             d_z.scatter_add_(1, plan.token_position.clamp_min(0), c)
             d_z -= ordered_sum(c.t()).unsqueeze(1) * probs
         d_raw = torch.where(plan.valid, d_z * plan.inv_temp.unsqueeze(1), 0.0)
-        return _sparse_gradients(plan, d_raw, ctx.needs_input_grad, owner, hidden_shape, hidden_dtype, weight_shape,
+        gradients = _triton_gradients if plan.triton else _sparse_gradients
+        return gradients(plan, d_raw, ctx.needs_input_grad, owner, hidden_shape, hidden_dtype, weight_shape,
                                  weight_dtype)  # fmt: skip
 
 
@@ -455,4 +480,58 @@ def _sparse_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidd
     elif needs[1]:
         grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device)
         grad_weight.index_copy_(0, union_all, weight_sum.to(weight_dtype))
+    return grad_hidden, grad_weight, None
+
+
+# Hidden units per program of the Triton backward's kernels.
+GRADIENT_BLOCK_H = 256
+
+
+def _scored_hidden(p: LogProbProblem) -> Tensor:
+    """The scored rows of hidden, contiguous [A, H] (hidden itself when every row is scored)."""
+    if p.active_rows.numel() == p.num_rows:
+        return p.hidden.contiguous()
+    return p.hidden.index_select(0, p.active_rows)
+
+
+def _triton_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidden_dtype, weight_shape, weight_dtype):
+    """The Triton backward: d_hidden per row from its kept weight rows (`kept_rows_gradient_kernel`), d_weight per
+    kept column from the hidden rows that kept it (`kept_columns_gradient_kernel`, over the entries sorted by
+    column), straight into the returned gradient or main_grad: no [rows, |U|] or fp32 [|U|, H] buffer."""
+    from . import triton_kernels as kernels
+
+    p, device = plan.p, d_raw.device
+    rows, entries = d_raw.shape
+    size = hidden_shape[1]
+    blocks = -(-size // GRADIENT_BLOCK_H)
+    weight = p.weight.contiguous()
+    grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if needs[0] else None
+    if grad_hidden is not None and rows and entries:
+        d_rows = torch.empty(rows, size, dtype=torch.float32, device=device)
+        kernels.kept_rows_gradient_kernel[(rows, blocks)](
+            d_raw.contiguous(), plan.columns.contiguous(), weight, weight.stride(0), d_rows, d_rows.stride(0),
+            entries, size, BLOCK_H=GRADIENT_BLOCK_H,
+        )  # fmt: skip
+        grad_hidden.index_copy_(0, p.active_rows, d_rows.to(hidden_dtype))
+    target, grad_weight = None, None
+    if owner is not None:
+        target = owner.main_grad
+    elif needs[1]:
+        target = grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device)
+    if target is not None and rows and entries:
+        flat = plan.columns.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # the -1 entries first, then each column's in row order
+        order = order[int((flat < 0).sum()) :]
+        columns, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        starts = torch.zeros(columns.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=starts[1:])
+        if columns.numel():
+            hidden = p.hidden.contiguous()
+            kernels.kept_columns_gradient_kernel[(columns.numel(), blocks)](
+                p.active_rows[order // entries], d_raw.reshape(-1)[order].contiguous(), starts, columns, hidden,
+                hidden.stride(0), target, target.stride(0), size, ACCUMULATE=owner is not None,
+                BLOCK_H=GRADIENT_BLOCK_H,
+            )  # fmt: skip
+    if owner is not None:
+        grad_weight = returned_weight_grad(owner)
     return grad_hidden, grad_weight, None

@@ -7,7 +7,10 @@
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
 - `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
   gather-dot in a fixed order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel
-  wrote.
+  wrote;
+- `kept_rows_gradient_kernel`, `kept_columns_gradient_kernel`: `replayed_log_probs`' backward (its forward is the
+  gather-dot): d_hidden as each row's weighted sum of its kept weight rows, and d_weight as each kept column's
+  weighted sum of the hidden rows that kept it (entries sorted by column: one program owns a column's rows).
 
 The two GEMM kernels compute a [BLOCK_M, BLOCK_N] tile of logits = hidden @ weight.T in
 fp32 through TMA tensor descriptors (Hopper's bulk copy engine; out-of-bounds
@@ -319,3 +322,60 @@ def add_sparse_gradient_kernel(
     where = dz_ptr + row * dz_stride + local
     old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
     tl.store(where, (old + add).to(dz_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def kept_rows_gradient_kernel(
+    d_ptr,
+    columns_ptr,  # fp32 / int64 [rows, entries] d_logits of the kept entries; their columns (-1: not on this shard)
+    w_ptr,
+    w_stride,
+    out_ptr,
+    out_stride,  # fp32 [rows, H]
+    entries,
+    H,
+    BLOCK_H: tl.constexpr,
+):
+    """One program: BLOCK_H hidden units of one row, sum_j d_j W[column_j] over the row's entries in order: a row's
+    gradient depends on its own entries alone (batch invariant), and no two programs write one element."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k_ok = k < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in range(0, entries):
+        column = tl.load(columns_ptr + row * entries + j)
+        d = tl.load(d_ptr + row * entries + j)
+        w = tl.load(w_ptr + column * w_stride + k, mask=k_ok & (column >= 0), other=0.0).to(tl.float32)
+        acc += d * w
+    tl.store(out_ptr + row * out_stride + k, acc, mask=k_ok)
+
+
+@triton.jit
+def kept_columns_gradient_kernel(
+    entry_rows_ptr,
+    entry_d_ptr,  # int64 / fp32 [E] the entries sorted by column (stable: rows in order): hidden row, d_logit
+    segment_start_ptr,
+    segment_column_ptr,  # int64 [S + 1] each column's first entry (and the end), int64 [S] the column
+    h_ptr,
+    h_stride,
+    out_ptr,
+    out_stride,  # [V_local, H]: the returned d_weight, or a main_grad added into
+    H,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program: BLOCK_H units of one kept column's d_weight row, sum over the column's entries (in row order) of
+    d * h[row]; written once (or added once onto main_grad): no atomics, no order between programs."""
+    segment = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k_ok = k < H
+    start = tl.load(segment_start_ptr + segment)
+    stop = tl.load(segment_start_ptr + segment + 1)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for e in range(start, stop):
+        row = tl.load(entry_rows_ptr + e)
+        acc += tl.load(entry_d_ptr + e) * tl.load(h_ptr + row * h_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+    where = out_ptr + tl.load(segment_column_ptr + segment) * out_stride + k
+    if ACCUMULATE:
+        acc += tl.load(where, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(where, acc.to(out_ptr.dtype.element_ty), mask=k_ok)
