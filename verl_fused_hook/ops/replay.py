@@ -507,12 +507,10 @@ def _triton_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidd
     weight = p.weight.contiguous()
     grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if needs[0] else None
     if grad_hidden is not None and rows and entries:
-        d_rows = torch.empty(rows, size, dtype=torch.float32, device=device)
         kernels.kept_rows_gradient_kernel[(rows, blocks)](
-            d_raw.contiguous(), plan.columns.contiguous(), weight, weight.stride(0), d_rows, d_rows.stride(0),
-            entries, size, BLOCK_H=GRADIENT_BLOCK_H,
+            d_raw.contiguous(), plan.columns.contiguous(), weight, weight.stride(0), grad_hidden,
+            grad_hidden.stride(0), p.active_rows, entries, size, BLOCK_H=GRADIENT_BLOCK_H,
         )  # fmt: skip
-        grad_hidden.index_copy_(0, p.active_rows, d_rows.to(hidden_dtype))
     target, grad_weight = None, None
     if owner is not None:
         target = owner.main_grad

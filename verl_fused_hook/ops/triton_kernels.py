@@ -331,13 +331,15 @@ def kept_rows_gradient_kernel(
     w_ptr,
     w_stride,
     out_ptr,
-    out_stride,  # fp32 [rows, H]
+    out_stride,
+    out_rows_ptr,  # [N, H] d_hidden (its dtype), int64 [rows] the row of out each row's gradient goes to
     entries,
     H,
     BLOCK_H: tl.constexpr,
 ):
-    """One program: BLOCK_H hidden units of one row, sum_j d_j W[column_j] over the row's entries in order: a row's
-    gradient depends on its own entries alone (batch invariant), and no two programs write one element."""
+    """One program: BLOCK_H hidden units of one row, sum_j d_j W[column_j] over the row's entries in order, rounded
+    once into the row's place in d_hidden: a row's gradient depends on its own entries alone (batch invariant), and
+    no two programs write one element."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k_ok = k < H
@@ -347,7 +349,7 @@ def kept_rows_gradient_kernel(
         d = tl.load(d_ptr + row * entries + j)
         w = tl.load(w_ptr + column * w_stride + k, mask=k_ok & (column >= 0), other=0.0).to(tl.float32)
         acc += d * w
-    tl.store(out_ptr + row * out_stride + k, acc, mask=k_ok)
+    tl.store(out_ptr + tl.load(out_rows_ptr + row) * out_stride + k, acc.to(out_ptr.dtype.element_ty), mask=k_ok)
 
 
 @triton.jit
