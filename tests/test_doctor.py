@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_MEGATRON = Path(__file__).resolve().parent / "old_megatron"  # test-only fake: GPTModel.forward without the hook
@@ -101,6 +104,23 @@ def test_releases_below_the_declared_bounds_fail_naming_what_needs_the_newer_one
         "and logging (0.19))"
     )
     assert findings["verl"].status == "ok" and findings["mbridge"].status == "ok"
+
+
+def test_the_declared_bounds_are_the_ones_doctor_the_probe_and_versions_sh_use():
+    """pyproject.toml's lower bounds, doctor's version lines, the probe's message and scripts/versions.sh's lower column
+    say one thing: a bound raised in one place and not the others fails here."""
+    from verl_fused_hook.probe import SUPPORTED_MEGATRON
+    from verl_fused_hook_harness.commands.doctor import REQUIRED
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = dict(requirement.split(">=") for requirement in dependencies)
+    assert declared == {"torch": "2.8", "megatron-core": "0.19"}
+    oldest = {distribution: version for distribution, version, _ in REQUIRED}
+    assert {name: oldest[name] for name in declared} == declared
+    assert Version(SUPPORTED_MEGATRON) == Version(declared["megatron-core"])
+    lower_pins = (ROOT / "scripts" / "versions.sh").read_text().split("LOWER_PINS=(")[1].split(")")[0]
+    assert f'"torch=={declared["torch"]}.*"' in lower_pins
+    assert f'"megatron-core=={SUPPORTED_MEGATRON}"' in lower_pins
 
 
 def test_entry_point_missing_says_where_the_package_imports_from_and_what_to_do():
