@@ -75,8 +75,11 @@ def test_doctor_passes_on_a_supported_cpu_machine():
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
     )
     assert checks["verl defaults"] == "ok no TE build here (the TE line says why): nothing more to check"
-    assert done.stdout.rstrip().endswith("doctor: OK (16 checks, 2 warnings)")
-    assert len(done.stdout.splitlines()) == 17  # the checks and the verdict: upstream notices are summarised
+    assert checks["replay"] == (
+        "ok off (actor_rollout_ref.model.fused_kernel_options.output_processor_sampling_replay not true in hook mode)"
+    )
+    assert done.stdout.rstrip().endswith("doctor: OK (17 checks, 2 warnings)")
+    assert len(done.stdout.splitlines()) == 18  # the checks and the verdict: upstream notices are summarised
     assert "upstream notices:" in done.stderr and "--verbose shows them" in done.stderr
 
 
@@ -150,7 +153,7 @@ def test_doctor_fails_on_a_bad_switch_and_on_a_misspelt_entry():
     assert "output_processor_fused_los is not a verl_fused_hook entry; did you mean " in plan
     assert plan.endswith(
         "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib, "
-        "output_processor_batch_invariant"
+        "output_processor_batch_invariant, output_processor_sampling_replay, output_processor_sampling_replay_max_kept"
     )
 
 
