@@ -207,3 +207,67 @@ def test_timed_repeats_run_in_rounds_over_the_modes():
     for p in primed:
         assert len(p.row["train_times_s"]) == len(p.row["forward_times_s"]) == 3
         assert p.row["train_s"] >= 0 and p.row["forward_peak_bytes"] >= 0
+
+
+def test_replay_modes_run_beside_the_others_and_raise_every_log_prob(tmp_path):
+    """`--replay 50,0.9` adds the replay modes (kept sets computed, and given as synthetic `rollout_kept_ids`) to the
+    same rounds. Renormalizing over a set that holds the label cannot lower its probability: every replayed log-prob
+    on the rows the loss reads lies above legacy's full-vocabulary one (the tiny random model spreads its mass, so by
+    far more than fp32 noise), and the kept mass is a probability below 1."""
+    modes = "legacy,hook+ours+mask,hook+ours+mask+replay,hook+ours+mask+replay-given"
+    assert run_in_processes(_bench_worker, 1, tmp_path, "--replay", "50,0.9", "--modes", modes)[0] == 0
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert report["replay"] == {"top_k": 50, "top_p": 0.9}
+    rows = {row["mode"]: row for row in report["sizes"][0]["modes"]}
+    assert list(rows) == modes.split(",")
+    assert rows["hook+ours+mask"]["vs_legacy"]["log_probs"] == 0.0  # the same portable op on the CPU
+    for name in ("hook+ours+mask+replay", "hook+ours+mask+replay-given"):
+        row = rows[name]
+        assert "vs_legacy" not in row  # no parity: the values are renormalized by design
+        assert row["replay_vs_full"]["min_log_prob_rise"] > 0.1, row
+        assert 0.0 < row["replay_vs_full"]["mean_kept_mass"] < 0.5, row
+        assert row["train_s"] > 0 and row["forward_s"] > 0 and len(row["train_times_s"]) == 1
+    table = (tmp_path / "e2e.md").read_text()
+    replay_line = next(_cells(line) for line in table.splitlines() if "| hook+ours+mask+replay |" in line)
+    assert replay_line[8:] == ["n/a (replay)"] * 3
+    assert "Replay rows (rollout top_k=50, top_p=0.9): no parity with legacy" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replay=-1,0.9"], "--replay: expected 1 <= TOP_K <= 512"),
+        (["--replay", "50,1.5"], "--replay: expected 1 <= TOP_K <= 512"),
+        (["--replay", "50"], "--replay: expected TOP_K,TOP_P (e.g. 50,0.9), got '50'"),
+        (["--replay", "50,0.9", "--layout", "bshd"], "--replay runs on the packed layout's modes"),
+        (["--modes", "legacy,hook+ours+mask+replay"], "['hook+ours+mask+replay'] need --replay TOP_K,TOP_P"),
+    ],
+)
+def test_replay_arguments_are_checked_before_anything_is_built(argv, message, capsys):
+    from verl_fused_hook_harness.commands.e2e import bench as e2e_bench
+
+    with pytest.raises(SystemExit):
+        e2e_bench.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_synthetic_kept_sets_hold_their_label_first_and_distinct_ids():
+    """Each response token's set: the token itself first, 1 to width ids in all, each id once; -1 past a response."""
+    import torch
+
+    from verl_fused_hook_harness.support.micro_batches import jagged, synthetic_kept_sets
+
+    generator = torch.Generator().manual_seed(3)
+    responses = [torch.randint(0, 1000, (n,), generator=generator) for n in (7, 3, 12)]
+    kept = synthetic_kept_sets(jagged(responses), 50, 1000, seed=0)
+    assert kept.shape == (3, 12, 50) and kept.dtype == torch.int64
+    sizes = []
+    for sequence, response in enumerate(responses):
+        assert torch.equal(kept[sequence, : response.numel(), 0], response)
+        assert bool((kept[sequence, response.numel() :] == -1).all())
+        for ids in kept[sequence, : response.numel()]:
+            valid = ids[ids >= 0]
+            assert bool((ids[valid.numel() :] == -1).all())  # padding after the ids
+            assert valid.unique().numel() == valid.numel() and bool((valid < 1000).all())
+            sizes.append(valid.numel())
+    assert 1 <= min(sizes) and max(sizes) <= 50 and len(set(sizes)) > 5  # sizes vary, as top-p's do

@@ -120,3 +120,30 @@ def response_rows(data):
 def response_values(values: torch.Tensor, data) -> torch.Tensor:
     """The values (nested like input_ids) on the rows the loss reads, flattened."""
     return values.values()[response_rows(data).values()]
+
+
+def synthetic_kept_sets(responses: torch.Tensor, width: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """A stand-in for the rollout's `rollout_kept_ids` of `responses` (nested [batch, response_len]): int64
+    [batch, longest response, width], -1 padding. Each token's set holds the token first, then a uniform 0 to
+    width - 1 other ids (as top-p within top_k=width varies a set's size), spread over the vocabulary at random
+    gaps: neighbouring tokens' sets share few ids (a real rollout's share most), near the widest union a chunk of rows
+    can have.
+
+    Why synthetic: the e2e batch's tokens are random, not sampled from the model, so no rollout's sets exist for them;
+    these have the shape and sizes of real ones and hold their label, as the op requires."""
+    if not 1 <= width <= vocab_size:
+        raise ValueError(f"kept sets of width {width}: expected 1 <= width <= vocab_size={vocab_size}")
+    generator = torch.Generator().manual_seed(seed)
+    labels = responses.values().cpu().long()
+    sizes = torch.randint(1, width + 1, (labels.numel(), 1), generator=generator)
+    spacing = (vocab_size - 1) // max(width - 1, 1)  # (width - 1) gaps of at most this stay below the vocabulary
+    gaps = torch.randint(1, spacing + 1, (labels.numel(), width - 1), generator=generator)
+    others = (labels.unsqueeze(1) + gaps.cumsum(dim=1)) % vocab_size  # distinct: offsets rise within [1, vocab)
+    sets = torch.cat([labels.unsqueeze(1), others], dim=1)
+    sets = torch.where(torch.arange(width) < sizes, sets, -1)
+    offsets = responses.offsets().cpu()
+    lengths = offsets.diff()
+    padded = torch.full((lengths.numel(), int(lengths.max()), width), -1, dtype=torch.long)
+    sample = torch.arange(lengths.numel()).repeat_interleave(lengths)
+    padded[sample, torch.arange(labels.numel()) - offsets[sample]] = sets
+    return padded.to(responses.device)

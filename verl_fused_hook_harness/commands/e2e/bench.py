@@ -14,6 +14,12 @@ its backward. Modes:
   hook+verl     VERL_FUSED_USE_OP_HOOK=1, output_processor_backend=verl (same kernel)
   hook+ours     VERL_FUSED_USE_OP_HOOK=1, output_processor_backend=triton (this package's kernel)
   hook+ours+mask  as hook+ours, scoring only the response rows verl reads (score mask: prompt rows skipped)
+  hook+ours+mask+replay        with --replay TOP_K,TOP_P: as hook+ours+mask with output_processor_sampling_replay=true,
+                               the engine built knowing the rollout's top_k / top_p: log-probs and entropy
+                               renormalized over kept sets computed from the trainer's logits (the op
+                               replayed_log_probs)
+  hook+ours+mask+replay-given  the same with the sets given in the batch (`rollout_kept_ids`, synthetic: each token's
+                               label and 0 to top_k - 1 random other ids)
 
 On CUDA verl's kernel is verl's Triton kernel and ours is the `triton`
 backend. On the CPU (to validate the flow; timings there mean nothing) neither
@@ -33,7 +39,8 @@ atomic adds), and legacy runs it twice: the rerun must be identical, so
 hook+verl's zero is a real zero. Timed steps run with PyTorch's defaults. On
 Transformer Engine's spec the attention keeps its own backward (no deterministic
 fused THD backward at these sizes, support/determinism.py): there the rerun row
-is that backward's noise floor.
+is that backward's noise floor. The replay modes have no parity with legacy (their values are renormalized over the
+kept sets); their row holds the smallest rise of their log-probs over legacy's and the mean kept mass (thd.py).
 
 `--layout bshd` runs verl's padded layout instead (engines with `use_remove_padding=False`, the same
 sequences right-padded to the longest): verl has no fused path there, so the reference is verl as it
@@ -57,7 +64,7 @@ start-up where they cannot run (support/layer_spec.py says what each needs).
 Usage: verl-fused-hook e2e-bench [--hf-config PATH | --moe] [--sizes 16384,32768,65536] [--layout thd|bshd] [--out DIR]
                                  [--layers N] [--recompute] [--warmups W] [--repeats R] [--verbose]
                                  [--layer-spec auto|local|te | --layer-specs local,te] [--output-layer-share]
-                                 [--grad-accum-fusion] [--batch-invariant]
+                                 [--grad-accum-fusion] [--batch-invariant] [--replay TOP_K,TOP_P]
        verl-fused-hook e2e-bench --mtp 1 [--vocab-size 248320] [--sizes 32768,65536,131072] [--out DIR]
        verl-fused-hook e2e-bench --fused-loss [--modes hook+ours+mask,hook+ours+fused-loss,legacy] [--out DIR]
        verl-fused-hook e2e-bench --distillation forward_kl_topk|k3|... [--topk 128] [--modes ...] [--out DIR]
@@ -78,6 +85,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+from verl_fused_hook.ops.kept_sets import DEFAULT_MAX_KEPT
+from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
 
 from ...support.arguments import DTYPES, add_device_argument, default_dtype, known_names, resolve_device
 from ...support.compare import max_abs
@@ -113,12 +123,16 @@ from .thd import (
     MODES,
     PARITY_KEY,
     REFERENCE,
+    REPLAY_KEY,
+    REPLAY_MODES,
     Step,
     compare_samples,
     enable_mode,
+    fused_kernel_options,
     markdown_table,
     parity_note,
     parity_sample,
+    replay_against_full,
 )
 
 
@@ -133,15 +147,15 @@ def run(args) -> dict:
     hf_config = prepare_process(args)
     models = {spec: build_model(args, hf_config, layer_spec=spec) for spec in args.layer_specs}
     if layout == "thd":
-        all_modes, enable, step_class = MODES, enable_mode, Step
+        all_modes, enable, step_class = MODES + (REPLAY_MODES if args.replay else ()), enable_mode, Step
         engines = {
             spec: {
                 mode.name: megatron_engine(
                     [model],
-                    fused_kernel_options={"output_processor_backend": kernels[mode.kernel]} if mode.hook else {},
+                    fused_kernel_options=fused_kernel_options(mode, kernels) if mode.hook else {},
                     model_path=args.hf_config,
                 )
-                for mode in MODES
+                for mode in all_modes
             }
             for spec, model in models.items()
         }
@@ -160,6 +174,7 @@ def run(args) -> dict:
     report = header_with_temperature(args, next(iter(models.values()))) | {
         "kernels": kernels,
         "layout": layout,
+        **({"replay": {"top_k": args.replay.top_k, "top_p": args.replay.top_p}} if args.replay else {}),
         "sizes": [],
     }
     modes = [m for m in all_modes if m.name in args.modes]
@@ -185,6 +200,8 @@ def run(args) -> dict:
             reference = None
             for mode in modes:
                 mode_engine = engines[spec][mode.name]
+                # the replay check is an inequality with a margin, not a bitwise comparison: PyTorch's defaults
+                repeatable_step = contextlib.nullcontext if mode.replay else repeatable
                 resolved = enable(model, mode_engine, mode)
                 step = step_class(model, mode_engine, batch, mode, device, kernels["ours"])
                 row = {
@@ -197,14 +214,12 @@ def run(args) -> dict:
                     row[SPEC_KEY] = spec
                 entry["modes"].append(row)
                 try:
-                    sample = prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, reference)
+                    sample = prime_mode(step, row, entry, repeatable_step, args, reference_name, parity_key, reference)
                     if mode.name == reference_name:
                         reference = sample
                     del sample
-                    print(
-                        f"{tag} {mode.name:<15} warmed up{parity_note(reference_name, row.get(parity_key))}",
-                        flush=True,
-                    )
+                    parity = row.get(REPLAY_KEY, row.get(parity_key))
+                    print(f"{tag} {mode.name:<15} warmed up{parity_note(reference_name, parity)}", flush=True)
                     primed.append(
                         Primed(
                             step,
@@ -279,6 +294,8 @@ def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, r
         if args.device == "cuda" and reference_name == "legacy":
             free_step_memory(model)
             entry["legacy_rerun"] = compare_samples(sample, parity_sample(step, repeatable))
+    elif reference is not None and step.mode.replay:
+        row[REPLAY_KEY] = replay_against_full(reference, sample)
     elif reference is not None:
         row[parity_key] = compare_samples(reference, sample)
         if not step.mode.score_mask:
@@ -420,6 +437,13 @@ def main(argv=None) -> int:
         help="megatron's full activation recompute (recompute_granularity=full, recompute_method="
         "uniform, recompute_num_layers=1), as long-context training runs use it",
     )
+    parser.add_argument(
+        "--replay",
+        default=None,
+        metavar="TOP_K,TOP_P",
+        help="also time sampling replay (output_processor_sampling_replay=true) with the rollout's top_k (1 to "
+        f"{DEFAULT_MAX_KEPT}) and top_p (in (0, 1]): modes {', '.join(m.name for m in REPLAY_MODES)}",
+    )
     add_spec_arguments(parser)
     add_verbose_argument(parser)
     args = parser.parse_args(argv)
@@ -454,6 +478,11 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error("--distillation runs on the packed layout alone; drop --mtp / --fused-loss / --layout bshd")
     if args.topk < 1:
         parser.error(f"--topk: expected >= 1, got {args.topk}")
+    if args.replay is not None:
+        if args.mtp or args.fused_loss or args.distillation or args.layout == "bshd":
+            parser.error("--replay runs on the packed layout's modes; drop --mtp / --fused-loss / --distillation / "
+                         "--layout bshd")  # fmt: skip
+        args.replay = replay_sampling(parser, args.replay)
     if args.distillation:
         layout_modes = distillation.DISTILLATION_MODES
     elif args.fused_loss:
@@ -461,10 +490,14 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     elif args.layout == "bshd":
         layout_modes = bshd.BSHD_MODES
     else:
-        layout_modes = MODES
+        layout_modes = MODES + (REPLAY_MODES if args.replay else ())
     flavour = "--distillation" if args.distillation else "--fused-loss" if args.fused_loss else None
     where = f" with {flavour or f'--layout {args.layout}'}"
     names = [m.name for m in layout_modes]
+    if args.modes and not args.replay:
+        asked = {name for name in args.modes.split(",") if name} & {m.name for m in REPLAY_MODES}
+        if asked:
+            parser.error(f"--modes: {sorted(asked)} need --replay TOP_K,TOP_P (the rollout's truncation)")
     args.modes = set(known_names(parser, "--modes", args.modes, names, where) if args.modes else names)
     if args.distillation:
         reference = distillation.REFERENCE
@@ -486,6 +519,22 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return run_benchmark(args)
 
 
+def replay_sampling(parser: argparse.ArgumentParser, text: str) -> RolloutSampling:
+    """`--replay TOP_K,TOP_P` as the rollout's sampling. top_k must truncate: without it a top-p set of a random
+    model's near-flat logits spans most of the vocabulary, past any max_kept."""
+    try:
+        top_k_text, top_p_text = text.split(",")
+        top_k, top_p = int(top_k_text), float(top_p_text)
+    except ValueError:
+        parser.error(f"--replay: expected TOP_K,TOP_P (e.g. 50,0.9), got {text!r}")
+    if not 1 <= top_k <= DEFAULT_MAX_KEPT or not 0.0 < top_p <= 1.0:
+        parser.error(
+            f"--replay: expected 1 <= TOP_K <= {DEFAULT_MAX_KEPT} (output_processor_sampling_replay_max_kept's "
+            f"default) and 0 < TOP_P <= 1, got {text!r}"
+        )
+    return RolloutSampling(top_k=top_k, top_p=top_p)
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     """The benchmark the checked arguments ask for."""
     if args.mtp:
@@ -495,7 +544,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     elif args.fused_loss:
         print(fused_loss.markdown_table(fused_loss.run_fused_loss(args)))
     else:
-        report = run(args)
+        # the replay modes' engines are built knowing the rollout's truncation, as in verl's init_model
+        with rollout_sampling(args.replay) if args.replay else contextlib.nullcontext():
+            report = run(args)
         print()
         print(report_tables(report))
         write_report(report, args.out, "e2e", report_tables)

@@ -4,18 +4,30 @@ GRPO-style loss and backward, what a parity sample keeps of it, how two samples 
 The step calls verl's fused engine forward as verl's `forward_step` looks it up (so the plugin's reroute
 applies); the masked mode hands it the rows the loss reads as the step's `score_rows`. On the CPU verl's Triton kernel
 cannot run: the legacy forward's kernel is the portable op (`stand_ins/legacy_kernel_swap.py`).
+
+The replay modes (`--replay TOP_K,TOP_P`) build their engine with `output_processor_sampling_replay=true` inside
+`rollout_sampling(...)` and hand the step its `SamplingReplay` as verl's `forward_step` would (`replay_of_step`):
+kept sets computed from top_k / top_p on the trainer's logits, or given in the batch as `rollout_kept_ids`
+(synthetic: the e2e batch's tokens were not sampled from the model). Their log-probs are renormalized over each
+token's kept set, so there is no parity with legacy to measure: their row records instead how the replayed
+log-probs stand against legacy's full-vocabulary ones on the rows the loss reads (`replay_against_full`).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from verl_fused_hook.verl_integration.forward_step import HookStep
+import torch
+
+from verl_fused_hook.probe import unwrap_to_gpt
+from verl_fused_hook.verl_integration.forward_step import HookStep, replay_of_step
+from verl_fused_hook.verl_integration.model_plan import plan_of
+from verl_fused_hook.verl_integration.sampling_replay import KEPT_IDS_KEY
 
 from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.compare import VALUES, differing_parameters, max_abs, worst_gradient
-from ...support.micro_batches import TEMPERATURE, grpo_loss, response_rows, response_values
-from ...support.modes import Mode
+from ...support.micro_batches import TEMPERATURE, grpo_loss, response_rows, response_values, synthetic_kept_sets
+from ...support.modes import COMPUTED_SETS, GIVEN_SETS, Mode
 from ...support.reports import gib, ms
 from ...support.verl_engine import build_step, fused_engine_forward
 from .common import snapshot_gradients, spread
@@ -26,8 +38,33 @@ MODES = (
     Mode("hook+ours", hook=True, kernel="ours"),
     Mode("hook+ours+mask", hook=True, kernel="ours", score_mask=True),
 )
+# With --replay TOP_K,TOP_P: hook+ours+mask with sampling replay, the kept sets computed in the trainer or given.
+REPLAY_MODES = (
+    Mode("hook+ours+mask+replay", hook=True, kernel="ours", score_mask=True, replay=COMPUTED_SETS),
+    Mode("hook+ours+mask+replay-given", hook=True, kernel="ours", score_mask=True, replay=GIVEN_SETS),
+)
 REFERENCE = {"thd": "legacy", "bshd": "verl-unfused"}
 PARITY_KEY = {"thd": "vs_legacy", "bshd": "vs_verl_unfused"}
+REPLAY_KEY = "replay_vs_full"  # a replay mode's row: its log-probs against legacy's full-vocabulary ones
+KEPT_SETS_SEED = 0  # the given-sets mode's synthetic sets (the batch's tokens come from --seed)
+
+REPLAY_NOTE = (
+    "Replay rows (rollout top_k={top_k}, top_p={top_p:g}): no parity with legacy, whose log-probs are over the whole "
+    "vocabulary (replay renormalizes log-probs and entropy over each token's kept set, so loss and gradients differ "
+    "by design). Their log-prob cell: the smallest log p_S - log p_legacy over the rows the loss reads (>= 0 up to "
+    "the kernels' noise: a set holding the label cannot lower its probability) and the mean kept mass "
+    "exp(log p_legacy - log p_S). Computed sets (+replay): the batch's tokens are random, not sampled, so most fall "
+    "outside their top-k/top-p set and are added to it. Given sets (+replay-given): synthetic rollout_kept_ids, each "
+    "token's set its label and 0 to top_k - 1 random other ids."
+)
+
+
+def fused_kernel_options(mode: Mode, kernels: dict[str, str]) -> dict:
+    """The engine's `fused_kernel_options` for a hook `mode` (kernels: kernel name -> backend on this device)."""
+    return {
+        "output_processor_backend": kernels[mode.kernel],
+        **({"output_processor_sampling_replay": True} if mode.replay else {}),
+    }
 
 
 def enable_mode(model, engine, mode: Mode) -> str:
@@ -47,6 +84,7 @@ class Step:
         self.input_ids, self.data, self.advantages, self.old_offset, _ = batch
         self.cpu_kernel = cpu_kernel
         self.score_rows = None
+        self.replay = step_replay(model, self.data, mode.replay) if mode.replay else None
         if mode.score_mask:
             self.score_rows = response_rows(self.data)  # the rows ppo_loss / forward-only steps read
             if self.score_rows is None:
@@ -59,7 +97,7 @@ class Step:
         )
 
     def forward(self):
-        kwargs = {} if self.score_rows is None else {"step": HookStep(score_rows=self.score_rows)}
+        kwargs = {"step": HookStep(score_rows=self.score_rows, replay=self.replay)} if self.mode.hook else {}
         with self.kernel_context():
             return fused_engine_forward(self.engine, self.model, self.input_ids, TEMPERATURE, **kwargs)
 
@@ -70,6 +108,19 @@ class Step:
         with self.kernel_context():
             loss.backward()
         return output, loss
+
+
+def step_replay(model, data, kept_sets: str):
+    """The step's SamplingReplay as verl's forward_step makes it from `model`'s plan (built with replay on): the
+    sets computed from the plan's top_k / top_p, or (GIVEN_SETS) `synthetic_kept_sets` of width top_k as the batch's
+    `rollout_kept_ids`."""
+    plan = plan_of(model)
+    if kept_sets == GIVEN_SETS:
+        responses = data["responses"]
+        kept = synthetic_kept_sets(responses, plan.replay_top_k, unwrap_to_gpt(model).vocab_size, KEPT_SETS_SEED)
+        data = data.copy()
+        data[KEPT_IDS_KEY] = kept
+    return replay_of_step(data, plan, {})
 
 
 def parity_sample(step: Step, repeatable) -> dict:
@@ -102,10 +153,23 @@ def compare_samples(reference: dict, other: dict) -> dict:
     return rows | {"grads_max_abs": grads_max_abs, "grads_rel": grads_rel, "worst_param": worst_param}
 
 
+def replay_against_full(reference: dict, replayed: dict) -> dict:
+    """A replay mode's log-probs log p_S against the reference's full-vocabulary log p on the rows the loss reads:
+    the smallest log p_S - log p (>= 0 up to the kernels' noise: renormalizing over a set that holds the label cannot
+    lower its probability) and the mean kept mass exp(log p - log p_S), each set's full-vocabulary probability."""
+    rise = replayed["log_probs"] - reference["log_probs"]
+    return {"min_log_prob_rise": float(rise.min()), "mean_kept_mass": float(torch.exp(-rise).mean())}
+
+
 def parity_note(reference_name: str, parity: dict | None) -> str:
-    """What a mode's progress line says about its parity with the reference."""
+    """What a mode's progress line says about its parity with the reference (or a replay mode's check)."""
     if parity is None:
         return ""
+    if "min_log_prob_rise" in parity:
+        return (
+            f"; vs {reference_name} (full vocabulary): min log p_S - log p {parity['min_log_prob_rise']:.3g}, "
+            f"mean kept mass {parity['mean_kept_mass']:.3g}"
+        )
     return (
         f"; vs {reference_name}: log_probs {parity['log_probs']:.3g}, entropy {parity['entropy']:.3g}, loss "
         f"{parity['policy_loss']:.3g}, grads {parity['grads_max_abs']:.3g} (rel {parity['grads_rel']:.2g})"
@@ -130,7 +194,13 @@ def markdown_table(report: dict) -> str:
                 lines.append(f"| {label} | {row['mode']} | {row['kernel']} | OOM | OOM | | | | | | |")
                 continue
             parity = row.get(parity_key)
-            if parity is None:
+            replay = row.get(REPLAY_KEY)
+            if replay is not None:
+                cells = [
+                    f"replay: min rise {replay['min_log_prob_rise']:.3g}, kept mass {replay['mean_kept_mass']:.3g}",
+                    *["n/a (replay)"] * 3,
+                ]
+            elif parity is None:
                 cells = ["reference"] * 4
             else:
                 cells = [
@@ -151,4 +221,6 @@ def markdown_table(report: dict) -> str:
                 f"{floor['entropy']:.3g} "
                 f"| {floor['policy_loss']:.3g} | {floor['grads_max_abs']:.3g} ({floor['grads_rel']:.2g}) |"
             )
+    if any(REPLAY_KEY in row for size in report["sizes"] for row in size["modes"]):
+        lines += ["", REPLAY_NOTE.format(**report["replay"])]
     return "\n".join(lines)
