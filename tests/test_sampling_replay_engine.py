@@ -148,11 +148,20 @@ def _replay_worker(rank: int, world_size: int, layout: str) -> dict:
         set_plan(model, dataclasses.replace(plan, sampling_replay=False))
         full = _old_log_probs(actor, computed, thd)
         set_plan(model, plan)
-        update = dict(computed, old_log_probs=fields["rollout_log_probs"])  # bypass_mode: pi_old = pi_rollout
+        # bypass_mode: pi_old = pi_rollout, and the update replays the rollout's sets
+        update = dict(given, old_log_probs=fields["rollout_log_probs"])
         data = packed(update, TEMPERATURE, calculate_entropy=True, global_batch_size=len(PROMPT_LENGTHS),
                       **_engine_keys(2, thd))  # fmt: skip
         with actor.train_mode():
             output = actor.train_batch(data, loss_function=_ppo_loss(len(PROMPT_LENGTHS)))
+            without_sets = packed(dict(computed, old_log_probs=fields["rollout_log_probs"]), TEMPERATURE,
+                                  calculate_entropy=True, global_batch_size=len(PROMPT_LENGTHS),
+                                  **_engine_keys(2, thd))  # fmt: skip
+            try:
+                actor.train_batch(without_sets, loss_function=_ppo_loss(len(PROMPT_LENGTHS)))
+                missing = None
+            except ValueError as error:
+                missing = str(error)
     rollout = fields["rollout_log_probs"]
     return {
         "plan": (plan.sampling_replay, plan.replay_top_k, plan.replay_top_p),
@@ -161,6 +170,7 @@ def _replay_worker(rank: int, world_size: int, layout: str) -> dict:
         "full_ratio": (full - rollout).exp()[mask],
         "kept_mass": fields["kept_mass"][mask],
         "ppo_kl": metric_values(output["metrics"]["actor/ppo_kl"]),
+        "missing": missing,
     }
 
 
@@ -175,3 +185,8 @@ def test_grpo_step_with_replay_has_ratio_one_and_without_the_kept_mass(layout):
     torch.testing.assert_close(result["full_ratio"], result["kept_mass"], rtol=RATIO_TOLERANCE, atol=0)
     assert float(result["kept_mass"].max()) < 0.5  # the bias is real here, not a ratio near 1 by accident
     assert result["ppo_kl"] and all(abs(value) < 1e-6 for value in result["ppo_kl"]), result["ppo_kl"]
+    # a training step never computes its own sets: without the rollout's (or pi_old's) it stops, naming the field
+    assert result["missing"].startswith(
+        "rollout_kept_ids: actor_rollout_ref.model.fused_kernel_options.output_processor_sampling_replay=true needs "
+        "the kept sets in the update batch, the rollout's or pi_old's;"
+    ), result["missing"]
