@@ -182,13 +182,25 @@ def test_a_replay_step_refuses_what_reads_the_full_vocabulary():
     for tokens, flag in (({"distillation": object()}, "distillation_use_topk"), ({"sum_pi_squared": True}, None)):
         flag = flag or "calculate_sum_pi_squared"
         with pytest.raises(ValueError) as error:
-            replay_of_step(_batch(x=torch.zeros(2)), plan, tokens)
+            replay_of_step(_batch(x=torch.zeros(2)), plan, tokens, True)
         assert str(error.value) == (
             f"{PREFIX}.output_processor_sampling_replay=true cannot run a step with {flag}: it reads the "
             "full-vocabulary distribution, not the kept set; set output_processor_sampling_replay to false for such "
             "a job"
         )
-    assert replay_of_step(_batch(x=torch.zeros(2)), resolve_plan({}, environ=HOOK), {}) is None
+    assert replay_of_step(_batch(x=torch.zeros(2)), resolve_plan({}, environ=HOOK), {}, True) is None
+
+
+def test_a_pass_marked_full_vocabulary_is_not_replayed():
+    from verl.utils import tensordict_utils as tu
+
+    from verl_fused_hook.verl_integration.forward_step import replay_of_step
+    from verl_fused_hook.verl_integration.replay_carry import FULL_VOCABULARY_KEY
+
+    batch = _batch(x=torch.zeros(2))
+    tu.assign_non_tensor(batch, **{FULL_VOCABULARY_KEY: True})
+    # even a step that would otherwise be refused: the mark means "no replay here"
+    assert replay_of_step(batch, replay_plan(), {"sum_pi_squared": True}, True) is None
 
 
 def test_the_rollouts_sets_land_on_the_rows_that_predict_each_response_token():
@@ -200,7 +212,8 @@ def test_the_rollouts_sets_land_on_the_rows_that_predict_each_response_token():
     kept = torch.tensor([[[7, 1], [2, -1]], [[5, -1], [6, 9]]])
     batch = {"input_ids": input_ids, "rollout_kept_ids": kept}
     replay = step_replay(_Keys(batch), plan, torch.tensor([3, 1]), torch.tensor([2, 2]))
-    assert (replay.top_k, replay.max_kept) == (4, 512)
+    # given sets: max_kept + 1, room for pi_old's computed set of max_kept plus its added label
+    assert (replay.top_k, replay.max_kept) == (4, 513)
     rows = replay.kept_ids.values().tolist()
     assert rows == [[-1, -1], [-1, -1], [7, 1], [2, -1], [-1, -1], [5, -1], [6, 9], [-1, -1]]
     with pytest.raises(ValueError) as error:
@@ -210,3 +223,18 @@ def test_the_rollouts_sets_land_on_the_rows_that_predict_each_response_token():
 
 class _Keys(dict):
     """A batch as step_replay reads it (keys() and items)."""
+
+
+def test_reference_entry_is_a_bool_and_noted_without_replay():
+    from verl_fused_hook.switch import parse_config_replay_reference
+
+    assert parse_config_replay_reference({}) is None
+    assert parse_config_replay_reference({"output_processor_sampling_replay_reference": False}) is False
+    with pytest.raises(ValueError) as error:
+        replay_plan(output_processor_sampling_replay_reference="no")
+    assert str(error.value) == (
+        f"{PREFIX}.output_processor_sampling_replay_reference='no' is not allowed; use true, false or null (true: the "
+        "reference replays the kept sets)"
+    )
+    plan = resolve_plan({"output_processor_sampling_replay_reference": False}, environ=HOOK)
+    assert plan.note == f"{PREFIX}.output_processor_sampling_replay_reference ignored: sampling replay is off"

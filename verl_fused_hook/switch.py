@@ -22,7 +22,9 @@ layer's forward to its backward to keep logits instead of recomputing them, wher
 micro-batches; true: the same bits whatever batch computes them, for exact on-policy training; docs/op.md),
 `...output_processor_sampling_replay` (default false: log-probs over the whole vocabulary; true: renormalized over the
 rollout's top-k / top-p kept set, checked against the rollout config in verl_integration/sampling_replay.py) and its
-bound `...output_processor_sampling_replay_max_kept` (default 512: the widest kept set).
+bound `...output_processor_sampling_replay_max_kept` (default 512: the widest kept set), and
+`...output_processor_sampling_replay_reference` (default true: the reference pass replays the same kept sets as
+pi_old and pi_theta; false: reference log-probs over the whole vocabulary; applied by the driver, replay_carry.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CONFIG_KEEP_LOGITS_KEY = "output_processor_keep_logits_gib"
 CONFIG_BATCH_INVARIANT_KEY = "output_processor_batch_invariant"
 CONFIG_REPLAY_KEY = "output_processor_sampling_replay"
 CONFIG_REPLAY_MAX_KEPT_KEY = "output_processor_sampling_replay_max_kept"
+CONFIG_REPLAY_REFERENCE_KEY = "output_processor_sampling_replay_reference"
 CONFIG_KEYS = (
     CONFIG_HOOK_KEY,
     CONFIG_BACKEND_KEY,
@@ -60,6 +63,7 @@ CONFIG_KEYS = (
     CONFIG_BATCH_INVARIANT_KEY,
     CONFIG_REPLAY_KEY,
     CONFIG_REPLAY_MAX_KEPT_KEY,
+    CONFIG_REPLAY_REFERENCE_KEY,
 )
 # Keys of ours start so; any other key of fused_kernel_options is verl's (e.g. impl_backend) unless it is a
 # near miss of ours (at most this many single-letter edits away).
@@ -183,6 +187,11 @@ def parse_config_sampling_replay(options: Mapping | None) -> bool | None:
     return _parse_config_bool(options, CONFIG_REPLAY_KEY, "off")
 
 
+def parse_config_replay_reference(options: Mapping | None) -> bool | None:
+    """`fused_kernel_options.output_processor_sampling_replay_reference` as a bool, or None when absent/null."""
+    return _parse_config_bool(options, CONFIG_REPLAY_REFERENCE_KEY, "true: the reference replays the kept sets")
+
+
 def parse_config_replay_max_kept(options: Mapping | None) -> int | None:
     """`fused_kernel_options.output_processor_sampling_replay_max_kept` (an int >= 1), or None when absent/null."""
     value = None if options is None else options.get(CONFIG_REPLAY_MAX_KEPT_KEY)
@@ -271,6 +280,7 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
     batch_invariant = parse_config_batch_invariant(options)
     sampling_replay = parse_config_sampling_replay(options)
     replay_max_kept = parse_config_replay_max_kept(options)
+    replay_reference = parse_config_replay_reference(options)
 
     notes = []
     if env_mode is not None:
@@ -316,6 +326,8 @@ def resolve_plan(options: Mapping | None = None, environ: Mapping[str, str] | No
         )
     if replay_max_kept is not None and not (sampling_replay and mode == HOOK):
         notes.append(f"{CONFIG_PREFIX}.{CONFIG_REPLAY_MAX_KEPT_KEY} ignored: sampling replay is off")
+    if replay_reference is not None and not (sampling_replay and mode == HOOK):
+        notes.append(f"{CONFIG_PREFIX}.{CONFIG_REPLAY_REFERENCE_KEY} ignored: sampling replay is off")
     if keep_logits is not None and mode == HOOK and not backend_capabilities(backend).keep_logits:
         raise ValueError(
             f"{CONFIG_PREFIX}.{CONFIG_KEEP_LOGITS_KEY} needs a backend that keeps logits: "

@@ -31,6 +31,12 @@ def _on_workers_import(workers_module) -> None:
     install_init_model_wrapper(workers_module)
 
 
+def _on_trainer_import(trainer_module) -> None:
+    from .replay_carry import install_trainer_wrappers
+
+    install_trainer_wrappers(trainer_module)
+
+
 def _on_mbridge_import(util_module) -> None:
     from .mbridge_compat import apply
 
@@ -71,6 +77,7 @@ def install() -> None:
         )
     when_imported("verl.workers.engine.megatron.transformer_impl", _on_engine_import)
     when_imported("verl.workers.engine_workers", _on_workers_import)
+    when_imported("verl.trainer.ppo.ray_trainer", _on_trainer_import)
     when_imported("mbridge.core.util", _on_mbridge_import)
     install_ray_env_forwarding()
 

@@ -30,6 +30,7 @@ from .layouts import BSHD, PackedLayout, PaddedLayout, refuse_packed_only_inputs
 from .loss_support import FUSED_LOSS_OUTPUT_KEY, SEQUENCE
 from .model_plan import counts_of, plan_of
 from .ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
+from .replay_carry import replayed_set_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,16 @@ def _replay_options(step: HookStep, layout, device, score_mask):
     kept = layout.pack(torch.nested.nested_tensor_from_jagged(ids.values() + 1, offsets=ids.offsets())) - 1
     has_set = kept[..., 0] >= 0
     return dataclasses.replace(replay, kept_ids=kept), has_set if score_mask is None else score_mask & has_set
+
+
+def _one_width_across_context_parallel(kept: torch.Tensor, max_kept: int, local_cp_size) -> torch.Tensor:
+    """verl's unpack all-gathers over context-parallel ranks, which needs one shape on every rank: there the sets
+    are padded to the widest a set can be (a set, plus its label where added)."""
+    from megatron.core import parallel_state
+
+    if local_cp_size is None and parallel_state.get_context_parallel_world_size() == 1:
+        return kept
+    return torch.nn.functional.pad(kept, (0, max_kept + 1 - kept.shape[-1]), value=-1)
 
 
 def make_engine_forward(vision_model: bool):
@@ -208,6 +219,9 @@ def make_engine_forward(vision_model: bool):
             result.update({key: layout.unpack(value) for key, value in outputs.items()})
         if step.sum_pi_squared:
             result["sum_pi_squared"] = layout.unpack(output.sum_pi_squared)
+        if replay is not None:
+            kept = _one_width_across_context_parallel(output.kept_ids, replay.max_kept, local_cp_size)
+            result.update(replayed_set_outputs(layout.unpack(kept)))
         return result
 
     return engine_forward

@@ -35,12 +35,20 @@ from ..context import SamplingReplay
 from ..log_once import log_once
 from ..ops import backend_capabilities
 from ..probe import unwrap_to_gpt
-from ..switch import CONFIG_BACKEND_KEY, CONFIG_PREFIX, CONFIG_REPLAY_KEY, CONFIG_SCORE_MASK_KEY, HOOK
+from ..switch import (
+    CONFIG_BACKEND_KEY,
+    CONFIG_PREFIX,
+    CONFIG_REPLAY_KEY,
+    CONFIG_REPLAY_REFERENCE_KEY,
+    CONFIG_SCORE_MASK_KEY,
+    HOOK,
+)
 from .distillation import TopKDistillation, check_teacher_fields, distillation_config_of, topk_distillation
 from .layouts import BSHD, THD
 from .loss_support import FusedLossRequest, fused_loss_request, fused_result_loss
 from .model_plan import plan_of
 from .mtp import MtpStepInputs, mtp_step_inputs, mtp_training_of
+from .replay_carry import FULL_VOCABULARY_KEY
 from .sampling_replay import KEPT_IDS_KEY, step_replay
 
 logger = logging.getLogger(__name__)
@@ -154,9 +162,20 @@ def token_step(batch, model, loss_function, backend: str) -> tuple[dict, object]
     return fields, batch
 
 
-def replay_of_step(batch, plan, tokens: dict) -> SamplingReplay | None:
-    """The step's SamplingReplay when the plan turns replay on (ValueError for a step it cannot mean anything for)."""
+def replay_of_step(batch, plan, tokens: dict, forward_only: bool) -> SamplingReplay | None:
+    """The step's SamplingReplay when the plan turns replay on (ValueError for a step it cannot mean anything for).
+
+    A training step replays given sets only (the rollout's, or pi_old's carried from the old-log-prob pass,
+    replay_carry.py): sets computed from pi_theta's own logits would leave pi_old's support once the weights move."""
+    from verl.utils import tensordict_utils as tu
+
     if not plan.sampling_replay:
+        return None
+    if tu.get_non_tensor_data(batch, key=FULL_VOCABULARY_KEY, default=False):
+        log_once(
+            logger,
+            f"verl_fused_hook: {CONFIG_REPLAY_REFERENCE_KEY}=false: the reference pass runs over the whole vocabulary",
+        )
         return None
     asked = next((name for name in ("distillation", "sum_pi_squared") if tokens.get(name)), None)
     if asked is not None:
@@ -169,6 +188,14 @@ def replay_of_step(batch, plan, tokens: dict) -> SamplingReplay | None:
         if "prompts" not in batch.keys() or "responses" not in batch.keys():
             raise ValueError(f"{KEPT_IDS_KEY}: the batch needs prompts and responses to place the rollout's sets")
         return step_replay(batch, plan, *_prompt_and_response_lengths(batch))
+    if not forward_only:
+        raise ValueError(
+            f"{KEPT_IDS_KEY}: {CONFIG_PREFIX}.{CONFIG_REPLAY_KEY}=true needs the kept sets in the update batch, the "
+            "rollout's or pi_old's; verl_fused_hook carries pi_old's from the old-log-prob pass when it is loaded in "
+            "the driver process (the verl.plugins entry point, which `import verl` loads; external_lib alone loads it "
+            "in the workers only). With algorithm.rollout_correction.bypass_mode=true there is no old-log-prob pass: "
+            f"the rollout must return {KEPT_IDS_KEY}"
+        )
     log_once(
         logger,
         f"verl_fused_hook: {CONFIG_REPLAY_KEY}: the batch carries no {KEPT_IDS_KEY}; kept sets computed from the "
@@ -226,7 +253,7 @@ def make_forward_step(original):
                 postprocess_micro_batch_func, loss_function=fused_result_loss
             )
         mtp = mtp_step_inputs(self, batch) if mtp_training_of(model) else None
-        replay = replay_of_step(batch, plan, tokens)
+        replay = replay_of_step(batch, plan, tokens, forward_only)
         token = _current_step.set(
             HookStep(score_rows=rows, fused_loss=fused, mtp=mtp, replay=replay, **layout, **tokens)
         )

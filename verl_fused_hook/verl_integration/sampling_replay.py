@@ -170,4 +170,5 @@ def step_replay(batch, plan: FusedForwardPlan, prompt_lens, response_lens) -> Sa
     ).repeat_interleave(response_lens)
     rows[offsets[sample] + prompt_lens[sample] - 1 + position] = kept[sample, position].long()
     nested = torch.nested.nested_tensor_from_jagged(rows, offsets=offsets)
-    return dataclasses.replace(replay, kept_ids=nested)
+    # one more than max_kept: a set pi_old computed holds up to max_kept ids plus its label where the rule dropped it
+    return dataclasses.replace(replay, kept_ids=nested, max_kept=plan.replay_max_kept + 1)
