@@ -153,8 +153,8 @@ def test_doctor_fails_on_a_bad_switch_and_on_a_misspelt_entry():
     assert "output_processor_fused_los is not a verl_fused_hook entry; did you mean " in plan
     assert plan.endswith(
         "output_processor_fused_loss_chunk_gib, output_processor_score_mask, output_processor_keep_logits_gib, "
-        "output_processor_batch_invariant, output_processor_sampling_replay, output_processor_sampling_replay_max_kept, "
-        "output_processor_sampling_replay_reference"
+        "output_processor_batch_invariant, output_processor_sampling_replay, "
+        "output_processor_sampling_replay_max_kept, output_processor_sampling_replay_reference"
     )
 
 
