@@ -269,6 +269,7 @@ def _computed_sets(hidden, weight, labels, p: LogProbProblem, score_mask, finder
             "the top-k/top-p boundary, where the trainer's and the rollout's logits differ in the last bits); it "
             "is added to its set and marked in label_added",
             logging.WARNING,
+            later=logging.DEBUG,  # said once as a warning, then at DEBUG each time
         )
     return kept, first_position(kept == scored_labels.unsqueeze(1)), mass, added
 
