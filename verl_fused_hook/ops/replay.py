@@ -106,12 +106,14 @@ def replayed_log_probs(
         kept_csr: (token_ids [nnz], offsets [rows + 1]), vLLM's `SamplingMask` layout, one row per label in labels'
             flattened order (rows not computed may be empty).
         top_k, top_p: no sets given: compute them from the row's own logits with vLLM's rule (top_k -1: off, else
-            >= 1; top_p in (0, 1], 1: off); `backend` is the one that finds the candidates (token_log_probs').
+            >= 1; top_p in (0, 1], 1: off), from `token_log_probs`' top candidates.
+        backend: "auto" (Triton's kernels where the Triton backend runs: CUDA, Hopper, bf16; else the portable
+            path), "triton" or "torch"; the candidates' pass uses it too.
         max_kept: the widest kept set allowed (given or computed; >= top_k); a wider one is a ValueError.
         token_ids: integer [..., k]: also return log p_S at these ids (-inf where an id is outside S).
-        chunk_rows: rows per chunk (None: 32768 kept ids' worth, 64-4096 rows, on the GEMM path; under
+        chunk_rows: the portable path's rows per chunk (None: 32768 kept ids' worth, 64-4096 rows; under
             batch_invariant, what fits 256 MiB of fp32 products). A row's values do not depend on it under
-            batch_invariant.
+            batch_invariant. Triton's kernels take every row at once.
 
     A label outside a computed set (trainer-side only: the trainer's logits differ from the rollout's in the last
     bits, so a token at the top-p boundary can fall out) is added to its set and marked in `label_added`, with a
