@@ -190,24 +190,41 @@ class FusedOutputProcessorContext:
                 "FusedOutputProcessorContext.replay: expected None or a SamplingReplay, got "
                 f"{type(self.replay).__name__}"
             )
-        if not capabilities.selected_tokens:
-            raise ValueError(
-                f"FusedOutputProcessorContext.replay: needs the op replayed_log_probs, which backend={self.backend!r} "
-                f"has no kernel for; use backend in "
-                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).selected_tokens)}"
-            )
-        for other, used in (
+        self._refuse_for_op(
+            capabilities,
+            "replay",
+            "replayed_log_probs",
+            "replayed_log_probs",
+            (
+                *self._two_pass_only_fields(),
+                ("top_k", self.top_k > 0),
+                ("calculate_sum_pi_squared", self.calculate_sum_pi_squared),
+                ("calculate_log_probs", not self.calculate_log_probs),
+            ),
+        )
+
+    def _two_pass_only_fields(self) -> tuple[tuple[str, bool], ...]:
+        """The fields (name, set) of the two-pass op alone, which the token and replay ops take none of."""
+        return (
             ("loss_fn", self.loss_fn is not None),
             ("keep_logits_bytes", self.keep_logits_bytes > 0),
             ("as_tuple", self.as_tuple),
-            ("top_k", self.top_k > 0),
-            ("calculate_sum_pi_squared", self.calculate_sum_pi_squared),
-            ("calculate_log_probs", not self.calculate_log_probs),
-        ):
+        )
+
+    def _refuse_for_op(self, capabilities, field: str, op: str, runs: str, conflicts) -> None:
+        """ValueError naming `field` when the backend has no kernel for `op` (the selected-token kernels), or when
+        one of `conflicts` (name, set) is set: `field` runs `runs`, which takes none of them."""
+        if not capabilities.selected_tokens:
+            raise ValueError(
+                f"FusedOutputProcessorContext.{field}: needs the op {op}, which backend={self.backend!r} "
+                f"has no kernel for; use backend in "
+                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).selected_tokens)}"
+            )
+        for other, used in conflicts:
             if used:
                 raise ValueError(
-                    f"FusedOutputProcessorContext.replay: runs the op replayed_log_probs, which takes no {other}; set "
-                    "one or the other"
+                    f"FusedOutputProcessorContext.{field}: runs the op {runs}, which takes no {other}; set one or the "
+                    "other"
                 )
 
     def _check_token_fields(self, capabilities) -> None:
@@ -237,19 +254,6 @@ class FusedOutputProcessorContext:
             )
             if used
         )
-        if not capabilities.selected_tokens:
-            raise ValueError(
-                f"FusedOutputProcessorContext.{asked}: needs the op token_log_probs, which backend={self.backend!r} "
-                f"has no kernel for; use backend in "
-                f"{', '.join(n for n in BACKEND_CHOICES if backend_capabilities(n).selected_tokens)}"
-            )
-        for other, used in (
-            ("loss_fn", self.loss_fn is not None),
-            ("keep_logits_bytes", self.keep_logits_bytes > 0),
-            ("as_tuple", self.as_tuple),
-        ):
-            if used:
-                raise ValueError(
-                    f"FusedOutputProcessorContext.{asked}: runs the op token_log_probs (two passes), which takes no "
-                    f"{other}; set one or the other"
-                )
+        self._refuse_for_op(
+            capabilities, asked, "token_log_probs", "token_log_probs (two passes)", self._two_pass_only_fields()
+        )
