@@ -16,8 +16,9 @@ its backward. Modes:
   hook+ours+mask  as hook+ours, scoring only the response rows verl reads (score mask: prompt rows skipped)
   hook+ours+mask+replay        with --replay TOP_K,TOP_P: as hook+ours+mask with output_processor_sampling_replay=true,
                                the engine built knowing the rollout's top_k / top_p: log-probs and entropy
-                               renormalized over kept sets computed from the trainer's logits (the op
-                               replayed_log_probs)
+                               renormalized over kept sets computed from the trainer's logits in the no-grad
+                               forward (the old-log-prob pass); the training step replays those sets (pi_old's, as
+                               the plugin carries them), never its own (the op replayed_log_probs)
   hook+ours+mask+replay-given  the same with the sets given in the batch (`rollout_kept_ids`, synthetic: each token's
                                label and 0 to top_k - 1 random other ids)
 

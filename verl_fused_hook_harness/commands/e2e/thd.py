@@ -22,6 +22,7 @@ import torch
 from verl_fused_hook.probe import unwrap_to_gpt
 from verl_fused_hook.verl_integration.forward_step import HookStep, replay_of_step
 from verl_fused_hook.verl_integration.model_plan import plan_of
+from verl_fused_hook.verl_integration.replay_carry import kept_ids_of_outputs
 from verl_fused_hook.verl_integration.sampling_replay import KEPT_IDS_KEY
 
 from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
@@ -84,11 +85,29 @@ class Step:
         self.input_ids, self.data, self.advantages, self.old_offset, _ = batch
         self.cpu_kernel = cpu_kernel
         self.score_rows = None
-        self.replay = step_replay(model, self.data, mode.replay) if mode.replay else None
         if mode.score_mask:
             self.score_rows = response_rows(self.data)  # the rows ppo_loss / forward-only steps read
             if self.score_rows is None:
                 raise RuntimeError("score mask: the batch's prompt/response lengths do not describe input_ids")
+        # replay: the no-grad forward is the old-log-prob pass (computed sets allowed there); a training step replays
+        # given sets only: with computed sets, pi_old's from one no-grad forward, as the plugin's driver carries them
+        self.replay = self.training_replay = None
+        if mode.replay:
+            self.replay = step_replay(model, self.data, mode.replay, forward_only=True)
+            self.training_replay = (
+                step_replay(model, self.data, mode.replay, forward_only=False)
+                if mode.replay == GIVEN_SETS
+                else self.pi_old_sets_replay()
+            )
+
+    def pi_old_sets_replay(self):
+        """The training step's SamplingReplay over the sets a no-grad forward computed (pi_old's), carried into the
+        batch as `rollout_kept_ids` the way the plugin's driver wrapper carries them."""
+        with torch.no_grad():
+            output = self.forward()
+        data = self.data.copy()
+        data[KEPT_IDS_KEY] = kept_ids_of_outputs(output, self.data)
+        return replay_of_step(data, plan_of(self.model), {}, forward_only=False)
 
     def kernel_context(self):
         """The portable op as the legacy forward's kernel on the CPU (hook modes never call that kernel)."""
@@ -97,7 +116,8 @@ class Step:
         )
 
     def forward(self):
-        kwargs = {"step": HookStep(score_rows=self.score_rows, replay=self.replay)} if self.mode.hook else {}
+        replay = self.training_replay if torch.is_grad_enabled() else self.replay
+        kwargs = {"step": HookStep(score_rows=self.score_rows, replay=replay)} if self.mode.hook else {}
         with self.kernel_context():
             return fused_engine_forward(self.engine, self.model, self.input_ids, TEMPERATURE, **kwargs)
 
@@ -110,7 +130,7 @@ class Step:
         return output, loss
 
 
-def step_replay(model, data, kept_sets: str):
+def step_replay(model, data, kept_sets: str, forward_only: bool):
     """The step's SamplingReplay as verl's forward_step makes it from `model`'s plan (built with replay on): the
     sets computed from the plan's top_k / top_p, or (GIVEN_SETS) `synthetic_kept_sets` of width top_k as the batch's
     `rollout_kept_ids`."""
@@ -120,7 +140,7 @@ def step_replay(model, data, kept_sets: str):
         kept = synthetic_kept_sets(responses, plan.replay_top_k, unwrap_to_gpt(model).vocab_size, KEPT_SETS_SEED)
         data = data.copy()
         data[KEPT_IDS_KEY] = kept
-    return replay_of_step(data, plan, {})
+    return replay_of_step(data, plan, {}, forward_only)
 
 
 def parity_sample(step: Step, repeatable) -> dict:
