@@ -32,6 +32,23 @@ RATIO_TOLERANCE = 2e-6
 CARRY_LR = 5e-2
 
 
+def _replay_engine(thd: bool, lr: float, options: dict):
+    """A tiny Qwen2 actor engine built with `options` under the rollout's top_k / top_p (inside cuda_names_on_cpu),
+    its GPTModel and a rollout drawn on it by the reference sampler."""
+    from verl_fused_hook.probe import unwrap_to_gpt
+    from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
+    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
+
+    setup = EngineSetup(
+        hf_path=str(TINY_QWEN2), tp=1, dtype="float32", seed=5, micro_batch_size=2, total_steps=2, lr=lr,
+        offload=False, fused_kernel_options=options, use_remove_padding=thd,
+    )  # fmt: skip
+    with rollout_sampling(RolloutSampling(top_k=TOP_K, top_p=TOP_P)):
+        actor = build_engine(setup)
+    (model,) = actor.module
+    return actor, model, _sample_rollout(unwrap_to_gpt(model), actor.model_config.hf_config.vocab_size)
+
+
 def _sample_rollout(gpt, vocab_size: int) -> dict[str, torch.Tensor]:
     """verl's padded rollout fields, the responses drawn with vLLM's rule on megatron's own logits, plus the
     rollout's log-probs, kept sets [bs, response_len, k] (-1 padding) and each token's kept mass."""
@@ -117,31 +134,21 @@ def _ppo_loss(sequences: int):
 
 
 def _replay_worker(rank: int, world_size: int, layout: str) -> dict:
-    from verl_fused_hook.probe import unwrap_to_gpt
     from verl_fused_hook.switch import ENV_VAR
     from verl_fused_hook.verl_integration.model_plan import plan_of, set_plan
-    from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
     from verl_fused_hook_harness.commands.train.runs import metric_values
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
     from verl_fused_hook_harness.support.grpo_batches import packed
-    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
     from verl_fused_hook_harness.support.verl_engine import prepare_verl_process
 
     thd = layout == "thd"
     prepare_verl_process(rank)
     init_model_parallel(1, seed=5)
     os.environ[ENV_VAR] = "1"
-    setup = EngineSetup(
-        hf_path=str(TINY_QWEN2), tp=1, dtype="float32", seed=5, micro_batch_size=2, total_steps=2, lr=1e-4,
-        offload=False, fused_kernel_options={"output_processor_sampling_replay": True}, use_remove_padding=thd,
-    )  # fmt: skip
     with cuda_names_on_cpu():
-        with rollout_sampling(RolloutSampling(top_k=TOP_K, top_p=TOP_P)):
-            actor = build_engine(setup)
-        (model,) = actor.module
+        actor, model, fields = _replay_engine(thd, 1e-4, {"output_processor_sampling_replay": True})
         plan = plan_of(model)
-        fields = _sample_rollout(unwrap_to_gpt(model), actor.model_config.hf_config.vocab_size)
         mask = fields["response_mask"].bool()
         given = {key: value for key, value in fields.items() if key != "kept_mass"}
         computed = {key: value for key, value in given.items() if key != "rollout_kept_ids"}
@@ -228,15 +235,12 @@ class ReplayTrainer:
 def _carry_worker(rank: int, world_size: int, layout: str) -> dict:
     from verl import DataProto
 
-    from verl_fused_hook.probe import unwrap_to_gpt
     from verl_fused_hook.switch import ENV_VAR
     from verl_fused_hook.verl_integration import install
     from verl_fused_hook.verl_integration.model_plan import plan_of, set_plan
     from verl_fused_hook.verl_integration.replay_carry import REPLAYED_COUNTS_KEY, kept_ids_of_outputs
-    from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
     from verl_fused_hook_harness.stand_ins.cuda_on_cpu import cuda_names_on_cpu
     from verl_fused_hook_harness.stand_ins.megatron_cpu import init_model_parallel
-    from verl_fused_hook_harness.support.train_engine import EngineSetup, build_engine
     from verl_fused_hook_harness.support.verl_engine import prepare_verl_process
 
     thd = layout == "thd"
@@ -247,16 +251,9 @@ def _carry_worker(rank: int, world_size: int, layout: str) -> dict:
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     options = {"output_processor_sampling_replay": True}
-    setup = EngineSetup(
-        hf_path=str(TINY_QWEN2), tp=1, dtype="float32", seed=5, micro_batch_size=2, total_steps=2, lr=CARRY_LR,
-        offload=False, fused_kernel_options=options, use_remove_padding=thd,
-    )  # fmt: skip
     with cuda_names_on_cpu():
-        with rollout_sampling(RolloutSampling(top_k=TOP_K, top_p=TOP_P)):
-            actor = build_engine(setup)
-        (model,) = actor.module
+        actor, model, fields = _replay_engine(thd, CARRY_LR, options)
         plan = plan_of(model)
-        fields = _sample_rollout(unwrap_to_gpt(model), actor.model_config.hf_config.vocab_size)
         tensors = {key: value for key, value in fields.items() if key not in ("kept_mass", "rollout_kept_ids")}
         tensors["temperature"] = torch.full((len(PROMPT_LENGTHS),), TEMPERATURE)
         batch = DataProto.from_dict(tensors=tensors)
