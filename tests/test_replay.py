@@ -257,10 +257,17 @@ def test_bad_arguments_are_refused_by_name():
         ({"kept_csr": (labels, torch.arange(6))}, "kept_csr.offsets: must hold rows \\+ 1 = 7"),
         ({"kept_csr": (labels, torch.tensor([0, 2, 1, 3, 4, 5, 6]))}, "must start at 0, never decrease"),
         ({"top_p": 0.999999, "max_kept": 3}, "max_kept: scored row 0's kept set .* holds more than max_kept=3"),
+        ({"kept_ids": kept, "backend": "verl"}, "backend: 'verl' cannot run replayed_log_probs; allowed: auto, "),
+        ({"kept_ids": kept, "backend": "triton"}, "backend: 'triton' cannot run replayed_log_probs here: (CUDA is not available|hidden is on cpu)"),
+        ({"kept_ids": kept[None]}, r"kept_ids: must be shaped like labels \(6,\) plus a last dim"),
+        ({"kept_csr": labels}, r"kept_csr: expected a pair \(token_ids, offsets\)"),
+        ({"kept_csr": (labels.float(), torch.arange(7))}, "kept_csr.token_ids: expected a 1-d integer"),
+        ({"kept_ids": kept, "token_ids": kept.float()}, r"token_ids: expected an integer torch.Tensor \[..., k\]"),
+        ({"kept_ids": kept, "token_ids": labels}, r"token_ids: must be shaped like labels \(6,\) plus a last dim"),
     ]
     for arguments, message in cases:
         with pytest.raises(ValueError, match=message):
-            replayed_log_probs(hidden, weight, labels, backend="torch", **arguments)
+            replayed_log_probs(hidden, weight, labels, **({"backend": "torch"} | arguments))
 
 
 def test_d_weight_into_main_grad_as_megatron_layers_do():
