@@ -258,7 +258,10 @@ def test_bad_arguments_are_refused_by_name():
         ({"kept_csr": (labels, torch.tensor([0, 2, 1, 3, 4, 5, 6]))}, "must start at 0, never decrease"),
         ({"top_p": 0.999999, "max_kept": 3}, "max_kept: scored row 0's kept set .* holds more than max_kept=3"),
         ({"kept_ids": kept, "backend": "verl"}, "backend: 'verl' cannot run replayed_log_probs; allowed: auto, "),
-        ({"kept_ids": kept, "backend": "triton"}, "backend: 'triton' cannot run replayed_log_probs here: (CUDA is not available|hidden is on cpu)"),
+        (
+            {"kept_ids": kept, "backend": "triton"},
+            "backend: 'triton' cannot run replayed_log_probs here: (CUDA is not available|hidden is on cpu)",
+        ),
         ({"kept_ids": kept[None]}, r"kept_ids: must be shaped like labels \(6,\) plus a last dim"),
         ({"kept_csr": labels}, r"kept_csr: expected a pair \(token_ids, offsets\)"),
         ({"kept_csr": (labels.float(), torch.arange(7))}, "kept_csr.token_ids: expected a 1-d integer"),
