@@ -1,31 +1,14 @@
 """Test-only references for sampling replay, on full logits in fp64.
 
-`vllm_keep_mask` is written from vLLM's documented sampler semantics (vllm/v1/sample/ops/topk_topp_sampler.py,
-`apply_top_k_top_p_pytorch`): logits divided by the temperature, sorted ascending; top-k masks the values strictly
-below the k-th largest (ties at the k-th value stay); top-p, on the top-k-masked row: softmax, cumulative sum in
-ascending order, mask where it is <= 1 - p, the largest always kept. `replayed_reference` is log_softmax over the kept
-set by fp64 autograd: the label's log-prob, the entropy, given ids' log-probs, and both gradients.
+The kept sets come from `vllm_keep_mask` (vLLM's top-k / top-p rule on full logits, written from vLLM's documented
+semantics), the harness's rollout sampler's (support/truncated_sampling.py): the op's sets are judged by the rule the
+rollouts are drawn with. `replayed_reference` is log_softmax over the kept set by fp64 autograd: the label's
+log-prob, the entropy, given ids' log-probs, and both gradients.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def vllm_keep_mask(logits: torch.Tensor, temperature: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """bool [N, V]: the tokens vLLM's top-k / top-p keeps for each row of fp64 logits [N, V]."""
-    z = logits.double() / temperature.double().unsqueeze(1)
-    z_sorted, order = z.sort(dim=1, descending=False)
-    if top_k > 0:
-        kth = z_sorted[:, z.shape[1] - top_k].unsqueeze(1)
-        z_sorted = z_sorted.masked_fill(z_sorted < kth, float("-inf"))
-    if top_p < 1.0:
-        cumulative = z_sorted.softmax(dim=1).cumsum(dim=1)
-        drop = cumulative <= 1 - top_p
-        drop[:, -1] = False
-        z_sorted = z_sorted.masked_fill(drop, float("-inf"))
-    kept_sorted = torch.isfinite(z_sorted)
-    return torch.zeros_like(kept_sorted).scatter(1, order, kept_sorted)
 
 
 def replayed_reference(hidden, weight, labels, keep, temperature, active, g_lp, g_ent, token_ids=None, g_tok=None):

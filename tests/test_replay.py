@@ -11,10 +11,11 @@ import logging
 
 import pytest
 import torch
-from replay_reference import replayed_reference, vllm_keep_mask
+from replay_reference import replayed_reference
 from saved_tensors import SavedTensorBytes
 
 from verl_fused_hook import replayed_log_probs
+from verl_fused_hook_harness.support.truncated_sampling import vllm_keep_mask
 
 H, V, VOCAB = 40, 251, 247  # a vocabulary that divides nothing, padding columns past 247
 VALUE_TOL, GRAD_TOL = 1e-5, 1e-5

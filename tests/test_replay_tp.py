@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from replay_reference import replayed_reference, vllm_keep_mask
+from replay_reference import replayed_reference
 from test_replay import VALUE_TOL, _case, _keep_mask, _max_abs, _random_sets, _rel
 
 from verl_fused_hook import replayed_log_probs
 from verl_fused_hook_harness.support.distributed import run_in_processes
+from verl_fused_hook_harness.support.truncated_sampling import vllm_keep_mask
 
 WORLD = 2
 GRAD_TOL = 1e-5

@@ -18,10 +18,10 @@ import os
 
 import pytest
 import torch
-from replay_reference import vllm_keep_mask
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.hf_model import TINY_QWEN2
+from verl_fused_hook_harness.support.truncated_sampling import vllm_keep_mask
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.7
 PROMPT_LENGTHS = (5, 9, 3, 7)

@@ -23,6 +23,10 @@ COMMANDS = {
         "verl_fused_hook_harness.commands.train.parity",
         "K GRPO steps through verl's engine per mode, checkpoint/resume",
     ),
+    "replay-learning": (
+        "verl_fused_hook_harness.commands.train.replay_learning",
+        "GRPO on self-sampled top-k/top-p rollouts: legacy, hook, hook with sampling replay",
+    ),
     "doctor": (
         "verl_fused_hook_harness.commands.doctor",
         "what the plugin will do on this machine: versions, hook probe, backend, entry point, plan, op self-check",
