@@ -60,7 +60,7 @@ def kept_ids_of_outputs(output, batch_td) -> torch.Tensor:
     starts = no_padding_2_padding(first_id, batch_td)
     response_counts = no_padding_2_padding(counts, batch_td).to(torch.int64)
     width = int(response_counts.max()) if response_counts.numel() else 0
-    slot = torch.arange(width)
+    slot = torch.arange(width, device=response_counts.device)
     inside = slot < response_counts.unsqueeze(-1)
     flat_ids = ids.values()
     at = (starts.unsqueeze(-1) + slot).clamp(max=max(flat_ids.numel() - 1, 0))
