@@ -226,10 +226,10 @@ def tiles_per_split(col_tiles: int, slots: int, row_blocks: int | None = None) -
     return min(candidates, key=mean_excess)
 
 
-def split_layout(p: LogProbProblem, row_blocks: int, col_tiles: int, device) -> int:
-    """Tiles per split of the forward kernel for `row_blocks` blocks of `p`'s rows (fixed by the width when
-    p.batch_invariant)."""
-    slots = num_sms(device) * FORWARD_CONFIG.ctas_per_sm
+def split_layout(p: LogProbProblem, row_blocks: int, col_tiles: int, device, config: TileConfig | None = None) -> int:
+    """Tiles per split of the forward kernel (`config`, None: FORWARD_CONFIG) for `row_blocks` blocks of `p`'s rows
+    (fixed by the width when p.batch_invariant)."""
+    slots = num_sms(device) * (FORWARD_CONFIG if config is None else config).ctas_per_sm
     return tiles_per_split(col_tiles, slots, None if p.batch_invariant else row_blocks)
 
 
@@ -242,19 +242,29 @@ def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
 
 
 def local_statistics(
-    p: LogProbProblem, hidden, weight, label_col, inv_temp, store: StoredLogits | None = None
+    p: LogProbProblem,
+    hidden,
+    weight,
+    label_col,
+    inv_temp,
+    store: StoredLogits | None = None,
+    *,
+    config: TileConfig | None = None,
+    per_split: int | None = None,
 ) -> Partials:
     """This rank's partials per row of `hidden` (the scored rows, compacted), from the forward kernel; with `store`,
-    the kernel also writes the logits there."""
+    the kernel also writes the logits there. `config` (None: FORWARD_CONFIG, read at the call) and `per_split`
+    (column tiles per split; None: `split_layout`'s) let scripts/sweep_forward_tiles.py time other tiles and
+    layouts; the op passes neither."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
     if p.valid_columns == 0 or n == 0:
         return no_column_partials(n, hidden.device)
-    c = FORWARD_CONFIG
+    c = FORWARD_CONFIG if config is None else config
     row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = split_layout(p, row_blocks, col_tiles, hidden.device)
+    per = split_layout(p, row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
     splits = -(-col_tiles // per)
     parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     kernels.forward_statistics_kernel[(row_blocks * splits,)](
