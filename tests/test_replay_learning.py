@@ -59,10 +59,14 @@ def test_without_replay_the_ratio_is_the_kept_mass(report):
 def test_task_rewards_score_successors_and_alphabet_tokens():
     first = replay_learning.FIRST_ALPHABET_ID
     prompts = torch.tensor([[first + 2], [first + 3]])
-    # alphabet of 4: the successor of 2 is 3, of 3 is 0 (cyclic); 999 is outside the alphabet
-    responses = torch.tensor([[first + 3, first + 0, first + 2, 999], [first + 0, first + 0, first + 1, first + 2]])
+    # alphabet of 4: the successor of 2 is 3, of 3 is 0 (cyclic); 999 is outside the alphabet, and the token after it
+    # is no successor ((999 - first + 1) % 4 = 1 would be, were 999 a letter)
+    responses = torch.tensor([
+        [first + 3, first + 0, first + 2, 999, first + 1],
+        [first + 0, first + 0, first + 1, first + 2, first + 3],
+    ])  # fmt: skip
     rewards = replay_learning.task_rewards(prompts, responses, alphabet=4)
-    torch.testing.assert_close(rewards, torch.tensor([(1 + 1 + 0.25 + 0) / 4, (1 + 0.25 + 1 + 1) / 4]))
+    torch.testing.assert_close(rewards, torch.tensor([(1 + 1 + 0.25 + 0 + 0.25) / 5, (1 + 0.25 + 1 + 1 + 1) / 5]))
 
 
 @pytest.mark.parametrize(
@@ -72,6 +76,7 @@ def test_task_rewards_score_successors_and_alphabet_tokens():
         (["--alphabet", "998"], "--alphabet: expected 2..997"),
         (["--arms", "hook,replay"], "--arms: unknown ['replay']"),
         (["--n", "1"], "--n: GRPO's advantages need >= 2"),
+        (["--prompts", "3", "--micro-batch", "16"], "--micro-batch: verl's update splits the 24 sequences"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):

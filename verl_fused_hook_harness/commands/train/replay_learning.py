@@ -13,8 +13,8 @@ the rollout's). Before each update a forward-only pass gives the trainer's pi_ol
 pi_old / pi_rollout is read (the ratio the loss starts from).
 
 The task, learnable from scratch by a tiny model: prompts of `alphabet` tokens (ids 3..); each response token scores
-1 when it is the successor (cyclic in the alphabet) of the token before it, 0.25 when it is another alphabet token,
-else 0; a response's reward is the mean over its tokens (on its last token, GRPO advantages by verl's
+1 when it is the successor (cyclic in the alphabet) of the alphabet token before it, 0.25 when it is another alphabet
+token, else 0; a response's reward is the mean over its tokens (on its last token, GRPO advantages by verl's
 `compute_grpo_outcome_advantage`). Per step and arm: mean reward, the policy's full-vocabulary entropy at the
 sampled positions, the kept mass, the mean ratio pi_old / pi_rollout and the fraction of tokens outside
 [0.9, 1.1], verl's pg_clipfrac and ppo_kl. Writes replay_learning.json and replay_learning.png under --out.
@@ -27,7 +27,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,15 +76,17 @@ class LearningPlan:
     micro_batch: int
     seed: int
     arms: tuple[str, ...]
+    parallel_arms: bool = False  # every arm in a process of its own at once (one GPU: the tiny model leaves it idle)
 
 
 def task_rewards(prompts: torch.Tensor, responses: torch.Tensor, alphabet: int) -> torch.Tensor:
-    """[B] float: the mean over each response's tokens of 1 (the successor of the token before it in the alphabet),
+    """[B] float: the mean over each response's tokens of 1 (the successor, cyclic, of the alphabet token before it),
     0.25 (another alphabet token) or 0."""
-    before = torch.cat([prompts[:, -1:], responses[:, :-1]], dim=1) - FIRST_ALPHABET_ID
-    letters = responses - FIRST_ALPHABET_ID
-    in_alphabet = (letters >= 0) & (letters < alphabet)
-    successor = in_alphabet & (letters == (before + 1) % alphabet)
+    chain = torch.cat([prompts[:, -1:], responses], dim=1) - FIRST_ALPHABET_ID
+    is_letter = (chain >= 0) & (chain < alphabet)
+    before, letters, after_letter, in_alphabet = chain[:, :-1], chain[:, 1:], is_letter[:, :-1], is_letter[:, 1:]
+    # a token after one outside the alphabet has no successor to be (else cycles through other tokens would score)
+    successor = in_alphabet & after_letter & (letters == (before + 1) % alphabet)
     return torch.where(successor, 1.0, torch.where(in_alphabet, 0.25, 0.0)).mean(dim=1)
 
 
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group)")
     parser.add_argument("--prompt-length", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=8)
-    parser.add_argument("--alphabet", type=int, default=32, help="the task's tokens: ids 3..3+alphabet-1")
+    parser.add_argument("--alphabet", type=int, default=8, help="the task's tokens: ids 3..3+alphabet-1")
     parser.add_argument("--top-k", type=int, default=50, help="the rollout's top_k (-1: off)")
     parser.add_argument("--top-p", type=float, default=0.9, help="the rollout's top_p, in (0, 1)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -289,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    parser.add_argument(
+        "--parallel-arms",
+        action="store_true",
+        help="each arm in a process of its own, at once (a GPU the tiny model "
+        "leaves mostly idle; on the CPU they share the cores)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for replay_learning.json and .png")
     return parser
 
@@ -307,6 +316,9 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     if args.n < 2:
         parser.error(f"--n: GRPO's advantages need >= 2 responses per prompt, got {args.n}")
+    if args.prompts * args.n % args.micro_batch:
+        parser.error(f"--micro-batch: verl's update splits the {args.prompts * args.n} sequences (--prompts x --n) "
+                     f"into micro-batches of equal size; {args.micro_batch} does not divide them")  # fmt: skip
     vocab = json.loads((Path(args.hf_config) / "config.json").read_text())["vocab_size"]
     if not 2 <= args.alphabet <= vocab - FIRST_ALPHABET_ID:
         parser.error(f"--alphabet: expected 2..{vocab - FIRST_ALPHABET_ID} (the model's vocabulary {vocab} less "
@@ -319,13 +331,23 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         steps=args.steps, prompts=args.prompts, n=args.n, prompt_length=args.prompt_length,
         response_length=args.response_length, alphabet=args.alphabet,
         truncation=Truncation(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-        lr=args.lr, micro_batch=args.micro_batch, seed=args.seed, arms=arms,
+        lr=args.lr, micro_batch=args.micro_batch, seed=args.seed, arms=arms, parallel_arms=args.parallel_arms,
     )  # fmt: skip
 
 
 def run(plan: LearningPlan, out: Path) -> dict:
-    """Every arm in one fresh process; the report written to `out` (JSON and PNG) and returned."""
-    runs = run_in_processes(_arm_worker, 1, plan, backend=backend_for(plan.device))[0]
+    """Every arm in one fresh process (or each in its own, at once, with `parallel_arms`); the report written to `out`
+    (JSON and PNG) and returned."""
+
+    def arms_in_a_process(arms: tuple[str, ...]) -> dict:
+        return run_in_processes(_arm_worker, 1, replace(plan, arms=arms), backend=backend_for(plan.device))[0]
+
+    if plan.parallel_arms:
+        with ThreadPoolExecutor(len(plan.arms)) as pool:
+            finished = list(pool.map(arms_in_a_process, [(arm,) for arm in plan.arms]))
+        runs = {name: rows for result in finished for name, rows in result.items()}
+    else:
+        runs = arms_in_a_process(plan.arms)
     report = {
         "device": device_name(plan.device),
         "configuration": asdict(plan),
