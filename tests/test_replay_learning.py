@@ -26,7 +26,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay_learning")
     parser = replay_learning.build_parser()
     args = parser.parse_args(["--device", "cpu", "--steps", str(STEPS), "--prompts", "8", "--out", str(out)])
-    return replay_learning.run(replay_learning.plan_from_args(parser, args), out), out
+    return replay_learning.run(replay_learning.plan_from_args(parser, args)), out
 
 
 def test_replay_keeps_the_ratio_at_one_and_the_model_learns(report):
@@ -41,6 +41,7 @@ def test_replay_keeps_the_ratio_at_one_and_the_model_learns(report):
     last = sum(r["reward"] for r in rows[-WINDOW:]) / WINDOW
     assert last > first + REWARD_RISE, (first, last)
     assert (out / "replay_learning.json").is_file() and (out / "replay_learning.png").is_file()
+    assert len((out / "steps_hook+replay.jsonl").read_text().splitlines()) == STEPS
 
 
 def test_without_replay_the_ratio_is_the_kept_mass(report):
@@ -54,6 +55,7 @@ def test_without_replay_the_ratio_is_the_kept_mass(report):
     legacy, hook = report["runs"]["legacy"][0], report["runs"]["hook"][0]
     assert legacy["reward"] == hook["reward"] and legacy["kept_size"] == hook["kept_size"]
     assert report["device"] == "cpu" and set(report["summary"]) == set(replay_learning.ARMS)
+    assert report["failed"] == {}
 
 
 def test_task_rewards_score_successors_and_alphabet_tokens():

@@ -106,7 +106,9 @@ def _replay_options(step: HookStep, layout, device, score_mask):
     # shifted by one so that the layout's zero padding reads as -1 (no set) after the shift back
     kept = layout.pack(torch.nested.nested_tensor_from_jagged(ids.values() + 1, offsets=ids.offsets())) - 1
     has_set = kept[..., 0] >= 0
-    return dataclasses.replace(replay, kept_ids=kept), has_set if score_mask is None else score_mask & has_set
+    if score_mask is not None:  # packed from the batch as verl hands it: on the host (the hook moves it to the GPU)
+        has_set = score_mask.to(device) & has_set
+    return dataclasses.replace(replay, kept_ids=kept), has_set
 
 
 def _one_width_across_context_parallel(kept: torch.Tensor, max_kept: int, local_cp_size) -> torch.Tensor:

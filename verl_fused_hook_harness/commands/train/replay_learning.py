@@ -17,7 +17,8 @@ The task, learnable from scratch by a tiny model: prompts of `alphabet` tokens (
 token, else 0; a response's reward is the mean over its tokens (on its last token, GRPO advantages by verl's
 `compute_grpo_outcome_advantage`). Per step and arm: mean reward, the policy's full-vocabulary entropy at the
 sampled positions, the kept mass, the mean ratio pi_old / pi_rollout and the fraction of tokens outside
-[0.9, 1.1], verl's pg_clipfrac and ppo_kl. Writes replay_learning.json and replay_learning.png under --out.
+[0.9, 1.1], verl's pg_clipfrac and ppo_kl. Writes replay_learning.json and replay_learning.png under --out, and each
+arm's steps to steps_ARM.jsonl there as they finish.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class LearningPlan:
     seed: int
     arms: tuple[str, ...]
     parallel_arms: bool = False  # every arm in a process of its own at once (one GPU: the tiny model leaves it idle)
+    out: str = ""  # the report's folder: each arm's steps are appended to steps_ARM.jsonl there as they finish
 
 
 def task_rewards(prompts: torch.Tensor, responses: torch.Tensor, alphabet: int) -> torch.Tensor:
@@ -185,7 +187,8 @@ def _step(actor, gpt, plan: LearningPlan, replay: bool, loss_function, step: int
 
 
 def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
-    """Every arm in turn in this process: its engine from the same seed, `steps` GRPO steps; the rows per arm."""
+    """Every arm of `plan` in turn in this process: its engine from the same seed, `steps` GRPO steps; the rows per
+    arm."""
     from verl_fused_hook.probe import unwrap_to_gpt
     from verl_fused_hook.verl_integration.sampling_replay import RolloutSampling, rollout_sampling
 
@@ -211,8 +214,12 @@ def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
             gpt = unwrap_to_gpt(actor.module[0])
             loss_function = _ppo_loss(plan)
             rows = []
+            steps_file = Path(plan.out) / f"steps_{name}.jsonl"
+            steps_file.unlink(missing_ok=True)
             for step in range(1, plan.steps + 1):
                 rows.append(_step(actor, gpt, plan, mode.replay is not None, loss_function, step))
+                with steps_file.open("a") as lines:  # a run cut short keeps the steps it made
+                    lines.write(json.dumps(rows[-1]) + "\n")
                 if step == 1 or step % 10 == 0 or step == plan.steps:
                     last = rows[-1]
                     print(f"[{name}] step {step}: reward {last['reward']:.3f} ratio {last['ratio_mean']:.4f} "
@@ -332,29 +339,34 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         response_length=args.response_length, alphabet=args.alphabet,
         truncation=Truncation(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
         lr=args.lr, micro_batch=args.micro_batch, seed=args.seed, arms=arms, parallel_arms=args.parallel_arms,
+        out=str(args.out),
     )  # fmt: skip
 
 
-def run(plan: LearningPlan, out: Path) -> dict:
-    """Every arm in one fresh process (or each in its own, at once, with `parallel_arms`); the report written to `out`
-    (JSON and PNG) and returned."""
+def run(plan: LearningPlan) -> dict:
+    """Each arm in a fresh process of its own (one after the other, or all at once with `parallel_arms`); the report
+    written to `plan.out` (JSON and PNG) and returned. An arm that fails is named under "failed" with its error; the
+    others' steps are kept."""
 
-    def arms_in_a_process(arms: tuple[str, ...]) -> dict:
-        return run_in_processes(_arm_worker, 1, replace(plan, arms=arms), backend=backend_for(plan.device))[0]
+    def one_arm(arm: str) -> tuple[str, list[dict] | str]:
+        try:
+            single = replace(plan, arms=(arm,))
+            return arm, run_in_processes(_arm_worker, 1, single, backend=backend_for(plan.device))[0][arm]
+        except RuntimeError as error:  # the worker's traceback, raised in this process
+            return arm, str(error)
 
-    if plan.parallel_arms:
-        with ThreadPoolExecutor(len(plan.arms)) as pool:
-            finished = list(pool.map(arms_in_a_process, [(arm,) for arm in plan.arms]))
-        runs = {name: rows for result in finished for name, rows in result.items()}
-    else:
-        runs = arms_in_a_process(plan.arms)
+    out = Path(plan.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(len(plan.arms) if plan.parallel_arms else 1) as pool:
+        finished = dict(pool.map(one_arm, plan.arms))
+    runs = {arm: rows for arm, rows in finished.items() if not isinstance(rows, str)}
     report = {
         "device": device_name(plan.device),
         "configuration": asdict(plan),
         "runs": runs,
+        "failed": {arm: error for arm, error in finished.items() if isinstance(error, str)},
         "summary": summary(runs, window=max(1, min(10, plan.steps // 4))),
     }
-    out.mkdir(parents=True, exist_ok=True)
     write_json(report, out / "replay_learning.json")
     plot(report, out / "replay_learning.png")
     return report
@@ -364,9 +376,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     plan = plan_from_args(parser, args)
-    report = run(plan, args.out)
+    report = run(plan)
+    for name, error in report["failed"].items():
+        print(f"{name}: FAILED\n{error}")
     for name, values in report["summary"].items():
         print(f"{name}: reward {values['reward_first']:.3f} -> {values['reward_last']:.3f}, mean ratio "
               f"{values['ratio_mean']:.4f} [{values['ratio_min']:.4f}, {values['ratio_max']:.4f}], clip fraction "
               f"{values['pg_clipfrac']:.3f} ({report['device']})")  # fmt: skip
-    return 0
+    return 1 if report["failed"] else 0
