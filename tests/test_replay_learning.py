@@ -41,7 +41,7 @@ def test_replay_keeps_the_ratio_at_one_and_the_model_learns(report):
     last = sum(r["reward"] for r in rows[-WINDOW:]) / WINDOW
     assert last > first + REWARD_RISE, (first, last)
     assert (out / "replay_learning.json").is_file() and (out / "replay_learning.png").is_file()
-    assert len((out / "steps_hook+replay.jsonl").read_text().splitlines()) == STEPS
+    assert len((out / "steps_hook_replay.jsonl").read_text().splitlines()) == STEPS
 
 
 def test_without_replay_the_ratio_is_the_kept_mass(report):

@@ -78,7 +78,7 @@ class LearningPlan:
     seed: int
     arms: tuple[str, ...]
     parallel_arms: bool = False  # every arm in a process of its own at once (one GPU: the tiny model leaves it idle)
-    out: str = ""  # the report's folder: each arm's steps are appended to steps_ARM.jsonl there as they finish
+    out: str = ""  # the report's folder: each arm's steps are appended to steps_ARM.jsonl as they finish
 
 
 def task_rewards(prompts: torch.Tensor, responses: torch.Tensor, alphabet: int) -> torch.Tensor:
@@ -214,7 +214,7 @@ def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
             gpt = unwrap_to_gpt(actor.module[0])
             loss_function = _ppo_loss(plan)
             rows = []
-            steps_file = Path(plan.out) / f"steps_{name}.jsonl"
+            steps_file = Path(plan.out) / f"steps_{name.replace('+', '_')}.jsonl"  # names a device hands back
             steps_file.unlink(missing_ok=True)
             for step in range(1, plan.steps + 1):
                 rows.append(_step(actor, gpt, plan, mode.replay is not None, loss_function, step))
@@ -265,7 +265,8 @@ def plot(report: dict, path: Path) -> bool:
     figure, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for axis, (key, label) in zip(axes, panels):
         for name, rows in report["runs"].items():
-            axis.plot([r["step"] for r in rows], [r[key] for r in rows], label=name, linewidth=1)
+            dashed = {"linestyle": (0, (4, 3)), "linewidth": 2} if name == "legacy" else {"linewidth": 1}
+            axis.plot([r["step"] for r in rows], [r[key] for r in rows], label=name, **dashed)  # legacy under hook
         axis.set(xlabel="GRPO step", ylabel=label)
     axes[2].set_yscale("log")
     axes[0].legend(fontsize=8)
