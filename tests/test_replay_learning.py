@@ -58,6 +58,20 @@ def test_without_replay_the_ratio_is_the_kept_mass(report):
     assert report["failed"] == {}
 
 
+def test_replay_at_tensor_parallel_two_keeps_the_ratio_at_one(tmp_path):
+    """TP=2 (two gloo processes; mbridge turns sequence parallelism on): the rollout is sampled from the gathered
+    logits, the engine replays its sets on vocabulary shards."""
+    parser = replay_learning.build_parser()
+    args = parser.parse_args(["--device", "cpu", "--tp", "2", "--steps", "3", "--prompts", "4", "--n", "4",
+                              "--micro-batch", "8", "--arms", "hook,hook+replay", "--out", str(tmp_path)])  # fmt: skip
+    report = replay_learning.run(replay_learning.plan_from_args(parser, args))
+    assert report["failed"] == {}
+    for r in report["runs"]["hook+replay"]:
+        assert abs(r["ratio_mean"] - 1) < RATIO_TOLERANCE and r["pg_clipfrac"] == 0, r
+    for r in report["runs"]["hook"]:
+        assert r["ratio_mean"] == pytest.approx(r["kept_mass"], rel=1e-5), r
+
+
 def test_task_rewards_score_successors_and_alphabet_tokens():
     first = replay_learning.FIRST_ALPHABET_ID
     prompts = torch.tensor([[first + 2], [first + 3]])

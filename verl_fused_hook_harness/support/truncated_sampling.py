@@ -53,34 +53,52 @@ class SampledResponses:
     entropy: torch.Tensor
 
 
-def last_position_logits(*, hidden_states, output_layer, output_weight=None, **_later_arguments) -> torch.Tensor:
-    """A GPTModel `output_processor`: fp32 logits [b, V] of each sequence's last position (tensor parallel size 1).
+def position_logits(
+    *, hidden_states, output_layer, output_weight=None, config=None, context: int, **_later_arguments
+) -> torch.Tensor:
+    """A GPTModel `output_processor`: fp32 logits [b, V] at sequence position `context` (the processor's context),
+    every column on every tensor-parallel rank (the hidden states gathered first under sequence parallelism, the
+    vocabulary shards after).
 
     fp32 from the model's own hidden states and output weight, so the rollout's log-probs differ from the trainer's
     by the trainer's arithmetic only, not by a bf16 rounding of the logits."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if config is not None and config.sequence_parallel:
+        hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
     weight = output_layer.weight if output_weight is None else output_weight
-    return hidden_states[-1].float() @ weight.float().t()
+    logits = hidden_states[context].float() @ weight.float().t()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits
 
 
 def sample_responses(
     gpt, prompts: torch.Tensor, length: int, truncation: Truncation, generator: torch.Generator
 ) -> SampledResponses:
     """Draw `length` tokens after each prompt (prompts [B, P], no padding) from `gpt` (a megatron GPTModel) by
-    vLLM's rule, recomputing the whole prefix each token (tiny models: no KV cache needed).
+    vLLM's rule, recomputing the whole prefix each token (tiny models: no KV cache needed). Under tensor parallelism
+    every rank calls it with the same prompts and generator state and draws the same tokens.
 
     The class's own forward is called with the output processor above, so the draw reads the same logits whether
     or not verl has patched the instance's forward (legacy mode)."""
+    from megatron.core import parallel_state
+
     sequences = prompts
     temperature = torch.full((prompts.shape[0],), truncation.temperature, device=prompts.device)
+    # sequence parallelism splits the sequence over the ranks: right padding (causal: no position reads it) evens it
+    multiple = parallel_state.get_tensor_model_parallel_world_size() if gpt.config.sequence_parallel else 1
     drawn, log_probs, kept, kept_mass, entropy = [], [], [], [], []
     with torch.no_grad():
         for _ in range(length):
             n = sequences.shape[1]
-            positions = torch.arange(n, device=prompts.device).expand_as(sequences)
-            causal = torch.ones(n, n, dtype=torch.bool, device=prompts.device).triu(1)[None, None]  # True: masked
+            padded = torch.nn.functional.pad(sequences, (0, -n % multiple))
+            width = padded.shape[1]
+            positions = torch.arange(width, device=prompts.device).expand_as(padded)
+            causal = torch.ones(width, width, dtype=torch.bool, device=prompts.device).triu(1)[None, None]  # masked
             logits = type(gpt).forward(
-                gpt, input_ids=sequences, position_ids=positions, attention_mask=causal,
-                output_processor=last_position_logits,
+                gpt, input_ids=padded, position_ids=positions, attention_mask=causal,
+                output_processor=position_logits, output_processor_context=n - 1,
             )  # fmt: skip
             keep = vllm_keep_mask(logits, temperature, truncation.top_k, truncation.top_p)
             z = logits.double() / truncation.temperature

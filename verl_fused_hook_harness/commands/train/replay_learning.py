@@ -66,6 +66,7 @@ class LearningPlan:
     hf_path: str
     device: str
     dtype: str
+    tp: int  # tensor-parallel size (CPU: gloo processes; CUDA: one GPU a rank)
     steps: int
     prompts: int  # per step
     n: int  # responses per prompt
@@ -199,14 +200,14 @@ def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
     if plan.device == "cpu":
         from ...stand_ins.megatron_cpu import init_model_parallel
 
-        init_model_parallel(1, seed=plan.seed)
+        init_model_parallel(plan.tp, seed=plan.seed)
     sampling = RolloutSampling(top_k=plan.truncation.top_k, top_p=plan.truncation.top_p)
     results = {}
     for name in plan.arms:
         mode, options = ARMS[name]
         os.environ[ENV_VAR] = "1" if mode.hook else "0"
         setup = EngineSetup(
-            hf_path=plan.hf_path, tp=1, dtype=plan.dtype, seed=plan.seed, micro_batch_size=plan.micro_batch,
+            hf_path=plan.hf_path, tp=plan.tp, dtype=plan.dtype, seed=plan.seed, micro_batch_size=plan.micro_batch,
             total_steps=plan.steps, lr=plan.lr, offload=False, fused_kernel_options=options,
         )  # fmt: skip
         with mode_context(mode, plan.device), rollout_sampling(sampling):
@@ -218,6 +219,8 @@ def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
             steps_file.unlink(missing_ok=True)
             for step in range(1, plan.steps + 1):
                 rows.append(_step(actor, gpt, plan, mode.replay is not None, loss_function, step))
+                if rank != 0:  # every rank draws the same rollout and reads the same metrics
+                    continue
                 with steps_file.open("a") as lines:  # a run cut short keeps the steps it made
                     lines.write(json.dumps(rows[-1]) + "\n")
                 if step == 1 or step % 10 == 0 or step == plan.steps:
@@ -286,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--hf-config", default=str(TINY_QWEN2), help="a Hugging Face config folder (random weights)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: gloo processes; CUDA: GPUs)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group)")
@@ -319,7 +323,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--top-p {args.top_p} and --top-k {args.top_k}: replay needs a truncation (top_p < 1 or top_k)")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p: expected a value in (0, 1], got {args.top_p}")
-    for name in ("steps", "prompts", "n", "prompt_length", "response_length", "micro_batch"):
+    for name in ("tp", "steps", "prompts", "n", "prompt_length", "response_length", "micro_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     if args.n < 2:
@@ -331,11 +335,11 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not 2 <= args.alphabet <= vocab - FIRST_ALPHABET_ID:
         parser.error(f"--alphabet: expected 2..{vocab - FIRST_ALPHABET_ID} (the model's vocabulary {vocab} less "
                      f"ids 0-2), got {args.alphabet}")  # fmt: skip
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        parser.error(f"--device cuda --tp {args.tp}: needs {args.tp} CUDA devices, found {torch.cuda.device_count()}")
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     return LearningPlan(
-        hf_path=args.hf_config, device=args.device, dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        hf_path=args.hf_config, device=args.device, dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype], tp=args.tp,
         steps=args.steps, prompts=args.prompts, n=args.n, prompt_length=args.prompt_length,
         response_length=args.response_length, alphabet=args.alphabet,
         truncation=Truncation(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
@@ -352,7 +356,7 @@ def run(plan: LearningPlan) -> dict:
     def one_arm(arm: str) -> tuple[str, list[dict] | str]:
         try:
             single = replace(plan, arms=(arm,))
-            return arm, run_in_processes(_arm_worker, 1, single, backend=backend_for(plan.device))[0][arm]
+            return arm, run_in_processes(_arm_worker, plan.tp, single, backend=backend_for(plan.device))[0][arm]
         except RuntimeError as error:  # the worker's traceback, raised in this process
             return arm, str(error)
 
