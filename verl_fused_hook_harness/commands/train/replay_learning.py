@@ -216,7 +216,8 @@ def _arm_worker(rank: int, world_size: int, plan: LearningPlan) -> dict:
             loss_function = _ppo_loss(plan)
             rows = []
             steps_file = Path(plan.out) / f"steps_{name.replace('+', '_')}.jsonl"  # names a device hands back
-            steps_file.unlink(missing_ok=True)
+            if rank == 0:
+                steps_file.unlink(missing_ok=True)
             for step in range(1, plan.steps + 1):
                 rows.append(_step(actor, gpt, plan, mode.replay is not None, loss_function, step))
                 if rank != 0:  # every rank draws the same rollout and reads the same metrics
