@@ -105,8 +105,14 @@ def test_the_report_gives_each_methods_clock_power_and_cycles_against_the_floors
         "liger_sm90": {"fwd_bwd_ms": 57.0, "sm_clock_mhz": 1600.0, "power_w": 694.0},
         "verl": {"fwd_bwd_ms": "out of memory: ..."},
     }
-    results = {"methods": ["floor", "triton", "liger_sm90", "verl"], "shapes": [row], "temperature": 0.7}
+    results = {
+        "methods": ["floor", "triton", "liger_sm90", "verl"],
+        "shapes": [row],
+        "temperature": 0.7,
+        "device": "NVIDIA H100 80GB HBM3",
+    }
     table = "\n".join(clocks_table(results))
+    assert "SM clock and power during forward+backward on NVIDIA H100 80GB HBM3 (NVML readings" in table
     assert "| N, H, V | floor | triton | liger_sm90 |" in table  # verl recorded no clock: not a column
     floor_cycles = 60.0 * 1500 / 1e3
     assert megacycles(61.2, 1470.0) == pytest.approx(89.964)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.commands.bench import op_bench as bench
 
@@ -43,6 +44,24 @@ def test_plot_only_redraws_and_prints_the_tables_marking_out_of_memory(tmp_path,
     assert "61.0 ms (1.07x)" in out  # ratio to the four-GEMM floor of the same run
     assert "OOM" in out and "98.0 ms (1.72x)" in out
     assert "n/a" in out  # a forward that was not measured is said to be missing, not shown as a number
+    assert_every_table_names(out, "NVIDIA H200", 2)  # forward+backward, forward alone
+    assert "fused_loss speed-up over verl_loss (verl's kernel + its ppo_loss) on NVIDIA H200:" in out
+
+
+def test_every_table_names_the_card(tmp_path, capsys):
+    """Issue 55: a ratio read on one card does not hold on another (the forward over one GEMM: 1.04-1.09x on an
+    H200, 1.18-1.51x on an H100), so each table of a run (here all five: forward+backward, forward alone, half
+    masked, clocks, accuracy) says which card it was read on, in the markdown file and on stdout alike."""
+    path = _run(tmp_path)
+    results = json.loads(path.read_text())
+    results["device"] = "NVIDIA H100 80GB HBM3"
+    results["shapes"][0]["triton"] |= {"half_masked_fwd_bwd_ms": 31.0, "sm_clock_mhz": 1680.0, "power_w": 459.0}
+    results["accuracy_shape"] = [2048, 4096, 151936]
+    errors = ("log_prob_max_err", "entropy_max_err", "d_hidden_rel_err", "d_weight_rel_err")
+    results["accuracy"] = {"triton": dict.fromkeys(errors, 1e-6)}
+    path.write_text(json.dumps(results))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    assert_every_table_names(capsys.readouterr().out, "NVIDIA H100 80GB HBM3", 5)
 
 
 def test_the_forward_table_takes_the_one_gemm_timed_in_the_same_rounds(tmp_path, capsys):
@@ -53,7 +72,10 @@ def test_the_forward_table_takes_the_one_gemm_timed_in_the_same_rounds(tmp_path,
     path.write_text(json.dumps(results))
     assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
     out = capsys.readouterr().out
-    assert "Forward without gradient (ratio to one GEMM, timed in the same rounds where the run has it):" in out
+    assert (
+        "Forward without gradient on NVIDIA H200 (ratio to one GEMM, timed in the same rounds where the run has it):"
+        in out
+    )
     assert "| 8192, 4096, 151936 | 16.0 ms | 16.0 ms (1.00x) | 18.0 ms (1.12x) | n/a |" in out
     results["shapes"][0]["one_gemm_in_rounds_ms"] = "out of memory: CUDA out of memory."  # the floor's GEMM then
     path.write_text(json.dumps(results))

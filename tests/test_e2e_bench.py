@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.reports import gib, ms
@@ -80,6 +81,7 @@ def test_without_the_options_the_config_decides_and_profiles_and_spreads_are_wri
         assert f"# {row['mode']}: by device time" in no_grad and "aten::mm" in no_grad
         assert "backward" not in no_grad.lower()  # the forward alone
     assert " ±" in (tmp_path / "e2e.md").read_text()
+    assert_every_table_names((tmp_path / "e2e.md").read_text(), "cpu", 1)
     rows = report["sizes"][0]["modes"]  # the table: a line per mode, the JSON's numbers
     lines = [_cells(line) for line in (tmp_path / "e2e.md").read_text().splitlines() if line.startswith("| 128 ")]
     assert [line[1] for line in lines] == [row["mode"] for row in rows] == ["legacy", "hook+ours"]
@@ -112,7 +114,7 @@ def test_the_table_reports_each_mode_once_per_size_with_its_rounds_numbers():
         "grads_max_abs": 0.000427,
         "grads_rel": 0.012,
     }
-    report, sizes = {"layout": "thd", "sizes": []}, (128, 256)
+    report, sizes = {"layout": "thd", "device": "cpu", "sizes": []}, (128, 256)
     for tokens in sizes:
         entry = {
             "tokens": tokens,
@@ -131,7 +133,10 @@ def test_the_table_reports_each_mode_once_per_size_with_its_rounds_numbers():
             primed.append(Primed(None, row, lambda: None, {"train": work, "forward": work}))
         time_in_rounds(primed, Clock("cpu"), 3, {"train": None, "forward": None}, on_oom=None)
 
-    lines = [_cells(line) for line in markdown_table(report).splitlines()[2:]]
+    table = markdown_table(report)
+    title = "Training step and no-grad forward per mode (thd) on cpu, parity against the reference:"
+    assert table.splitlines()[0] == title
+    lines = [_cells(line) for line in table.splitlines()[4:]]
     labels = {tokens: f"{tokens:,} (8)" for tokens in sizes}
     assert [(line[0], line[1]) for line in lines] == [
         (labels[tokens], name) for tokens in sizes for name in [m.name for m in MODES] + ["legacy rerun"]

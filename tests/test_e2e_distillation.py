@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
@@ -58,6 +59,7 @@ def test_distillation_bench_agrees_with_verl_unfused_on_cpu(tmp_path, loss_mode)
         assert fused_calls == 2  # the parity step and the timed step, loss inside the op
         assert PARITY_KEY in rows["legacy"]  # verl's legacy forward runs the estimators
     table = (tmp_path / "e2e_distillation.md").read_text()
+    assert_every_table_names(table, "cpu", 1)
     assert "| 128 (8) | hook+ours+mask | torch |" in table
 
 

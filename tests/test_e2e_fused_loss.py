@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
@@ -67,6 +68,7 @@ def test_fused_loss_bench_agrees_with_the_two_pass_path_on_cpu(tmp_path):
     assert parity["metrics"]["actor/pg_clipfrac"]["reference"] > 0  # the clip is exercised
     assert parity["grads_rel"] <= RTOL and parity["log_probs"] <= 1e-6
     table = (tmp_path / "e2e_fused_loss.md").read_text()
+    assert_every_table_names(table, "cpu", 1)
     assert "| 128 (8) | hook+ours+fused-loss | torch |" in table and "reference" in table
 
 

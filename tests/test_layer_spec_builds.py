@@ -13,6 +13,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from table_titles import assert_every_table_names
+
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +114,8 @@ def test_two_specs_and_the_decoder_alone_in_one_run(tmp_path):
             assert share["forward"] == 1 - decoder["forward_s"] / row["forward_s"]
     table = (tmp_path / "e2e.md").read_text()
     assert "| 128 (8), local | legacy |" in table and "| 128 (8), te | hook+ours |" in table
-    spec_lines = table.split("\n\n")[1].splitlines()
+    assert_every_table_names(table, "cpu", 2)  # the modes' table, the specs' table
+    spec_lines = table.split("\n\n")[3].splitlines()
     assert spec_lines[0] == (
         "| tokens | mode | local fwd+bwd | te fwd+bwd | local output layer share | te output layer share | te / local "
         "| local no-grad fwd | te no-grad fwd | local output layer share | te output layer share | te / local |"

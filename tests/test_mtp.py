@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
 
@@ -436,6 +437,7 @@ def test_e2e_bench_mtp_option_on_cpu(tmp_path):
     assert parity["same_parameters"] and parity["grads_rel"] <= RTOL and parity["log_probs"] <= RTOL
     assert parity["mtp_loss"] <= RTOL and parity["acceptance_correct"] == 0
     table = (tmp_path / "e2e_mtp.md").read_text()
+    assert_every_table_names(table, "cpu", 2)  # the step, the output layer's memory
     assert "| 256 | hook | True |" in table
 
     # the output layer's own memory, measured inside the real step (figures n/a on the CPU)

@@ -42,6 +42,12 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
 
 
+def on_device(report: dict) -> str:
+    """'on CARD' for a table's title: a ratio read on one card does not hold on another (issue 55: the forward over
+    one GEMM was 1.04-1.09x on an H200, 1.18-1.51x on an H100)."""
+    return f"on {report.get('device') or 'an unrecorded device'}"
+
+
 def pyplot():
     """matplotlib.pyplot drawing to files (the Agg backend); None when matplotlib is not installed."""
     try:

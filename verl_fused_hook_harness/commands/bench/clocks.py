@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...support.reports import on_device
 from .nvml_readings import read_until_stopped
 from .timing import event_ms
 
@@ -129,8 +130,8 @@ def clocks_table(results: dict) -> list[str]:
         return []
     lines = [
         "",
-        "SM clock and power during forward+backward (NVML readings, medians), and the cycles it took "
-        "(time x clock; ratio to the floor's cycles):",
+        f"SM clock and power during forward+backward {on_device(results)} (NVML readings, medians), and the "
+        "cycles it took (time x clock; ratio to the floor's cycles):",
         "",
         "| N, H, V | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

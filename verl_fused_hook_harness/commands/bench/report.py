@@ -9,7 +9,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from ...support.reports import pyplot
+from ...support.reports import on_device, pyplot
 from .clocks import clocks_table
 
 
@@ -24,9 +24,10 @@ def _fmt(value, reference=None):
 
 def markdown(results: dict) -> str:
     names = [m for m in results["methods"] if m != "floor"]
+    card = on_device(results)
     lines = [
-        "Forward+backward (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned gradients"
-        " (fused_loss*, verl_loss*: the output layer plus verl's ppo_loss, vanilla or _gspo):",
+        f"Forward+backward {card} (ratio to the 4-GEMM cuBLAS floor) / extra memory beyond inputs and returned "
+        "gradients (fused_loss*, verl_loss*: the output layer plus verl's ppo_loss, vanilla or _gspo):",
         "",
         "| N, H, V | floor | 3-GEMM floor | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
@@ -64,14 +65,14 @@ def markdown(results: dict) -> str:
     for fused_name, verl_name in (("fused_loss", "verl_loss"), ("fused_loss_gspo", "verl_loss_gspo")):
         if not {fused_name, verl_name} <= set(names):
             continue
-        lines += ["", f"{fused_name} speed-up over {verl_name} (verl's kernel + its ppo_loss):", ""]
+        lines += ["", f"{fused_name} speed-up over {verl_name} (verl's kernel + its ppo_loss) {card}:", ""]
         for row in results["shapes"]:
             fused, verl = row.get(fused_name, {}).get("fwd_bwd_ms"), row.get(verl_name, {}).get("fwd_bwd_ms")
             if isinstance(fused, float) and isinstance(verl, float):
                 lines.append(f"- {row['N']}, {row['H']}, {row['V']}: {verl / fused:.2f}x")
     lines += [
         "",
-        "Forward without gradient (ratio to one GEMM, timed in the same rounds where the run has it):",
+        f"Forward without gradient {card} (ratio to one GEMM, timed in the same rounds where the run has it):",
         "",
         "| N, H, V | one GEMM | " + " | ".join(names) + " |",
         "|---|---|" + "---|" * len(names),
@@ -86,7 +87,7 @@ def markdown(results: dict) -> str:
     if masked:
         lines += [
             "",
-            "Half the rows masked by score_mask, forward+backward (ratio to the unmasked time):",
+            f"Half the rows masked by score_mask, forward+backward {card} (ratio to the unmasked time):",
             "",
             "| N, H, V | " + " | ".join(masked) + " |",
             "|---|" + "---|" * len(masked),
@@ -105,7 +106,7 @@ def markdown(results: dict) -> str:
         n, h, v = results["accuracy_shape"]
         lines += [
             "",
-            f"Accuracy against fp64 (N={n}, H={h}, V={v}, T={results['temperature']}):",
+            f"Accuracy against fp64 {card} (N={n}, H={h}, V={v}, T={results['temperature']}):",
             "",
             "| method | log-prob max err | entropy max err | loss rel err | d_hidden rel err | d_weight rel err |",
             "|---|---|---|---|---|---|",

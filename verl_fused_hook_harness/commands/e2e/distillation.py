@@ -35,7 +35,7 @@ from ...support.determinism import deterministic_steps
 from ...support.distillation import TOPK, distillation_config, loss_function, nested_teacher, step_flags
 from ...support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch
 from ...support.modes import Mode, kernel_backends
-from ...support.reports import gib, ms, write_report
+from ...support.reports import gib, ms, on_device, write_report
 from ...support.verl_engine import UNFUSED, megatron_engine, reset_fused_mode
 from .common import (
     Clock,
@@ -123,6 +123,8 @@ def compare_distillation(reference: dict, other: dict) -> dict:
 
 def markdown_table(report: dict) -> str:
     lines = [
+        f"Distillation step (forward, loss, backward) per mode {on_device(report)}, parity against verl-unfused:",
+        "",
         "| tokens (sequences) | mode | kernel | fwd+loss+bwd time | vs verl-unfused | peak | loss | loss rel | worst "
         "metric rel | per-token KL max_abs | log-prob max_abs | grad max_abs (rel) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

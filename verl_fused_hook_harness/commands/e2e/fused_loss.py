@@ -35,7 +35,7 @@ from ...support.compare import relative_scalar
 from ...support.determinism import deterministic_steps
 from ...support.micro_batches import TEMPERATURE, e2e_rollout, forward_step_batch, jagged, response_rows
 from ...support.modes import Mode, kernel_backends
-from ...support.reports import gib, ms, write_report
+from ...support.reports import gib, ms, on_device, write_report
 from ...support.verl_engine import megatron_engine, reset_fused_mode
 from .common import (
     Clock,
@@ -245,6 +245,8 @@ def compare_loss(reference: dict, other: dict) -> dict:
 
 def markdown_table(report: dict) -> str:
     lines = [
+        f"Policy-loss step (forward, loss, backward) per mode {on_device(report)}, parity against the two-pass op:",
+        "",
         "| tokens (sequences) | mode | kernel | fwd+loss+bwd time | vs two-pass | peak | loss | loss rel | worst "
         "metric rel |"
         " log-prob max_abs | grad max_abs (rel) |",

@@ -31,7 +31,7 @@ from ...support.layer_spec import (
     grad_accum_fusion_refusal,
     resolve_layer_spec,
 )
-from ...support.reports import ms
+from ...support.reports import ms, on_device
 from ...support.verl_engine import reset_fused_mode
 
 DECODER_ONLY = "decoder only"
@@ -154,7 +154,12 @@ def spec_table(report: dict) -> str:
         header += [f"{spec} {label}" for spec in specs] + [f"{spec} output layer share" for spec in specs]
         header += ["te / local"] if both else []
     rule += ["---"] * (len(header) - 2)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    lines = [
+        f"Each layer spec's times per mode, and the output layer's share of them, {on_device(report)}:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(rule) + "|",
+    ]
     sizes: dict[int, dict[str, dict]] = {}
     for entry in report["sizes"]:
         sizes.setdefault(entry["tokens"], {})[entry.get(SPEC_KEY, specs[0])] = entry

@@ -39,7 +39,7 @@ from ...support.micro_batches import (
     response_values,
 )
 from ...support.mtp_engine import build_mtp_engine, mtp_forward, take_mtp_metrics
-from ...support.reports import gib, ms, write_report
+from ...support.reports import gib, ms, on_device, write_report
 from .common import (
     Clock,
     build_model,
@@ -167,6 +167,8 @@ def gib_or_na(n: int | None) -> str:
 def output_layer_table(report: dict) -> str:
     """The output layer's own extra memory per side and size (measured inside the step, see HeadMemoryProbe)."""
     lines = [
+        f"The output layer's own memory in the MTP step {on_device(report)}:",
+        "",
         "| tokens | side | output layer extra | extra less megatron's split buffer | hidden grad | weight grad "
         "| accumulator (4·H·rows) | target (1.5 GiB + accumulator) | within target (extra, less split) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -201,6 +203,8 @@ def markdown_table(report: dict) -> str:
 
 def step_table(report: dict) -> str:
     lines = [
+        f"MTP training step, hook against verl's, {on_device(report)}:",
+        "",
         "| tokens | side | fused kernels | fwd+bwd time | fwd+bwd peak | log-prob rel | entropy rel | MTP loss rel "
         "| acceptance diff | grad rel (worst) |",
         "|---|---|---|---|---|---|---|---|---|---|",

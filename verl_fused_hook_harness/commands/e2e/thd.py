@@ -29,7 +29,7 @@ from ...stand_ins.legacy_kernel_swap import portable_legacy_kernel_on_cpu
 from ...support.compare import VALUES, differing_parameters, max_abs, worst_gradient
 from ...support.micro_batches import TEMPERATURE, grpo_loss, response_rows, response_values, synthetic_kept_sets
 from ...support.modes import COMPUTED_SETS, GIVEN_SETS, Mode
-from ...support.reports import gib, ms
+from ...support.reports import gib, ms, on_device
 from ...support.verl_engine import build_step, fused_engine_forward
 from .common import snapshot_gradients, spread
 
@@ -197,12 +197,15 @@ def parity_note(reference_name: str, parity: dict | None) -> str:
 
 
 def markdown_table(report: dict) -> str:
+    layout = report.get("layout", "thd")
     lines = [
+        f"Training step and no-grad forward per mode ({layout}) {on_device(report)}, parity against the reference:",
+        "",
         "| tokens (sequences) | mode | kernel | fwd+bwd time | fwd+bwd peak | no-grad fwd time | no-grad fwd peak |"
         " log-prob max_abs | entropy max_abs | loss max_abs | grad max_abs (rel) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    parity_key = PARITY_KEY[report.get("layout", "thd")]
+    parity_key = PARITY_KEY[layout]
     for size in report["sizes"]:
         label = f"{size['tokens']:,} ({len(size['sequence_lengths'])})"
         if "layer_spec" in size:  # a run comparing layer specs (layer_specs.py)
