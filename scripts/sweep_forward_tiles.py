@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from verl_fused_hook.ops import triton_backend
 from verl_fused_hook.ops.arguments import build_problem
+from verl_fused_hook.ops.backends import triton_backend
+from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, TileConfig
 from verl_fused_hook.ops.softmax_math import combine_row_statistics, scatter_rows
-from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, TileConfig
 from verl_fused_hook_harness.commands.bench.clocks import ClockMeter
 from verl_fused_hook_harness.commands.bench.methods import ours
 from verl_fused_hook_harness.commands.bench.op_bench import parse_shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from verl_fused_hook.ops import backward_plan as t
-from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
+from verl_fused_hook.ops.backends.triton_backend import GRAD_CONFIG
 
 BLOCK_M, BLOCK_N = GRAD_CONFIG.block_m, GRAD_CONFIG.block_n
 

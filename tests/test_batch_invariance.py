@@ -142,7 +142,7 @@ def test_the_split_layout_follows_the_row_count_unless_batch_invariant():
     call's rows, so a row's partial sums are added in other groupings in other batches; on, one layout per shard
     width. 501 column tiles (128256 columns) on 132 SMs, 32768 rows: 18 splits of 28 against the fixed 8 of 63
     (the shape where the H200 measured the guarantee's cost, results/ab_batch_invariance.json)."""
-    from verl_fused_hook.ops.triton_backend import tiles_per_split
+    from verl_fused_hook.ops.backends.triton_backend import tiles_per_split
 
     assert tiles_per_split(501, 132, 32768 // 128) == 28
     assert tiles_per_split(501, 132) == 63

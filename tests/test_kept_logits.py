@@ -1,7 +1,7 @@
-"""The kept-logits buffer of the two-pass op (ops/triton_backend.py) on the CPU: how many rows a budget keeps, and
-what happens when the allocator refuses. The refusal is a named fake (torch.empty raising the CUDA allocator's
-torch.OutOfMemoryError, which a CPU allocation does not raise); the kernels that fill the buffer are tested in
-tests/test_triton_interpreter.py (CPU) and tests/gpu/test_triton_backend.py."""
+"""The kept-logits buffer of the two-pass op (ops/backends/triton_backend.py) on the CPU: how many rows a budget
+keeps, and what happens when the allocator refuses. The refusal is a named fake (torch.empty raising the CUDA
+allocator's torch.OutOfMemoryError, which a CPU allocation does not raise); the kernels that fill the buffer are
+tested in tests/test_triton_interpreter.py (CPU) and tests/gpu/test_triton_backend.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_fused_hook import log_once
-from verl_fused_hook.ops import triton_backend
+from verl_fused_hook.ops.backends import triton_backend
 
 COLUMNS, TILE = 301, 32  # a row: fp16 logits at a pitch of 304, an fp32 max for each of 10 column tiles
 ROW_BYTES = 2 * 304 + 4 * 10

@@ -24,7 +24,7 @@ from verl_fused_hook.ops import (
     log_probs_entropy_and_loss,
 )
 from verl_fused_hook.ops.arguments import build_problem
-from verl_fused_hook.ops.torch_backend import loss_inside_cost
+from verl_fused_hook.ops.backends.torch_backend import loss_inside_cost
 
 RTOL = 1e-5
 PROMPTS = (4, 2, 6, 3, 5, 2, 3, 4)
@@ -423,7 +423,7 @@ def test_no_smallest_chunk_in_free_memory_takes_the_two_pass_path(monkeypatch, c
 def test_buffers_the_allocator_cannot_give_send_the_call_to_the_two_pass_path(monkeypatch, caplog):
     """Free memory counted but in pieces (a fragmented cache): the kept-logits buffer's allocation fails before any
     work, and the call runs the two-pass path with a warning instead of going out of memory halfway."""
-    from verl_fused_hook.ops import torch_backend
+    from verl_fused_hook.ops.backends import torch_backend
 
     def no_memory(p, keep, spans):  # stands in for the allocator's refusal, which only a GPU gives
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.")
@@ -512,7 +512,7 @@ def _refused_on(rank, refusing: int, b: Batch, loss_fn):
     the warnings this rank logged."""
     import logging
 
-    from verl_fused_hook.ops import torch_backend
+    from verl_fused_hook.ops.backends import torch_backend
 
     original, messages = torch_backend.loss_inside_passes, []
 

@@ -349,7 +349,7 @@ def test_in_place_groups_keep_the_walk_within_its_budget(h, v):
     checked here on the CPU) cover every row once, in whole row blocks, and each group's walk (fp32 d_hidden and
     bf16 d_logits tile) fits IN_PLACE_WALK_BYTES at every N: the working memory does not grow with the tokens."""
     from verl_fused_hook.ops import backward_plan as t
-    from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
+    from verl_fused_hook.ops.backends.triton_backend import GRAD_CONFIG
 
     block_m, columns = GRAD_CONFIG.block_m, t.nominal_chunk_columns(v, GRAD_CONFIG.block_n)
     sizes = set()

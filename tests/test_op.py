@@ -231,7 +231,7 @@ def test_bad_shapes_and_labels_name_the_field():
 def test_unavailable_backend_is_a_clear_error(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "verl_fused_hook.ops.torch_backend", None)  # its import now fails
+    monkeypatch.setitem(sys.modules, "verl_fused_hook.ops.backends.torch_backend", None)  # its import now fails
     hidden, weight, labels, _ = make_inputs()
     with pytest.raises(ValueError, match="backend='torch' is unavailable here"):
         log_probs_and_entropy(hidden, weight, labels, backend="torch")

@@ -146,7 +146,7 @@ def fake_verl_kernel(monkeypatch):
     verl's contract (fp32 outputs [N], the shard's partial d_hidden); the backend's CUDA check is lifted."""
     import verl.utils.kernel.linear_cross_entropy as verl_kernel
 
-    from verl_fused_hook.ops import verl_backend
+    from verl_fused_hook.ops.backends import verl_backend
 
     calls = []
 

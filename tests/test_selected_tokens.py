@@ -310,7 +310,7 @@ def test_top_k_comes_from_the_rows_best_tiles(wanted, distinct):
     the partial tile. 400 are too many for that (their tiles more than half the columns): every column is ranked.
     With `distinct` (batch_invariant) the set is the first `wanted` by (logit, then lower column): rows full of equal
     values included, and the same rows alone."""
-    from verl_fused_hook.ops.triton_selected_tokens import KeptLogits, _ranks_best_tiles, top_columns
+    from verl_fused_hook.ops.backends.triton_selected_tokens import KeptLogits, _ranks_best_tiles, top_columns
 
     width, columns, rows = 256, 600 * 256 + 37, 10
     assert _ranks_best_tiles(columns, width, wanted) == (wanted < 400)

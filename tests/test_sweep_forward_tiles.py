@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_triton_interpreter import VALUE_TOL, _run_interpreted
 
-from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, TileConfig
+from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, TileConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_forward_tiles.py"
 SM_SHARED_BYTES = 233472  # an sm_90 SM's shared memory; each resident block also reserves 1 KiB of it
@@ -104,7 +104,7 @@ def test_the_default_candidates_fit_hopper():
     cannot launch wastes device time."""
     from test_triton_compile_sm90 import SHARED_LIMIT, _compile
 
-    from verl_fused_hook.ops import triton_kernels as kernels
+    from verl_fused_hook.ops.backends import triton_kernels as kernels
 
     s = _script()
     for text in s.DEFAULT_CANDIDATES:

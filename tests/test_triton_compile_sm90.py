@@ -16,9 +16,9 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from verl_fused_hook.ops import triton_kernels as kernels  # noqa: E402
-from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, GRAD_BLOCK, GRAD_CONFIG  # noqa: E402
-from verl_fused_hook.ops.triton_selected_tokens import GROUP_COLUMNS, HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
+from verl_fused_hook.ops.backends import triton_kernels as kernels  # noqa: E402
+from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, GRAD_BLOCK, GRAD_CONFIG  # noqa: E402
+from verl_fused_hook.ops.backends.triton_selected_tokens import GROUP_COLUMNS, HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)

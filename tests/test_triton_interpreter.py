@@ -65,7 +65,7 @@ def _interpret_on_cpu():
     import torch
     from triton.runtime.interpreter import InterpreterBuilder
 
-    from verl_fused_hook.ops import triton_backend
+    from verl_fused_hook.ops.backends import triton_backend
 
     InterpreterBuilder.create_dot = _row_independent_dot
 
@@ -174,8 +174,9 @@ def _interpreted_keep_logits_cases() -> list[dict]:
     with how many rows were kept and how many recompute launches the backward made (a counting wrapper)."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_kernels
+    from verl_fused_hook.ops import log_probs_and_entropy
     from verl_fused_hook.ops.arguments import build_problem
+    from verl_fused_hook.ops.backends import triton_kernels
 
     triton_backend = _interpret_on_cpu()
     launches = []
@@ -587,7 +588,8 @@ def _interpreted_batch_invariance() -> dict:
     not), through the Triton backend's host code and kernels; whether every value has the same bits."""
     import torch
 
-    from verl_fused_hook.ops import log_probs_and_entropy, triton_backend
+    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops.backends import triton_backend
 
     _interpret_on_cpu()
     g = torch.Generator().manual_seed(21)
@@ -823,7 +825,7 @@ def test_fused_loss_triton_path_in_the_interpreter():
 def test_gradient_pass_refuses_an_output_dtype_that_cannot_overwrite_the_stored_logits():
     import torch
 
-    from verl_fused_hook.ops.triton_backend import StoredLogits, stored_grad_logits
+    from verl_fused_hook.ops.backends.triton_backend import StoredLogits, stored_grad_logits
 
     store = StoredLogits(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 1), 8)
     rows = torch.zeros(2)

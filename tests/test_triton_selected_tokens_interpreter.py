@@ -27,16 +27,16 @@ def _kernel_cases() -> dict:
     import torch
     from test_triton_interpreter import _interpret_on_cpu
 
-    from verl_fused_hook.ops import triton_kernels
     from verl_fused_hook.ops.arguments import build_problem
-    from verl_fused_hook.ops.softmax_math import inverse_temperature, label_columns
-    from verl_fused_hook.ops.token_math import combine_duplicate_columns, square_sum
-    from verl_fused_hook.ops.triton_selected_tokens import (
+    from verl_fused_hook.ops.backends import triton_kernels
+    from verl_fused_hook.ops.backends.triton_selected_tokens import (
         GROUP_COLUMNS,
         KeptLogits,
         statistics_with_squares,
         token_logits,
     )
+    from verl_fused_hook.ops.softmax_math import inverse_temperature, label_columns
+    from verl_fused_hook.ops.token_math import combine_duplicate_columns, square_sum
 
     triton_backend = _interpret_on_cpu()
     g = torch.Generator().manual_seed(3)
@@ -108,7 +108,8 @@ def _op_cases() -> list[dict]:
     from selected_tokens_cases import make_case, max_abs, reference, rel, run_case, scored_rows
     from test_triton_interpreter import _interpret_on_cpu
 
-    from verl_fused_hook.ops import backward_plan, triton_backend, triton_selected_tokens
+    from verl_fused_hook.ops import backward_plan
+    from verl_fused_hook.ops.backends import triton_backend, triton_selected_tokens
 
     _interpret_on_cpu()
     results = []

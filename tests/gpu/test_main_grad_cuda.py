@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verl_fused_hook.ops import backward_plan, log_probs_and_entropy
-from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
+from verl_fused_hook.ops.backends.triton_backend import GRAD_CONFIG
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
 

@@ -14,7 +14,7 @@ import torch
 from verl_fused_hook.ops import backward_plan, log_probs_and_entropy
 from verl_fused_hook.ops.arguments import LogProbProblem, build_problem, default_tile_rows
 from verl_fused_hook.ops.backends import resolve_backend
-from verl_fused_hook.ops.triton_backend import GRAD_CONFIG
+from verl_fused_hook.ops.backends.triton_backend import GRAD_CONFIG
 from verl_fused_hook_harness.support import compare
 from verl_fused_hook_harness.support.distributed import run_in_processes
 from verl_fused_hook_harness.support.reference import reference_log_probs_entropy
@@ -137,7 +137,7 @@ def test_keep_logits_matches_fp64_reference(keep, small_backward_budgets):
     """keep_logits_bytes: every scored row's logits kept (two GEMMs in the backward), or two 128-row blocks of them
     with the rest recomputed over row tiles and vocabulary chunks; Megatron-padded vocabulary, masked rows, T per
     row."""
-    from verl_fused_hook.ops import triton_backend
+    from verl_fused_hook.ops.backends import triton_backend
 
     n, h, v, vocab_size = 700, 512, 5003, 4999
     hidden, weight, g = _inputs(n, h, v, seed=59)
@@ -371,7 +371,7 @@ def test_long_context_against_fp64_rows_and_row_chunks(n, h, v, groups):
     rows' log-probs, entropy and d_hidden against fp64 (a row's values depend on that row alone), and d_weight
     against the fp64 sum of the op's d_weight over row chunks small enough to take one tile each (the
     short-context path the other tests hold to fp64)."""
-    from verl_fused_hook.ops import triton_backend
+    from verl_fused_hook.ops.backends import triton_backend
 
     grad = triton_backend.GRAD_CONFIG
     assert len(backward_plan.backward_tiling(n, h, v, grad.block_m, grad.block_n, 132).tiles(n)) > 1

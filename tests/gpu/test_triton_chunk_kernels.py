@@ -46,7 +46,7 @@ def _inputs(n, h, v, seed, offset=0.0):
 
 def _stored(hidden, weight, label_col, inv_temp, vocab):
     from verl_fused_hook.ops.arguments import build_problem
-    from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG, StoredLogits, local_statistics
+    from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, StoredLogits, local_statistics
 
     n = hidden.shape[0]
     p = build_problem(
@@ -73,7 +73,7 @@ def _stored(hidden, weight, label_col, inv_temp, vocab):
 
 @pytest.mark.parametrize("n,vocab,offset", [(200, 5003, 0.0), (130, 32000, -1.0e4), (7, 151936, 0.0)])
 def test_forward_kernel_keeps_the_logits(n, vocab, offset):
-    from verl_fused_hook.ops.triton_backend import FORWARD_CONFIG
+    from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG
 
     hidden, weight, g = _inputs(n, 256, vocab, seed=n, offset=offset)
     label_col = torch.randint(0, vocab, (n,), device="cuda", generator=g)
@@ -94,7 +94,7 @@ def test_forward_kernel_keeps_the_logits(n, vocab, offset):
 
 @pytest.mark.parametrize("offset", [0.0, -1.0e4])
 def test_gradient_pass_overwrites_the_stored_logits_with_d_logits(offset):
-    from verl_fused_hook.ops.triton_backend import stored_grad_logits
+    from verl_fused_hook.ops.backends.triton_backend import stored_grad_logits
 
     n, vocab = 150, 20011
     hidden, weight, g = _inputs(n, 256, vocab, seed=3, offset=offset)

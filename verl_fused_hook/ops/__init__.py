@@ -1,6 +1,6 @@
 """The op: per-token log-probs and entropy from hidden states and a vocab-parallel output weight.
 
-Three drivers over one contract with the backends (backends.py): `log_probs_and_entropy` (statistics in forward,
+Three drivers over one contract with the backends (backends/): `log_probs_and_entropy` (statistics in forward,
 logits recomputed in backward), `log_probs_entropy_and_loss` (a token-separable loss inside,
 each chunk's logits computed once) and `token_log_probs` (log-probs of given ids per row, the row's top-k and
 sum pi^2, two passes). `replayed_log_probs` renormalizes over each row's kept set (sampling replay) and touches only

@@ -200,7 +200,7 @@ def _uses_triton(p: LogProbProblem, backend: str) -> bool:
         raise ValueError(f"backend: {backend!r} cannot run replayed_log_probs; allowed: {allowed}")
     if backend == "torch":
         return False
-    from . import triton_backend
+    from .backends import triton_backend
 
     reason = triton_backend.unavailable_reason(p)
     if reason is not None and backend == "triton":
@@ -365,7 +365,7 @@ class _SparsePlan:
 def _shard_logits(plan: _SparsePlan) -> Tensor:
     """fp32 [A, k] raw logits h . W[id] of the kept ids on this shard, 0 elsewhere."""
     if plan.triton:  # token_log_probs' gather-dot: each W row read in place, fp32 in a fixed order over H
-        from .triton_selected_tokens import token_logits
+        from .backends.triton_selected_tokens import token_logits
 
         return token_logits(_scored_hidden(plan.p), plan.p.weight, plan.columns, torch.ones_like(plan.inv_temp))
     out = torch.zeros(plan.kept.shape, dtype=torch.float32, device=plan.kept.device)
@@ -501,7 +501,7 @@ def _triton_gradients(plan: _SparsePlan, d_raw, needs, owner, hidden_shape, hidd
     """The Triton backward: d_hidden per row from its kept weight rows (`kept_rows_gradient_kernel`), d_weight per
     kept column from the hidden rows that kept it (`kept_columns_gradient_kernel`, over the entries sorted by
     column), straight into the returned gradient or main_grad: no [rows, |U|] or fp32 [|U|, H] buffer."""
-    from . import triton_kernels as kernels
+    from .backends import triton_kernels as kernels
 
     p, device = plan.p, d_raw.device
     rows, entries = d_raw.shape

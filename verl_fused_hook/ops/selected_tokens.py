@@ -129,7 +129,7 @@ def token_log_probs(
     request = TokenRequest(token_columns, top_k, calculate_sum_pi_squared, top_k_chunk_bytes)
     with torch.autocast(device_type=problem.hidden.device.type, enabled=False):
         chosen = resolve_backend(backend, problem, DRIVER)
-        module = importlib.import_module(chosen.selected_tokens_module, package=__package__)
+        module = importlib.import_module(chosen.selected_tokens_module, package=f"{__package__}.backends")
         if not problem.needs_grad:
             with torch.no_grad():
                 outputs = _forward(problem, request, module.selected_token_passes(problem, request))[0]

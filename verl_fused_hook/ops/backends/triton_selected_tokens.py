@@ -24,12 +24,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from . import triton_backend as backend  # its tile configurations read at call time
-from .arguments import LogProbProblem
-from .backends import RowBlock, SavedPasses
-from .backward_plan import row_groups
-from .softmax_math import LogitGradientInputs, Partials, merge_partials
-from .token_math import (
+from ..arguments import LogProbProblem
+from ..backward_plan import row_groups
+from ..softmax_math import LogitGradientInputs, Partials, merge_partials
+from ..token_math import (
     SparseLogitGradient,
     TokenPartials,
     TokenRequest,
@@ -38,6 +36,9 @@ from .token_math import (
     select_top,
     top_positions,
 )
+from ..weight_gradient import WeightGradientSum
+from . import RowBlock, SavedPasses
+from . import triton_backend as backend  # its tile configurations read at call time
 from .triton_backend import (
     descriptor,
     recomputed_gradients,
@@ -45,7 +46,6 @@ from .triton_backend import (
     stored_layout,
     tma_ready,
 )
-from .weight_gradient import WeightGradientSum
 
 # Memory of one chunk of rows under top_k unless the call says (`top_k_chunk_bytes`): the kept fp32 logits and tile
 # maxima, and what the top-k's selection reads and writes (`_selection_bytes`).

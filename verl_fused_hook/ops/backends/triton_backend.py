@@ -34,12 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..log_once import log_once
-from .arguments import LogProbProblem
-from .backends import RowBlock, SavedPasses
-from .backward_plan import backward_tiling, row_groups
-from .chunking import ChunkCost
-from .softmax_math import (
+from ...log_once import log_once
+from ..arguments import LogProbProblem
+from ..backward_plan import backward_tiling, row_groups
+from ..chunking import ChunkCost
+from ..softmax_math import (
     LogitGradientInputs,
     Partials,
     inverse_temperature,
@@ -47,7 +46,8 @@ from .softmax_math import (
     merge_partials,
     no_column_partials,
 )
-from .weight_gradient import WeightGradientSum
+from ..weight_gradient import WeightGradientSum
+from . import RowBlock, SavedPasses
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ..log_once import log_once
-from .arguments import LogProbProblem, build_problem
-from .chunking import ChunkCost
-from .softmax_math import LogitGradientInputs, Partials
-from .weight_gradient import WeightGradientSum
+from ...log_once import log_once
+from ..arguments import LogProbProblem, build_problem
+from ..chunking import ChunkCost
+from ..softmax_math import LogitGradientInputs, Partials
+from ..weight_gradient import WeightGradientSum
 
 logger = logging.getLogger(__name__)
 

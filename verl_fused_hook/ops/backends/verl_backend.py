@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .arguments import LogProbProblem
+from ..arguments import LogProbProblem
 
 HIDDEN_MULTIPLE = 128  # verl's kernel asserts hidden_size % 128 == 0
 

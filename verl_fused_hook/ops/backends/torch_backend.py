@@ -15,10 +15,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .arguments import LogProbProblem
-from .backends import RowBlock, SavedPasses
-from .chunking import ChunkCost
-from .softmax_math import (
+from ..arguments import LogProbProblem
+from ..chunking import ChunkCost
+from ..softmax_math import (
     LogitGradientInputs,
     Partials,
     grad_logits,
@@ -26,7 +25,7 @@ from .softmax_math import (
     label_columns,
     partial_statistics,
 )
-from .token_math import (
+from ..token_math import (
     SparseLogitGradient,
     TokenPartials,
     TokenRequest,
@@ -35,7 +34,8 @@ from .token_math import (
     shard_top_candidates,
     square_sum,
 )
-from .weight_gradient import WeightGradientSum
+from ..weight_gradient import WeightGradientSum
+from . import RowBlock, SavedPasses
 
 # The loss-inside op's chunk: 4 bytes of fp32 logits per logit plus the passes' temporaries, about three
 # chunks at once; speed here is the GEMMs', so memory decides.
