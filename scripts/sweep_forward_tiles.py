@@ -7,7 +7,8 @@ Triton backend's one block of rows) runs with each candidate's tiles passed to t
 (`triton_backend.local_statistics`'s config and per_split); the op itself (the bench's triton forward, its
 FORWARD_CONFIG) is timed beside them, with the GEMM, in rounds (harness timing.py: every step meets the same clock
 drift). `--profile` also runs torch.profiler over one call of the op and of the GEMM at one shape: which kernels,
-in what order, how long, and the GPU's idle gaps between them.
+in what order, how long, and the GPU's idle gaps between them; and cProfile over the op's calls: where the host
+spends the time the GPU waits for.
 
 A candidate is written BMxBNxBKwWARPSsSTAGES, then optionally gGROUP_M (default 16), cCTAS_PER_SM (default 1: the
 slots the split layout is modelled for) and pTILES_PER_SPLIT (default: the op's modelled layout for the row count):
@@ -255,6 +256,39 @@ def profile_one_call(label: str, fn, rows: int) -> dict:
     return t
 
 
+def host_profile(fn, rows: int, calls: int = 50) -> dict:
+    """Where the host spends a call of `fn` (the GPU idle before its kernel at small N): the median host time of a
+    call (from its start to its return, the GPU drained before each) and cProfile's functions by own time."""
+    import cProfile
+    import pstats
+
+    host_ms = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host_ms.append((time.perf_counter() - start) * 1e3)
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        profiler.enable()
+        fn()
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:rows]  # (file, line, name) -> (cc, nc, tt, ct)
+    functions = [
+        {"function": f"{Path(file).name}:{line}:{name}", "calls": nc / calls, "own_us": tt / calls * 1e6,
+         "cumulative_us": ct / calls * 1e6}
+        for (file, line, name), (_, nc, tt, ct, _) in top
+    ]  # fmt: skip
+    median = sorted(host_ms)[len(host_ms) // 2]
+    print(f"\n### host: median {median:.3f} ms a call (start to return); per call, by own time\n")
+    print("| own us | cumulative us | calls | function |\n|---:|---:|---:|---|")
+    for f in functions:
+        print(f"| {f['own_us']:.1f} | {f['cumulative_us']:.1f} | {f['calls']:.0f} | {f['function']} |")
+    return {"host_ms_median": median, "functions": functions}
+
+
 def profile_shape(n: int, h: int, v: int, rows: int) -> dict:
     """The op's no-grad forward (the bench's) and the GEMM at one shape, each one call under the profiler."""
     hidden, weight, labels = _inputs(n, h, v)
@@ -267,7 +301,7 @@ def profile_shape(n: int, h: int, v: int, rows: int) -> dict:
 
     return {
         "shape": [n, h, v],
-        OP: profile_one_call(f"{OP} at {n},{h},{v}", op_call, rows),
+        OP: profile_one_call(f"{OP} at {n},{h},{v}", op_call, rows) | {"host": host_profile(op_call, rows)},
         GEMM: profile_one_call(f"{GEMM} at {n},{h},{v}", lambda: torch.mm(hidden, weight.t(), out=logits), rows),
     }
 

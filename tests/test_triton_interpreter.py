@@ -653,6 +653,55 @@ def _run_interpreted(function: str, module: str = Path(__file__).stem):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _interpreted_merge_cases() -> list[dict]:
+    """Run in the subprocess: `merged_splits` (merge_splits_kernel) against softmax_math.merge_partials (the torch
+    merge the TP combine still uses) and fp64, and a row's bits alone against the same row among many."""
+    import torch
+
+    from verl_fused_hook.ops.backends.triton_backend import merged_splits
+    from verl_fused_hook.ops.softmax_math import Partials, merge_partials
+
+    results = []
+    for splits, rows in ((2, 1), (3, 130), (33, 300), (66, 129)):
+        g = torch.Generator().manual_seed(splits * 1000 + rows)
+        parts = torch.empty(4, splits, rows)
+        parts[0] = torch.randn(splits, rows, generator=g) * 30  # split maxima far apart: rescales down to 0
+        parts[1] = torch.rand(splits, rows, generator=g) * 100 + 1
+        parts[2] = -torch.rand(splits, rows, generator=g) * 50
+        parts[3] = torch.randn(splits, rows, generator=g) * (torch.rand(splits, rows, generator=g) < 0.1)
+        merged = merged_splits(parts)
+        torch_merged = merge_partials(Partials(*parts.unbind(0)))
+        d = parts.double()
+        row_max = d[0].amax(0)
+        rescale = (d[0] - row_max).exp()
+        total = (d[1] * rescale).sum(0)
+        dot = (rescale * (d[2] + (d[0] - row_max) * d[1])).sum(0)
+        alone = merged_splits(parts[:, :, -1:].contiguous())
+        results.append(
+            {
+                "case": f"{splits} splits, {rows} rows",
+                "max_equal": bool(torch.equal(merged.row_max, torch_merged.row_max)),
+                "sum_vs_fp64": ((merged.sum_exp.double() - total).abs() / total).max().item(),
+                "dot_vs_fp64": ((merged.shifted_dot.double() - dot).abs() / dot.abs()).max().item(),
+                "label_vs_torch": (merged.label_logit - torch_merged.label_logit).abs().max().item(),
+                "sum_vs_torch": ((merged.sum_exp - torch_merged.sum_exp).abs() / torch_merged.sum_exp).max().item(),
+                "last_row_alone_same_bits": all(torch.equal(a, b[-1:]) for a, b in zip(alone, merged)),
+            }
+        )
+    return results
+
+
+def test_split_merge_kernel_in_the_interpreter():
+    """The forward's split merge in one kernel: the torch merge's values within fp32 rounding, fp64 within 1e-6
+    relative, and a row's bits the same alone as among 300 rows."""
+    cases = _run_interpreted("_interpreted_merge_cases")
+    assert len(cases) == 4
+    for case in cases:
+        assert case["max_equal"] and case["last_row_alone_same_bits"], case
+        assert case["sum_vs_fp64"] <= 1e-6 and case["dot_vs_fp64"] <= 1e-6, case
+        assert case["sum_vs_torch"] <= 1e-6 and case["label_vs_torch"] <= 1e-6, case
+
+
 def test_two_pass_triton_path_in_the_interpreter():
     cases = _run_interpreted("_interpreted_two_pass_cases")
     assert len(cases) == 9

@@ -243,30 +243,27 @@ def build_problem(
     )
 
     flat_labels = labels.reshape(-1).long()
-    labelled = flat_labels != ignore_index
-    scored = labelled
-    if score_mask is not None:
-        if score_mask.shape != labels.shape or score_mask.dtype != torch.bool:
-            raise ValueError(
-                f"score_mask: must be a bool tensor shaped like labels {tuple(labels.shape)}, got {score_mask.dtype} "
-                f"{tuple(score_mask.shape)}"
-            )
-        scored = scored & score_mask.reshape(-1).to(scored.device)
+    if score_mask is not None and (score_mask.shape != labels.shape or score_mask.dtype != torch.bool):
+        raise ValueError(
+            f"score_mask: must be a bool tensor shaped like labels {tuple(labels.shape)}, got {score_mask.dtype} "
+            f"{tuple(score_mask.shape)}"
+        )
     row_temperature = _check_temperature(temperature, labels, hidden.device)
-    # Every check that reads values, in one read (on CUDA one wait for the GPU instead of one per check).
-    out_of_range = labelled & ((flat_labels < 0) | (flat_labels >= vocab_size))
-    flags = [out_of_range.any(), (~labelled).any()]
-    if isinstance(row_temperature, torch.Tensor):
-        flags.append(bad_temperatures(row_temperature))
-    labels_bad, some_ignored, *temperatures_bad = torch.stack(flags).tolist()
+    labels_bad, some_ignored = _check_label_values(flat_labels, row_temperature, ignore_index, vocab_size)
     if labels_bad:
+        out_of_range = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
-    if any(temperatures_bad):
-        raise ValueError("temperature: every value must be finite and > 0")
+    every_row_scored = score_mask is None and not some_ignored
+    scored = None
+    if not every_row_scored:
+        scored = flat_labels != ignore_index
+        if score_mask is not None:
+            scored = scored & score_mask.reshape(-1).to(scored.device)
 
     if tp_world_size > 1:  # the collectives come after every check
-        check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), int(scored.sum()))
+        scored_rows = flat_labels.numel() if scored is None else int(scored.sum())
+        check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), scored_rows)
 
     vocab_start = tp_rank * local_vocab
     hidden = full_hidden(hidden, tp_hidden, tp_group, tp_world_size)
@@ -278,7 +275,7 @@ def build_problem(
         # every row scored: no nonzero(), which would wait for the GPU again
         active_rows=(
             torch.arange(flat_labels.numel(), device=flat_labels.device)
-            if score_mask is None and not some_ignored
+            if scored is None
             else scored.nonzero().squeeze(1)
         ),
         vocab_start=vocab_start,
@@ -296,6 +293,35 @@ def build_problem(
         batch_invariant=batch_invariant,
     )
     return problem
+
+
+def _check_label_values(
+    flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int
+) -> tuple[bool, bool]:
+    """(some label is neither in [0, vocab_size) nor ignore_index, some label is ignore_index), and a ValueError for
+    a per-row temperature that is not finite and > 0. The values are read once (on CUDA one wait for the GPU), from
+    the labels' min and max: every launch here is host time the GPU waits for before the op's kernel (~15 us
+    each), so the common case (every label in range, none ignored) costs one reduction; a label outside
+    [0, vocab_size) (ignored rows, say) costs a second read that tells the two apart."""
+    if flat_labels.numel() == 0:
+        low = high = 0
+        temperatures_bad = False
+        if isinstance(row_temperature, torch.Tensor):
+            temperatures_bad = bool(bad_temperatures(row_temperature))
+    else:
+        values = [*torch.aminmax(flat_labels)]
+        if isinstance(row_temperature, torch.Tensor):
+            values.append(bad_temperatures(row_temperature).long())
+        low, high, *flags = torch.stack(values).tolist()
+        temperatures_bad = any(flags)
+    if temperatures_bad:
+        raise ValueError("temperature: every value must be finite and > 0")
+    if 0 <= low and high < vocab_size and not low <= ignore_index <= high:
+        return False, False
+    labelled = flat_labels != ignore_index
+    out_of_range = labelled & ((flat_labels < 0) | (flat_labels >= vocab_size))
+    labels_bad, some_ignored = torch.stack([out_of_range.any(), (~labelled).any()]).tolist()
+    return labels_bad, some_ignored
 
 
 def _check_labels_shape(hidden: torch.Tensor, labels: torch.Tensor, tp_hidden: str, tp_world_size: int) -> None:

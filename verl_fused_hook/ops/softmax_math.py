@@ -57,6 +57,10 @@ class RowStatistics(NamedTuple):
 
 def label_columns(p: LogProbProblem, rows: Tensor) -> Tensor:
     """int64 [R]: each row's label column in this rank's shard, -1 where another rank (or no column) holds it."""
+    if rows.numel() == p.num_rows and p.vocab_start == 0 and p.valid_columns == p.vocab_size:
+        # every row scored (no ignored label) and one shard holding the vocabulary: build_problem checked each
+        # label to lie in [0, vocab_size), so the labels are the columns (six fewer launches before the kernel)
+        return p.labels
     local = p.labels.index_select(0, rows) - p.vocab_start
     return torch.where((local >= 0) & (local < p.valid_columns), local, -1)
 

@@ -3,7 +3,7 @@ Its kernels are triton_kernels.py's. No float atomics anywhere, so two runs give
 
 Forward (both ops): one kernel reduces each scored row's logits, tile by tile, to a Partial; logits never reach
 memory. The vocabulary is split across programs when rows are few, and the splits are merged with softmax_math's
-formulas (`local_statistics`).
+formulas in one more kernel (`local_statistics`).
 
 Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows and
 vocabulary themselves. The backward recomputes the logits one vocabulary chunk at a time
@@ -43,7 +43,6 @@ from ..softmax_math import (
     Partials,
     inverse_temperature,
     label_columns,
-    merge_partials,
     no_column_partials,
 )
 from ..weight_gradient import WeightGradientSum
@@ -58,6 +57,8 @@ SPLIT_OVERHEAD_TILES = 0.5
 # for each count; measured (results/ab_batch_invariance.json) 0.98-1.01x the per-row-count layout's
 # forward+backward at five standard shapes, 1.012x (forward 1.043x) at 32768 x 8192 x 128256 (8 splits of 63).
 REFERENCE_ROWS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# Rows per program of the split merge (merge_splits_kernel): a [splits, 128] tile per program.
+MERGE_ROWS = 128
 # Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
 # split, 132 programs would each stream their own 1 MiB row block per tile.
 MIN_SPLITS = 8
@@ -110,13 +111,18 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache  # asked on every call; reading the properties took ~30 us of host time the GPU waited for
+def _major_capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def unavailable_reason(p: LogProbProblem) -> str | None:
     """None when this backend can run `p`, else why not (auto logs it and falls back)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
     if p.hidden.device.type != "cuda":
         return f"hidden is on {p.hidden.device.type}"
-    if torch.cuda.get_device_capability(p.hidden.device)[0] < 9:
+    if _major_capability(p.hidden.device) < 9:
         return "needs a Hopper or newer GPU (TMA descriptors)"
     if p.hidden.dtype != torch.bfloat16 or p.weight.dtype != torch.bfloat16:
         return f"hidden/weight must both be bfloat16, got {p.hidden.dtype} and {p.weight.dtype}"
@@ -279,7 +285,22 @@ def local_statistics(
     )  # fmt: skip
     if splits == 1:
         return Partials(parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0])
-    return merge_partials(Partials(*parts.unbind(0)))
+    return merged_splits(parts)
+
+
+def merged_splits(parts: Tensor) -> Partials:
+    """One partial per row from the forward kernel's per-split partials (`parts`: fp32 [>= 4, splits, rows], its
+    first four planes max, sum, shifted dot, label logit), by `merge_splits_kernel` in one launch."""
+    import triton
+
+    from . import triton_kernels as kernels
+
+    _, splits, n = parts.shape
+    merged = torch.empty(4, n, dtype=torch.float32, device=parts.device)
+    kernels.merge_splits_kernel[(-(-n // MERGE_ROWS),)](
+        parts, merged, n, splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_R=MERGE_ROWS, num_warps=4
+    )
+    return Partials(*merged.unbind(0))
 
 
 def recomputed_gradients(

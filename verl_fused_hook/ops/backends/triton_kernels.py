@@ -3,6 +3,7 @@
 - `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
   keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes), or
   in fp32 as computed (token_log_probs' top-k and ids);
+- `merge_splits_kernel`: the forward's per-split partials merged into one per row, in one launch;
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
 - `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
@@ -163,6 +164,46 @@ def forward_statistics_kernel(
     tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok)
     if SQUARES:
         tl.store(square_ptr + out, run_square, mask=row_ok)
+
+
+# rows and num_splits never specialized: Triton compiles a variant per argument divisible by 16, and a variant may
+# lay the tile out (and add a row's splits) in another order; one variant for every row count keeps a row's bits.
+@triton.jit(do_not_specialize=["rows", "num_splits"])
+def merge_splits_kernel(
+    parts_ptr,  # fp32 [4, num_splits, rows]: the forward kernel's max, sum, shifted dot, label logit per split
+    out_ptr,  # fp32 [4, rows]: the same, merged over the splits
+    rows,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program per BLOCK_R rows: softmax_math.merge_partials' formulas over a row's splits. The torch version
+    adds the splits in ~60 small launches (each costs the host more than the GPU, so the GPU waited on them at
+    small N); here the splits are one [BLOCK_S, BLOCK_R] tile, reduced along the splits by a tree that depends on
+    BLOCK_S, BLOCK_R and the warps alone: a row's bits never depend on the other rows. Splits without mass
+    (none occur past a shard's first column) add exact zeros."""
+    row_ids = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.arange(0, BLOCK_S)
+    inside = (split[:, None] < num_splits) & (row_ids[None, :] < rows)
+    offsets = split[:, None] * rows + row_ids[None, :]
+    plane = num_splits * rows
+    part_max = tl.load(parts_ptr + offsets, mask=inside, other=float("-inf"))
+    part_sum = tl.load(parts_ptr + plane + offsets, mask=inside, other=0.0)
+    part_dot = tl.load(parts_ptr + 2 * plane + offsets, mask=inside, other=0.0)
+    part_label = tl.load(parts_ptr + 3 * plane + offsets, mask=inside, other=0.0)
+    row_max = tl.max(part_max, axis=0)
+    has_mass = part_sum > 0
+    shift = tl.where(has_mass, part_max - row_max[None, :], 0.0)  # <= 0
+    rescale = tl.where(has_mass, tl.exp(shift), 0.0)
+    # sum_j e^(z_j - M) (z_j - M) = rescale * (dot + (m - M) * sum) per split
+    total = tl.sum(part_sum * rescale, axis=0)
+    dot = tl.sum(rescale * (part_dot + shift * part_sum), axis=0)
+    label = tl.sum(part_label, axis=0)
+    row_ok = row_ids < rows
+    tl.store(out_ptr + row_ids, row_max, mask=row_ok)
+    tl.store(out_ptr + rows + row_ids, total, mask=row_ok)
+    tl.store(out_ptr + 2 * rows + row_ids, dot, mask=row_ok)
+    tl.store(out_ptr + 3 * rows + row_ids, label, mask=row_ok)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..arguments import LogProbProblem
 from ..backward_plan import row_groups
-from ..softmax_math import LogitGradientInputs, Partials, merge_partials
+from ..softmax_math import LogitGradientInputs, Partials
 from ..token_math import (
     SparseLogitGradient,
     TokenPartials,
@@ -41,6 +41,7 @@ from . import RowBlock, SavedPasses
 from . import triton_backend as backend  # its tile configurations read at call time
 from .triton_backend import (
     descriptor,
+    merged_splits,
     recomputed_gradients,
     split_layout,
     stored_layout,
@@ -173,7 +174,7 @@ def statistics_with_squares(
     )
     if splits == 1:
         return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
-    partials = merge_partials(Partials(*parts[:4].unbind(0)))
+    partials = merged_splits(parts)
     return partials, merge_square_sums(parts[0], parts[1], parts[4], partials.row_max) if squares else None
 
 
