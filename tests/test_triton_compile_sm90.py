@@ -121,3 +121,23 @@ def test_the_elementwise_kernels_compile_for_hopper():
     for kernel, signature, constants, warps in launches:
         compiled = _compile(kernel, signature, constants, warps)
         assert compiled.metadata.shared <= SHARED_LIMIT, (kernel.fn.__name__, compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("splits", [2, 33, 66])
+def test_the_split_merge_adds_a_rows_splits_inside_one_thread_whatever_the_row_count(splits):
+    """merge_splits_kernel's bits for a row must not depend on how many rows a call has. Triton compiles a variant
+    for an integer argument divisible by 16, and on an H100 the variant for 1024 rows spread the splits over four
+    warps (a cross-warp sum: other bits than 777 rows gave; tests/gpu/test_batch_invariance_cuda.py caught it).
+    So the row and split counts are never specialized, and the one variant left keeps each row's splits in one
+    thread (threads and warps only along the rows), where their sum has one order."""
+    import re
+
+    assert {p.name for p in kernels.merge_splits_kernel.params if p.do_not_specialize} == {"rows", "num_splits"}
+    signature = {"parts_ptr": "*fp32", "out_ptr": "*fp32", "rows": "i32", "num_splits": "i32"}
+    block_splits = 1 << (splits - 1).bit_length()  # as triton_backend.merged_splits launches it
+    compiled = _compile(kernels.merge_splits_kernel, signature, dict(BLOCK_S=block_splits, BLOCK_R=128), 4)
+    tiles = re.findall(r"#ttg\.blocked<\{sizePerThread = \[(\d+), (\d+)\], threadsPerWarp = \[(\d+), (\d+)\], "
+                       r"warpsPerCTA = \[(\d+), (\d+)\]", compiled.asm["ttgir"])  # fmt: skip
+    assert tiles, compiled.asm["ttgir"][:2000]
+    for _, _, threads_along_splits, _, warps_along_splits, _ in tiles:
+        assert (threads_along_splits, warps_along_splits) == ("1", "1"), tiles

@@ -11,9 +11,8 @@ vocabulary themselves. The backward recomputes the logits one vocabulary chunk a
 d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of the
 chunk's d_weight rows. Tile height and group size come from fixed budgets, never from the token count, and the
 chunk width from a fixed width, moved by at most a quarter so that the launches fill whole waves of the GPU's SMs
-(`backward_plan.backward_tiling`), so the time per row does not change with N.
-
-Its chunk width, row tiles and row groups come from backward_plan.py.
+(`backward_plan.backward_tiling`; its row tiles and row groups from backward_plan.py too), so the time per row does
+not change with N.
 
 Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
 (`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
@@ -57,8 +56,6 @@ SPLIT_OVERHEAD_TILES = 0.5
 # for each count; measured (results/ab_batch_invariance.json) 0.98-1.01x the per-row-count layout's
 # forward+backward at five standard shapes, 1.012x (forward 1.043x) at 32768 x 8192 x 128256 (8 splits of 63).
 REFERENCE_ROWS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
-# Rows per program of the split merge (merge_splits_kernel): a [splits, 128] tile per program.
-MERGE_ROWS = 128
 # Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
 # split, 132 programs would each stream their own 1 MiB row block per tile.
 MIN_SPLITS = 8
@@ -86,9 +83,7 @@ class TileConfig:
 
 
 FORWARD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, ctas_per_sm=1)
-# One persistent 8-warp program per SM: its flattened tile loop overlaps a tile's d_logits epilogue with the next
-# tile's loads (H200: 0.97-1.09x a cuBLAS GEMM of the chunk's shape, against 1.07-1.31x for two 4-warp [128, 128]
-# programs per SM, one tile each).
+# One persistent 8-warp program per SM (why, with its H200 figures: grad_logits_kernel's docstring).
 GRAD_CONFIG = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, ctas_per_sm=1)
 
 
@@ -111,9 +106,8 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache  # asked on every call; reading the properties took ~30 us of host time the GPU waited for
-def _major_capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
+# asked on every call; reading the device's properties took ~30 us of host time the GPU waited for
+_capability = functools.cache(torch.cuda.get_device_capability)
 
 
 def unavailable_reason(p: LogProbProblem) -> str | None:
@@ -122,7 +116,7 @@ def unavailable_reason(p: LogProbProblem) -> str | None:
         return "CUDA is not available"
     if p.hidden.device.type != "cuda":
         return f"hidden is on {p.hidden.device.type}"
-    if _major_capability(p.hidden.device) < 9:
+    if _capability(p.hidden.device)[0] < 9:
         return "needs a Hopper or newer GPU (TMA descriptors)"
     if p.hidden.dtype != torch.bfloat16 or p.weight.dtype != torch.bfloat16:
         return f"hidden/weight must both be bfloat16, got {p.hidden.dtype} and {p.weight.dtype}"
@@ -289,17 +283,13 @@ def local_statistics(
 
 
 def merged_splits(parts: Tensor) -> Partials:
-    """One partial per row from the forward kernel's per-split partials (`parts`: fp32 [>= 4, splits, rows], its
-    first four planes max, sum, shifted dot, label logit), by `merge_splits_kernel` in one launch."""
-    import triton
-
+    """One partial per row from the forward kernel's split partials (fp32 [>= 4, splits, rows]) in one launch."""
     from . import triton_kernels as kernels
 
     _, splits, n = parts.shape
     merged = torch.empty(4, n, dtype=torch.float32, device=parts.device)
-    kernels.merge_splits_kernel[(-(-n // MERGE_ROWS),)](
-        parts, merged, n, splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_R=MERGE_ROWS, num_warps=4
-    )
+    block_splits = 1 << (splits - 1).bit_length()  # the next power of 2
+    kernels.merge_splits_kernel[(-(-n // 128),)](parts, merged, n, splits, BLOCK_S=block_splits, BLOCK_R=128)
     return Partials(*merged.unbind(0))
 
 
