@@ -166,8 +166,6 @@ def forward_statistics_kernel(
         tl.store(square_ptr + out, run_square, mask=row_ok)
 
 
-# rows and num_splits never specialized: Triton compiles a variant per argument divisible by 16, and a variant may
-# lay the tile out (and add a row's splits) in another order; one variant for every row count keeps a row's bits.
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def merge_splits_kernel(
     parts_ptr,  # fp32 [4, num_splits, rows]: the forward kernel's max, sum, shifted dot, label logit per split
@@ -179,9 +177,10 @@ def merge_splits_kernel(
 ):
     """One program per BLOCK_R rows: softmax_math.merge_partials' formulas over a row's splits. The torch version
     adds the splits in ~60 small launches (each costs the host more than the GPU, so the GPU waited on them at
-    small N); here the splits are one [BLOCK_S, BLOCK_R] tile, reduced along the splits by a tree that depends on
-    BLOCK_S, BLOCK_R and the warps alone: a row's bits never depend on the other rows. Splits without mass
-    (none occur past a shard's first column) add exact zeros."""
+    small N); here the splits are one [BLOCK_S, BLOCK_R] tile whose compiled layout holds a row's splits in one
+    thread, so they are added in one order whatever the rows. Why the counts are never specialized: Triton compiles
+    a variant for an integer divisible by 16, and on an H100 the one for 1024 rows spread the splits over four warps
+    (other bits than 777 rows gave). Slots past num_splits add exact zeros."""
     row_ids = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.arange(0, BLOCK_S)
     inside = (split[:, None] < num_splits) & (row_ids[None, :] < rows)
