@@ -82,6 +82,42 @@ def test_ignore_index_and_score_mask_rows_are_skipped():
     assert torch.all(got[2][~active] == 0)
 
 
+@pytest.mark.parametrize("present", [True, False], ids=["ignored rows", "ignore_index unused"])
+def test_an_ignore_index_inside_the_vocabulary(present):
+    """The label checks read the labels' min and max; an ignore_index between them takes the exact check: rows with
+    that label are skipped (zeros), the others match fp64; unused, every row is computed."""
+    hidden, weight, labels, grads = make_inputs()
+    labels[labels == 7] = 8
+    if present:
+        labels[[2, 11, 40]] = 7
+    active = labels != 7
+    got = run_op(hidden, weight, labels, grads, ignore_index=7)
+    want = reference_log_probs_entropy(hidden, weight, labels, active=active, grad_outputs=grads)
+    assert_matches(got, want, FP32_ATOL, FP32_GRAD_RTOL)
+    assert int(active.sum()) == (50 if present else 53)
+    assert torch.all(got[0][~active] == 0) and torch.all(got[2][~active] == 0)
+
+
+def test_bad_label_values_among_ignored_rows_and_bad_row_temperatures_name_the_field():
+    hidden, weight, labels, _ = make_inputs()
+    bad = labels.clone()
+    bad[[0, 5]] = -100  # ignored rows take the second read, which must still find the bad id
+    bad[9] = 1000
+    with pytest.raises(ValueError, match=r"labels: ids must lie in \[0, 1000\) or equal ignore_index=-100, found 1000"):
+        log_probs_and_entropy(hidden, weight, bad)
+    for value in (0.0, float("nan"), -1.0):
+        temperature = torch.full(labels.shape, 0.8)
+        temperature[3] = value
+        with pytest.raises(ValueError, match="temperature: every value must be finite and > 0"):
+            log_probs_and_entropy(hidden, weight, labels, temperature=temperature)
+
+
+def test_no_rows_gives_empty_outputs():
+    hidden, weight, labels, _ = make_inputs(n=0)
+    log_probs, entropy = log_probs_and_entropy(hidden, weight, labels, backend="torch")
+    assert log_probs.shape == (0,) and entropy.shape == (0,)
+
+
 def test_all_rows_masked_gives_zeros_and_zero_gradients():
     hidden, weight, labels, grads = make_inputs()
     lp, ent, dh, dw = run_op(hidden, weight, labels, grads, score_mask=torch.zeros_like(labels, dtype=torch.bool))

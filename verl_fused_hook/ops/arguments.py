@@ -249,17 +249,11 @@ def build_problem(
             f"{tuple(score_mask.shape)}"
         )
     row_temperature = _check_temperature(temperature, labels, hidden.device)
-    labels_bad, some_ignored = _check_label_values(flat_labels, row_temperature, ignore_index, vocab_size)
-    if labels_bad:
-        out_of_range = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
-        bad = flat_labels[out_of_range][0].item()
-        raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
-    every_row_scored = score_mask is None and not some_ignored
-    scored = None
-    if not every_row_scored:
-        scored = flat_labels != ignore_index
-        if score_mask is not None:
-            scored = scored & score_mask.reshape(-1).to(scored.device)
+    # None: every row scored
+    scored = _labelled_rows(flat_labels, row_temperature, ignore_index, vocab_size)
+    if score_mask is not None:
+        mask = score_mask.reshape(-1).to(flat_labels.device)
+        scored = mask if scored is None else scored & mask
 
     if tp_world_size > 1:  # the collectives come after every check
         scored_rows = flat_labels.numel() if scored is None else int(scored.sum())
@@ -295,14 +289,15 @@ def build_problem(
     return problem
 
 
-def _check_label_values(
+def _labelled_rows(
     flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int
-) -> tuple[bool, bool]:
-    """(some label is neither in [0, vocab_size) nor ignore_index, some label is ignore_index), and a ValueError for
-    a per-row temperature that is not finite and > 0. The values are read once (on CUDA one wait for the GPU), from
-    the labels' min and max: every launch here is host time the GPU waits for before the op's kernel (~15 us
-    each), so the common case (every label in range, none ignored) costs one reduction; a label outside
-    [0, vocab_size) (ignored rows, say) costs a second read that tells the two apart."""
+) -> torch.Tensor | None:
+    """bool [N]: the rows whose label is not ignore_index, None when that is every row; a ValueError for a label
+    neither in [0, vocab_size) nor ignore_index, or a per-row temperature that is not finite and > 0. The values
+    are read once (on CUDA one wait for the GPU), from the labels' min and max: every launch here is host time the
+    GPU waits for before the op's kernel (~15 us each), so the common case (every label in range, none ignored)
+    costs one reduction; a label outside [0, vocab_size) (ignored rows, say) costs a second read that tells the
+    two apart."""
     if flat_labels.numel() == 0:
         low = high = 0
         temperatures_bad = False
@@ -317,11 +312,14 @@ def _check_label_values(
     if temperatures_bad:
         raise ValueError("temperature: every value must be finite and > 0")
     if 0 <= low and high < vocab_size and not low <= ignore_index <= high:
-        return False, False
+        return None
     labelled = flat_labels != ignore_index
     out_of_range = labelled & ((flat_labels < 0) | (flat_labels >= vocab_size))
     labels_bad, some_ignored = torch.stack([out_of_range.any(), (~labelled).any()]).tolist()
-    return labels_bad, some_ignored
+    if labels_bad:
+        bad = flat_labels[out_of_range][0].item()
+        raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
+    return labelled if some_ignored else None
 
 
 def _check_labels_shape(hidden: torch.Tensor, labels: torch.Tensor, tp_hidden: str, tp_world_size: int) -> None:
