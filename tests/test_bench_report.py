@@ -83,6 +83,23 @@ def test_the_forward_table_takes_the_one_gemm_timed_in_the_same_rounds(tmp_path,
     assert "| 8192, 4096, 151936 | 14.0 ms | 16.0 ms (1.14x) | 18.0 ms (1.29x) | n/a |" in capsys.readouterr().out
 
 
+def test_the_forward_table_shows_each_steps_clock_where_the_run_read_one(tmp_path, capsys):
+    """Issue 55: on an H100 at its power cap the GEMM and the op ran at 1965 and 1485 MHz in the same rounds (a
+    ratio read 1.23x that the same op gave 1.05x in another run), so the forward table prints each step's median
+    clock beside its time; a step without readings (shorter than NVML's interval) shows none."""
+    path = _run(tmp_path)
+    results = json.loads(path.read_text())
+    row = results["shapes"][0]
+    row["one_gemm_in_rounds_ms"] = 16.0
+    row["one_gemm_in_rounds_clock"] = {"sm_clock_mhz": 1965.0, "power_w": 686.0, "clock_samples": 63}
+    row["triton"]["fwd_clock"] = {"sm_clock_mhz": 1485.0, "power_w": 695.0, "clock_samples": 81}
+    row["fused_loss"]["fwd_clock"] = {}
+    path.write_text(json.dumps(results))
+    assert bench.main(["--plot-only", str(path), "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert "| 8192, 4096, 151936 | 16.0 ms, 1965 MHz | 16.0 ms (1.00x), 1485 MHz | 18.0 ms (1.12x) | n/a |" in out
+
+
 def test_the_plot_title_folds_a_long_command_within_the_figure_width_and_keeps_all_of_it():
     from verl_fused_hook_harness.commands.bench.report import TITLE_CHARACTERS_PER_INCH, figure_title
 

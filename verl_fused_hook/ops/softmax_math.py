@@ -152,9 +152,12 @@ def combine_row_statistics(p: LogProbProblem, partials: Partials) -> RowStatisti
 
 
 def scatter_rows(p: LogProbProblem, values: Tensor | None) -> Tensor | None:
-    """Full-length fp32 [N] tensor holding `values` at the scored rows and 0 elsewhere."""
+    """Full-length fp32 [N] tensor holding `values` at the scored rows and 0 elsewhere: `values` itself when every
+    row is scored (active_rows is then 0..N-1 in order; two launches fewer after the kernel)."""
     if values is None:
         return None
+    if values.numel() == p.num_rows:
+        return values
     out = torch.zeros(p.num_rows, dtype=torch.float32, device=p.hidden.device)
     return out.index_copy_(0, p.active_rows, values)
 

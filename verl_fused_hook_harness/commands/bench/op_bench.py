@@ -238,9 +238,12 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
             args.warmup,
             args.repeats,
             lambda name, thunk: _guard(f"{n},{h},{v} {name} forward", thunk),
+            clock=(lambda name, fn: meter.clock(name and f"{name} forward", fn)) if meter else None,
             calls=args.back_to_back,
         )
         row["one_gemm_in_rounds_ms"] = forward[ONE_GEMM]
+        if meter:  # the clock while the forward rounds ran: a ratio to the GEMM is fair only at one clock
+            row["one_gemm_in_rounds_clock"] = meter.take(f"{ONE_GEMM} forward")
     for name, fn in methods.items():
         label = f"{n},{h},{v} {name}"
         result = {"fwd_bwd_ms": fwd_bwd[name]} | (meter.take(name) if meter else {})
@@ -253,6 +256,8 @@ def bench_shape(n, h, v, methods, args, plans: ChunkPlans | None = None, meter: 
         if isinstance(result["fwd_bwd_ms"], float):
             result["extra_gib"] = _guard(label, lambda: extra_memory_gib(fn, hidden, weight, labels, t, g_lp, g_ent))
         result["fwd_ms"] = forward[name]
+        if meter:
+            result["fwd_clock"] = meter.take(f"{name} forward")
         if name in ("triton", "triton_keep", "triton_main_grad", "torch"):
             mask = torch.rand(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.5
             result["half_masked_fwd_bwd_ms"] = _guard(

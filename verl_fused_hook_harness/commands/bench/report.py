@@ -22,6 +22,12 @@ def _fmt(value, reference=None):
     return f"{value:.1f} ms ({value / reference:.2f}x)" if reference else f"{value:.1f} ms"
 
 
+def _at_clock(reading: dict | None) -> str:
+    """', 1740 MHz': the median SM clock of a step's forward rounds, where the run recorded one. On an H100 at its
+    power cap the clock moves by up to 30% from one step to the next in the same rounds, and a ratio with it."""
+    return f", {reading['sm_clock_mhz']:.0f} MHz" if reading and "sm_clock_mhz" in reading else ""
+
+
 def markdown(results: dict) -> str:
     names = [m for m in results["methods"] if m != "floor"]
     card = on_device(results)
@@ -81,8 +87,9 @@ def markdown(results: dict) -> str:
         gemm = row.get("one_gemm_in_rounds_ms")
         if not isinstance(gemm, float):  # runs before the forward's own rounds, or a GEMM that failed in them
             gemm = row.get("floor", {}).get("gemm_ms")
-        cells = [_fmt(row.get(name, {}).get("fwd_ms"), gemm) for name in names]
-        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {_fmt(gemm)} | " + " | ".join(cells) + " |")
+        cells = [_fmt(row.get(n, {}).get("fwd_ms"), gemm) + _at_clock(row.get(n, {}).get("fwd_clock")) for n in names]
+        gemm_cell = _fmt(gemm) + _at_clock(row.get("one_gemm_in_rounds_clock"))
+        lines.append(f"| {row['N']}, {row['H']}, {row['V']} | {gemm_cell} | " + " | ".join(cells) + " |")
     masked = [m for m in names if any("half_masked_fwd_bwd_ms" in row.get(m, {}) for row in results["shapes"])]
     if masked:
         lines += [
