@@ -8,7 +8,8 @@ each step (NVML) and both kernels' own time under the profiler.
 
     python3 scripts/forward_round_states.py OUT.json host state
 
-(results/forward_round_states_h100.json is this command's output on an H100.)
+(results/forward_round_states_h100.json is this command's output on an H100 at c49e172, whose functions were named
+merged_splits for merge_tiles, with no forward_partials.)
 """
 
 import functools
@@ -123,7 +124,8 @@ def host_breakdown(out, n=1024, h=4096, v=151936):
         (two_pass, "scatter_rows"),
         (triton_backend, "_block"),
         (triton_backend, "local_statistics"),
-        (triton_backend, "merged_splits"),
+        (triton_backend, "forward_partials"),
+        (triton_backend, "merge_tiles"),
         (triton_backend, "descriptor"),
         (triton_backend, "split_layout"),
         (triton_backend, "label_columns"),

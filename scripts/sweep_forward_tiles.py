@@ -32,6 +32,7 @@ import torch
 
 from verl_fused_hook.ops.arguments import build_problem
 from verl_fused_hook.ops.backends import triton_backend
+from verl_fused_hook.ops.backends.forward_layout import tile_partial_rows
 from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, TileConfig
 from verl_fused_hook.ops.softmax_math import combine_row_statistics, scatter_rows
 from verl_fused_hook_harness.commands.bench.clocks import ClockMeter
@@ -118,13 +119,22 @@ def sweep_forward(hidden, weight, labels, temperature, candidate: Candidate):
 
 
 def layout(n: int, v: int, candidate: Candidate, sms: int) -> dict:
-    """The candidate's launch at N rows (not batch invariant, as sweep_forward runs): tiles per split, splits,
-    programs, and waves of programs over the SMs' slots."""
+    """The candidate's first launch at N rows (a launch takes at most `tile_partial_rows` rows): its rows, tiles per
+    split, splits, programs, and waves of programs over the SMs' slots; and how many launches the N rows take."""
     c = candidate.config
-    row_blocks, col_tiles, slots = -(-n // c.block_m), -(-v // c.block_n), sms * c.ctas_per_sm
+    col_tiles, slots = -(-v // c.block_n), sms * c.ctas_per_sm
+    rows = min(n, tile_partial_rows(col_tiles, 4, c.block_m))
+    row_blocks = -(-rows // c.block_m)
     per = candidate.per_split or triton_backend.tiles_per_split(col_tiles, slots, row_blocks)
     splits = -(-col_tiles // per)
-    return {"per_split": per, "splits": splits, "programs": row_blocks * splits, "waves": row_blocks * splits / slots}
+    return {
+        "launch_rows": rows,
+        "launches": -(-n // rows),
+        "per_split": per,
+        "splits": splits,
+        "programs": row_blocks * splits,
+        "waves": row_blocks * splits / slots,
+    }
 
 
 def _inputs(n: int, h: int, v: int):

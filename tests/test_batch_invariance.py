@@ -128,26 +128,34 @@ def test_tensor_parallel_values_do_not_depend_on_the_batch(world_size):
             assert values == results[0]["alone"], (count,)
 
 
-def test_triton_split_layout_and_merges_do_not_depend_on_the_batch_in_the_interpreter():
-    """The Triton backend's host side (through Triton's interpreter, tests/test_triton_interpreter.py's named fakes):
-    the forward kernel's vocabulary splits are fixed by the shard's width, not by the row count, and the splits'
-    partials are merged in a fixed order; a row alone, with 3 more rows and with 300 more gives the same bits."""
+def test_triton_forward_does_not_depend_on_the_batch_whatever_its_layout_in_the_interpreter():
+    """The Triton backend's host side and kernels (through Triton's interpreter, tests/test_triton_interpreter.py's
+    named fakes), batch_invariant off (the default) and on: the forward's split layout follows the row count (the
+    calls below take two layouts) and long calls run as several launches, yet each column tile's partial is written
+    apart and the tiles are merged in an order fixed by the width, so a row alone, with 3, 40 or 300 more rows
+    (some masked, some with kept logits) and in a call of several launches gives the same bits."""
     cases = _run_interpreted("_interpreted_batch_invariance")
-    assert cases["splits"] > 1, cases  # the merge of several splits is exercised
+    assert len(cases["layouts"]) > 1, cases  # different split layouts computed the same bits
+    assert cases["launches"] > 1, cases
     assert cases["same_bits"], cases
 
 
-def test_the_split_layout_follows_the_row_count_unless_batch_invariant():
-    """The Triton forward's vocabulary splits (host side, no kernel): off, the fastest modelled layout for the
-    call's rows, so a row's partial sums are added in other groupings in other batches; on, one layout per shard
-    width. 501 column tiles (128256 columns) on 132 SMs, 32768 rows: 18 splits of 28 against the fixed 8 of 63
-    (the shape where the H200 measured the guarantee's cost, results/ab_batch_invariance.json)."""
+def test_the_split_layout_follows_the_row_count_and_a_launch_bounds_its_partials():
+    """The Triton forward's vocabulary splits (host side, no kernel): the fastest modelled layout for the call's
+    rows, e.g. 501 column tiles (128256 columns) on 132 SMs: 18 splits of 28 at 32768 rows, 16 of 32 at 1024 (a
+    layout fixed per width took 8 of 63 everywhere: half the SMs idle at 1024 rows); and the rows of one launch
+    keep its per-tile partials (fp32, 4 planes, 5 with square sums) under TILE_PARTIALS_BUDGET_BYTES."""
+    from verl_fused_hook.ops.backends.forward_layout import TILE_PARTIALS_BUDGET_BYTES, tile_partial_rows
     from verl_fused_hook.ops.backends.triton_backend import tiles_per_split
 
     assert tiles_per_split(501, 132, 32768 // 128) == 28
-    assert tiles_per_split(501, 132) == 63
-    assert {tiles_per_split(501, 132, rows // 128) for rows in (2048, 8192, 32768, 131072)} != {63}
-    assert tiles_per_split(594, 132) == 18 == tiles_per_split(594, 132, 8192 // 128)
+    assert tiles_per_split(501, 132, 1024 // 128) == 32
+    assert tiles_per_split(594, 132, 8192 // 128) == 18
+    for tiles, planes in ((594, 4), (594, 5), (970, 4), (75, 4)):
+        rows = tile_partial_rows(tiles, planes, 128)
+        assert rows % 128 == 0 and rows * tiles * planes * 4 <= TILE_PARTIALS_BUDGET_BYTES
+        assert (rows + 128) * tiles * planes * 4 > TILE_PARTIALS_BUDGET_BYTES
+    assert tile_partial_rows(594, 4, 128) == 28160  # 151936 columns: 27.5k rows a launch
 
 
 def test_the_flag_is_checked_and_carried():

@@ -52,9 +52,9 @@ def test_doctor_passes_on_a_supported_cpu_machine():
     assert "uses the output_processor hook, backend=auto (VERL_FUSED_USE_OP_HOOK=1)" in checks["plan"]
     assert checks["op self-check"].startswith("ok cpu float32 300x256x5003")
     assert checks["invariance"] == (
-        "ok cpu float32, backend torch, batch_invariant=True: 77 rows alone and among 5 and 1000 others (first, "
-        "last, others masked): the same bits (opt-in: "
-        "actor_rollout_ref.model.fused_kernel_options.output_processor_batch_invariant=true)"
+        "ok cpu float32, backend torch, the ops' defaults: 77 rows alone and among 5 and 1000 others (first, "
+        "last, others masked): the same bits (actor_rollout_ref.model.fused_kernel_options."
+        "output_processor_batch_invariant=true is not needed for them)"
     )
     # no Transformer Engine here: verl's engine could not build a model (a warning), the harness builds local
     assert checks["TE"] == (

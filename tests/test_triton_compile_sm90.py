@@ -38,10 +38,7 @@ def _forward_signature(store: bool, raw: bool) -> dict:
         "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
         "label_col_ptr": "*i32",
         "inv_temp_ptr": "*fp32",
-        "max_ptr": "*fp32",
-        "sum_ptr": "*fp32",
-        "dot_ptr": "*fp32",
-        "label_ptr": "*fp32",
+        "parts_ptr": "*fp32",
         "store_desc": kept if store else "constexpr",
         "tile_max_ptr": "constexpr" if not store else group_max if raw else "*fp32",
         "rows": "i32",
@@ -50,7 +47,6 @@ def _forward_signature(store: bool, raw: bool) -> dict:
         "num_col_tiles": "i32",
         "tiles_per_split": "i32",
         "num_splits": "i32",
-        "square_ptr": "*fp32",
     }
 
 
@@ -123,21 +119,26 @@ def test_the_elementwise_kernels_compile_for_hopper():
         assert compiled.metadata.shared <= SHARED_LIMIT, (kernel.fn.__name__, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("splits", [2, 33, 66])
-def test_the_split_merge_adds_a_rows_splits_inside_one_thread_whatever_the_row_count(splits):
-    """merge_splits_kernel's bits for a row must not depend on how many rows a call has. Triton compiles a variant
-    for an integer argument divisible by 16, and on an H100 the variant for 1024 rows spread the splits over four
-    warps (a cross-warp sum: other bits than 777 rows gave; tests/gpu/test_batch_invariance_cuda.py caught it).
-    So the row and split counts are never specialized, and the one variant left keeps each row's splits in one
-    thread (threads and warps only along the rows), where their sum has one order."""
+@pytest.mark.parametrize("planes", [4, 5], ids=["statistics", "with square sums"])
+def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_count(planes):
+    """merge_tiles_kernel's bits for a row must not depend on how many rows a call has. Triton compiles a variant
+    for an integer argument divisible by 16, and on an H100 the variant for 1024 rows of the earlier split merge
+    spread the splits over four warps (a cross-warp sum: other bits than 777 rows gave;
+    tests/gpu/test_batch_invariance_cuda.py caught it). So the counts are never specialized, and the one variant
+    left keeps each row's tiles in one thread (threads and warps only along the rows), where their sum has one
+    order."""
     import re
 
-    assert {p.name for p in kernels.merge_splits_kernel.params if p.do_not_specialize} == {"rows", "num_splits"}
-    signature = {"parts_ptr": "*fp32", "out_ptr": "*fp32", "rows": "i32", "num_splits": "i32"}
-    block_splits = 1 << (splits - 1).bit_length()  # as triton_backend.merged_splits launches it
-    compiled = _compile(kernels.merge_splits_kernel, signature, dict(BLOCK_S=block_splits, BLOCK_R=128), 4)
+    from verl_fused_hook.ops.backends.triton_backend import MERGE_ROWS, MERGE_TILES
+
+    specialized = {p.name for p in kernels.merge_tiles_kernel.params if p.do_not_specialize}
+    assert specialized == {"rows", "num_tiles", "tiles_per_program", "out_stride", "out_group_stride"}
+    counts = dict.fromkeys(["rows", "num_tiles", "tiles_per_program", "out_stride", "out_group_stride"], "i32")
+    signature = {"parts_ptr": "*fp32", "out_ptr": "*fp32"} | counts
+    constants = dict(PLANES=planes, BLOCK_S=MERGE_TILES, BLOCK_R=MERGE_ROWS)
+    compiled = _compile(kernels.merge_tiles_kernel, signature, constants, 1)  # as triton_backend.merge_tiles launches
     tiles = re.findall(r"#ttg\.blocked<\{sizePerThread = \[(\d+), (\d+)\], threadsPerWarp = \[(\d+), (\d+)\], "
                        r"warpsPerCTA = \[(\d+), (\d+)\]", compiled.asm["ttgir"])  # fmt: skip
     assert tiles, compiled.asm["ttgir"][:2000]
-    for _, _, threads_along_splits, _, warps_along_splits, _ in tiles:
-        assert (threads_along_splits, warps_along_splits) == ("1", "1"), tiles
+    for _, _, threads_along_tiles, _, warps_along_tiles, _ in tiles:
+        assert (threads_along_tiles, warps_along_tiles) == ("1", "1"), tiles

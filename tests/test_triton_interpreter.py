@@ -585,55 +585,61 @@ def _interpreted_label_tile_cases() -> list[dict]:
 
 def _interpreted_batch_invariance() -> dict:
     """Run in the subprocess: rows alone, then last in batches of other rows (some masked, with kept logits or
-    not), through the Triton backend's host code and kernels; whether every value has the same bits."""
+    not, the rows in several launches or one), through the Triton backend's host code and kernels, with
+    batch_invariant off (the default) and on; whether every value has the same bits, and the split layouts the
+    calls took (the fastest for their row counts: they differ)."""
     import torch
 
     from verl_fused_hook.ops import log_probs_and_entropy
-    from verl_fused_hook.ops.backends import triton_backend
+    from verl_fused_hook.ops.backends import forward_layout
 
-    _interpret_on_cpu()
+    backend = _interpret_on_cpu()
     g = torch.Generator().manual_seed(21)
     n, h, v, probe = 340, 64, 301, 5
     hidden = torch.randn(n, h, generator=g).half()
     weight = (torch.randn(v, h, generator=g) * 0.3).half()
     labels = torch.randint(0, v, (n,), generator=g)
     temperature = torch.rand(n, generator=g) + 0.5
+    c = backend.FORWARD_CONFIG
+    col_tiles = -(-v // c.block_n)
+    layouts = set()
 
     def values(rows: torch.Tensor, **options):
+        layouts.add(backend.split_layout(-(-rows.numel() // c.block_m), col_tiles, None))
         lp, ent = log_probs_and_entropy(
-            hidden[rows],
-            weight,
-            labels[rows],
-            temperature=temperature[rows],
-            backend="triton",
-            batch_invariant=True,
-            **options,
+            hidden[rows], weight, labels[rows], temperature=temperature[rows], backend="triton", **options
         )
-        return lp[-probe:], ent[-probe:]
+        return lp[-probe:].detach(), ent[-probe:].detach()
 
-    alone = values(torch.arange(probe))
     same = True
-    for count in (3, 40, 300):
-        rows = torch.cat([torch.arange(probe, probe + count), torch.arange(probe)])
-        mask = torch.arange(rows.numel()) % 2 == 0
-        mask[-probe:] = True
-        for options in ({}, {"score_mask": mask}):
-            lp, ent = values(rows, **options)
-            same &= torch.equal(lp, alone[0]) and torch.equal(ent, alone[1])
-        kept_hidden = hidden[rows].clone().requires_grad_(True)  # kept logits for the first rows only
-        lp, ent = log_probs_and_entropy(
-            kept_hidden,
-            weight,
-            labels[rows],
-            temperature=temperature[rows],
-            backend="triton",
-            keep_logits_bytes=16 * (v * 2 + 64),
-            batch_invariant=True,
-        )
-        same &= torch.equal(lp[-probe:].detach(), alone[0]) and torch.equal(ent[-probe:].detach(), alone[1])
-    col_tiles = -(-v // triton_backend.FORWARD_CONFIG.block_n)
-    splits = -(-col_tiles // triton_backend.tiles_per_split(col_tiles, triton_backend.num_sms(None)))
-    return {"same_bits": bool(same), "splits": splits}
+    for invariant in (False, True):
+        alone = values(torch.arange(probe), batch_invariant=invariant)
+        for count in (3, 40, 300):
+            rows = torch.cat([torch.arange(probe, probe + count), torch.arange(probe)])
+            mask = torch.arange(rows.numel()) % 2 == 0
+            mask[-probe:] = True
+            for options in ({}, {"score_mask": mask}):
+                lp, ent = values(rows, batch_invariant=invariant, **options)
+                same &= torch.equal(lp, alone[0]) and torch.equal(ent, alone[1])
+            kept_hidden = hidden[rows].clone().requires_grad_(True)  # kept logits for the first rows only
+            lp, ent = log_probs_and_entropy(
+                kept_hidden,
+                weight,
+                labels[rows],
+                temperature=temperature[rows],
+                backend="triton",
+                keep_logits_bytes=16 * (v * 2 + 64),
+                batch_invariant=invariant,
+            )
+            same &= torch.equal(lp[-probe:].detach(), alone[0]) and torch.equal(ent[-probe:].detach(), alone[1])
+    # the rows in launches of two row blocks each (their partials over a budget): the same bits again
+    forward_layout.TILE_PARTIALS_BUDGET_BYTES = 16 * col_tiles * 2 * c.block_m
+    launch_rows = forward_layout.tile_partial_rows(col_tiles, 4, c.block_m)
+    rows = torch.cat([torch.arange(probe, n), torch.arange(probe)])
+    with torch.no_grad():
+        lp, ent = values(rows)
+    same &= torch.equal(lp, alone[0]) and torch.equal(ent, alone[1])
+    return {"same_bits": bool(same), "layouts": sorted(layouts), "launches": -(-rows.numel() // launch_rows)}
 
 
 def _run_interpreted(function: str, module: str = Path(__file__).stem):
@@ -654,52 +660,63 @@ def _run_interpreted(function: str, module: str = Path(__file__).stem):
 
 
 def _interpreted_merge_cases() -> list[dict]:
-    """Run in the subprocess: `merged_splits` (merge_splits_kernel) against softmax_math.merge_partials (the torch
-    merge the TP combine still uses) and fp64, and a row's bits alone against the same row among many."""
+    """Run in the subprocess: `merge_tiles` (merge_tiles_kernel) against softmax_math.merge_partials (the torch
+    merge the TP combine still uses) and fp64, square sums against fp64, a row's bits alone against the same row
+    among many, and the output written into a slice of a wider buffer (a row group's place)."""
     import torch
 
-    from verl_fused_hook.ops.backends.triton_backend import merged_splits
+    from verl_fused_hook.ops.backends.triton_backend import merge_tiles
     from verl_fused_hook.ops.softmax_math import Partials, merge_partials
 
     results = []
-    for splits, rows in ((2, 1), (3, 130), (33, 300), (66, 129)):
-        g = torch.Generator().manual_seed(splits * 1000 + rows)
-        parts = torch.empty(4, splits, rows)
-        parts[0] = torch.randn(splits, rows, generator=g) * 30  # split maxima far apart: rescales down to 0
-        parts[1] = torch.rand(splits, rows, generator=g) * 100 + 1
-        parts[2] = -torch.rand(splits, rows, generator=g) * 50
-        parts[3] = torch.randn(splits, rows, generator=g) * (torch.rand(splits, rows, generator=g) < 0.1)
-        merged = merged_splits(parts)
-        torch_merged = merge_partials(Partials(*parts.unbind(0)))
+    for tiles, rows in ((1, 1), (3, 130), (33, 300), (66, 129), (594, 40)):
+        g = torch.Generator().manual_seed(tiles * 1000 + rows)
+        parts = torch.empty(5, tiles, rows)
+        parts[0] = torch.randn(tiles, rows, generator=g) * 30  # tile maxima far apart: rescales down to 0
+        parts[1] = torch.rand(tiles, rows, generator=g) * 100 + 1
+        parts[2] = -torch.rand(tiles, rows, generator=g) * 50
+        parts[3] = 0.0  # the label logit: in one tile of the row's shard, exact zeros elsewhere
+        parts[3, torch.randint(0, tiles, (rows,), generator=g), torch.arange(rows)] = torch.randn(rows, generator=g)
+        parts[4] = torch.rand(tiles, rows, generator=g) * parts[1]
+        wide = torch.full((5, rows + 7), float("nan"))
+        merged = Partials(*merge_tiles(parts, wide[:, 3 : 3 + rows])[:4])
+        squares = wide[4, 3 : 3 + rows]
+        torch_merged = merge_partials(Partials(*parts[:4].unbind(0)))
         d = parts.double()
         row_max = d[0].amax(0)
         rescale = (d[0] - row_max).exp()
         total = (d[1] * rescale).sum(0)
         dot = (rescale * (d[2] + (d[0] - row_max) * d[1])).sum(0)
-        alone = merged_splits(parts[:, :, -1:].contiguous())
+        square = (d[4] * rescale**2).sum(0)
+        alone = merge_tiles(parts[:, :, -1:].contiguous(), torch.empty(5, 1))
         results.append(
             {
-                "case": f"{splits} splits, {rows} rows",
+                "case": f"{tiles} tiles, {rows} rows",
                 "max_equal": bool(torch.equal(merged.row_max, torch_merged.row_max)),
                 "sum_vs_fp64": ((merged.sum_exp.double() - total).abs() / total).max().item(),
                 "dot_vs_fp64": ((merged.shifted_dot.double() - dot).abs() / dot.abs()).max().item(),
-                "label_vs_torch": (merged.label_logit - torch_merged.label_logit).abs().max().item(),
+                "square_vs_fp64": ((squares.double() - square).abs() / square).max().item(),
+                "label_equal": bool(torch.equal(merged.label_logit, torch_merged.label_logit)),
                 "sum_vs_torch": ((merged.sum_exp - torch_merged.sum_exp).abs() / torch_merged.sum_exp).max().item(),
-                "last_row_alone_same_bits": all(torch.equal(a, b[-1:]) for a, b in zip(alone, merged)),
+                "last_row_alone_same_bits": bool(torch.equal(alone, wide[:, 2 + rows : 3 + rows])),
+                "outside_untouched": bool(wide[:, :3].isnan().all() and wide[:, 3 + rows :].isnan().all()),
             }
         )
     return results
 
 
-def test_split_merge_kernel_in_the_interpreter():
-    """The forward's split merge in one kernel: the torch merge's values within fp32 rounding, fp64 within 1e-6
-    relative, and a row's bits the same alone as among 300 rows."""
+def test_tile_merge_kernel_in_the_interpreter():
+    """The forward's per-tile partials merged in one kernel, 32 tiles at a time: the torch merge's values within
+    fp32 rounding and its max and label logit exactly (one tile holds the label), fp64 within 1e-6 relative (square
+    sums too), a row's bits the same alone as among 300 rows, and the output written only into its slice (a row
+    group's columns of the call's buffer)."""
     cases = _run_interpreted("_interpreted_merge_cases")
-    assert len(cases) == 4
+    assert len(cases) == 5
     for case in cases:
-        assert case["max_equal"] and case["last_row_alone_same_bits"], case
-        assert case["sum_vs_fp64"] <= 1e-6 and case["dot_vs_fp64"] <= 1e-6, case
-        assert case["sum_vs_torch"] <= 1e-6 and case["label_vs_torch"] <= 1e-6, case
+        assert case["max_equal"] and case["label_equal"], case
+        assert case["last_row_alone_same_bits"] and case["outside_untouched"], case
+        assert case["sum_vs_fp64"] <= 1e-6 and case["dot_vs_fp64"] <= 1e-6 and case["square_vs_fp64"] <= 1e-6, case
+        assert case["sum_vs_torch"] <= 1e-6, case
 
 
 def test_two_pass_triton_path_in_the_interpreter():

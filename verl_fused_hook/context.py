@@ -77,8 +77,9 @@ class FusedOutputProcessorContext:
     calculate_sum_pi_squared: also return sum_j p_j^2 per row (`sum_pi_squared`; no gradient).
     calculate_log_probs: False returns `log_probs=None` (labels still say which rows are computed).
     The last four run the op `token_log_probs` (two passes); not with loss_fn, keep_logits_bytes or as_tuple.
-    batch_invariant: every forward value of a row the same bits whatever batch computes it (exact on-policy
-        training; the ops' `batch_invariant`, docs/op.md).
+    batch_invariant: every forward value of a row the same bits whatever batch computes it, or an error from a
+        backend that cannot promise it (the ops' `batch_invariant`, docs/op.md; the Triton and verl backends'
+        log-probs and entropy are invariant without it).
     replay: a SamplingReplay: log-probs and entropy renormalized over each row's kept set (sampling replay, the op
         `replayed_log_probs`); the output also carries `kept_ids` [b, s, k] and, when computed, `kept_mass` [b, s].
         With token_ids only (no loss_fn, keep_logits_bytes, as_tuple, top_k, calculate_sum_pi_squared).

@@ -18,8 +18,9 @@ and its memory budget `...output_processor_fused_loss_chunk_gib` (default null: 
 `...output_processor_score_mask` (default true: only the rows verl reads are scored; false scores every row),
 and `...output_processor_keep_logits_gib` (default null: none; the memory the op may hold from the output
 layer's forward to its backward to keep logits instead of recomputing them, where the loss is not fused),
-`...output_processor_batch_invariant` (default false: a sequence's log-probs may differ in the last bits between
-micro-batches; true: the same bits whatever batch computes them, for exact on-policy training; docs/op.md),
+`...output_processor_batch_invariant` (default false: a sequence's log-probs and entropy still have the same bits
+whatever micro-batch computes them on the Triton and verl backends; true also asks it of the top-k's ties and
+refuses a backend that cannot give it, the portable one on CUDA; docs/op.md),
 `...output_processor_sampling_replay` (default false: log-probs over the whole vocabulary; true: renormalized over the
 rollout's top-k / top-p kept set, checked against the rollout config in verl_integration/sampling_replay.py) and its
 bound `...output_processor_sampling_replay_max_kept` (default 512: the widest kept set), and

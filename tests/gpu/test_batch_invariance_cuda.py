@@ -3,8 +3,9 @@ bits whatever batch computes it, and gradients with the same bits run to run. Ev
 
 Rows are probed alone and then first or last among other rows (N not a multiple of a tile), with other rows masked,
 per-row temperatures, a padded vocabulary, kept logits for some rows, d_weight into megatron's main_grad, inside the
-fused loss under different chunk plans, and over two TP ranks sharing the GPU (gloo); all with the ops'
-batch_invariant=True (the guarantee is opt-in: off, the forward picks its vocabulary splits per row count).
+fused loss under different chunk plans, and over two TP ranks sharing the GPU (gloo); with the ops'
+batch_invariant=True, and the log-prob op's rows also with its default (off): its forward writes each column tile's
+partial apart and merges them in an order fixed by the width, whatever split layout the row count picked.
 Run: python -m pytest -q tests/gpu/test_batch_invariance_cuda.py
 """
 
@@ -33,21 +34,23 @@ def _inputs(rows: int, h: int, v: int, seed: int):
     return hidden, weight, labels, temperature
 
 
-def _values(hidden, weight, labels, temperature, where, **options):
+def _values(hidden, weight, labels, temperature, where, batch_invariant=True, **options):
     lp, ent = log_probs_and_entropy(
-        hidden, weight, labels, temperature=temperature, backend="triton", batch_invariant=True, **options
+        hidden, weight, labels, temperature=temperature, backend="triton", batch_invariant=batch_invariant, **options
     )
     return lp[where].detach(), ent[where].detach()
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["flag on", "default"])
 @pytest.mark.parametrize("h,v,vocab_size", [(4096, 151936, None), (3584, 152064, 151936), (1024, 32003, None)])
-def test_a_rows_values_do_not_depend_on_its_batch(h, v, vocab_size):
+def test_a_rows_values_do_not_depend_on_its_batch(h, v, vocab_size, batch_invariant):
     total = 9000 if h < 4096 else 6000
     hidden, weight, labels, temperature = _inputs(PROBE + total, h, v, seed=5)
     if vocab_size is not None:
         labels = labels % vocab_size
     probe = slice(0, PROBE)
-    alone = _values(hidden[probe], weight, labels[probe], temperature[probe], slice(None), vocab_size=vocab_size)
+    options = dict(vocab_size=vocab_size, batch_invariant=batch_invariant)
+    alone = _values(hidden[probe], weight, labels[probe], temperature[probe], slice(None), **options)
     for count in (1, 247, 3001, total):
         rest = slice(PROBE, PROBE + count)
         first = [torch.cat([t[probe], t[rest]]) for t in (hidden, labels, temperature)]
@@ -55,11 +58,9 @@ def test_a_rows_values_do_not_depend_on_its_batch(h, v, vocab_size):
         mask = torch.arange(count + PROBE, device="cuda") % 3 != 0
         mask[-PROBE:] = True
         cases = {
-            "first": _values(first[0], weight, *first[1:], slice(0, PROBE), vocab_size=vocab_size),
-            "last": _values(last[0], weight, *last[1:], slice(-PROBE, None), vocab_size=vocab_size),
-            "last, others masked": _values(
-                last[0], weight, *last[1:], slice(-PROBE, None), vocab_size=vocab_size, score_mask=mask
-            ),
+            "first": _values(first[0], weight, *first[1:], slice(0, PROBE), **options),
+            "last": _values(last[0], weight, *last[1:], slice(-PROBE, None), **options),
+            "last, others masked": _values(last[0], weight, *last[1:], slice(-PROBE, None), score_mask=mask, **options),
         }
         for name, (lp, ent) in cases.items():
             assert torch.equal(lp, alone[0]) and torch.equal(ent, alone[1]), (count, name)

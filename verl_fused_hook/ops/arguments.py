@@ -43,8 +43,8 @@ class LogProbProblem:
     keep_logits_bytes: memory the two-pass op may hold from forward to backward to keep scored
     rows' logits (fp16) instead of recomputing them (0: recompute every row); main_grad_dtype: None, or the
     dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py);
-    batch_invariant: a row's forward values must not depend on the rest of the batch (the Triton forward then
-    fixes its vocabulary splits by the shard's width, not the row count; the portable backend refuses it on CUDA).
+    batch_invariant: a row's forward values must not depend on the rest of the batch (the portable backend refuses
+    it on CUDA, the top-k then takes the lower ids among ties; the Triton forward is invariant either way).
     """
 
     hidden: torch.Tensor

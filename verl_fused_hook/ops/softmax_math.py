@@ -118,8 +118,8 @@ def ordered_sum(values: Tensor) -> Tensor:
 
 def merge_partials(parts: Partials) -> Partials:
     """One partial per row from [S, R] partials over disjoint column subsets (TP ranks' shards; the Triton forward's
-    vocabulary splits go through its `merge_splits_kernel`, the same formulas), each row's terms added in an order
-    fixed by S (`ordered_sum`): a row's result never depends on the other rows."""
+    column tiles go through its `merge_tiles_kernel`, the same formulas), each row's terms added in an order fixed
+    by S (`ordered_sum`): a row's result never depends on the other rows."""
     row_max = parts.row_max.amax(dim=0)  # exact in any order
     total, dot = rescale_partials(row_max, parts.row_max, parts.sum_exp, parts.shifted_dot)
     return Partials(row_max, ordered_sum(total), ordered_sum(dot), ordered_sum(parts.label_logit))

@@ -104,14 +104,6 @@ def shard_top_candidates(z: Tensor, top_k: int, vocab_start: int, distinct: bool
     return pad_candidates(z.gather(1, positions), positions + vocab_start, top_k)
 
 
-def merge_square_sums(part_max: Tensor, part_sum: Tensor, part_square: Tensor, row_max: Tensor) -> Tensor:
-    """One square sum per row, relative to `row_max` (the merged max), from [splits, R] partials over disjoint column
-    subsets, each relative to its own max `part_max`; a partial without mass (part_sum 0) adds nothing."""
-    has_mass = part_sum > 0
-    rescale = torch.exp(2 * (torch.where(has_mass, part_max, row_max) - row_max))
-    return ordered_sum(torch.where(has_mass, part_square * rescale, torch.zeros_like(part_square)))
-
-
 def pad_candidates(values: Tensor, ids: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """Widen [R, c] candidates to [R, top_k] with -inf logits and id -1."""
     missing = top_k - values.shape[1]

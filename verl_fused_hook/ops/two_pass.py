@@ -106,12 +106,11 @@ def log_probs_and_entropy(
             name. An fp32 main_grad is then also the backward's fp32 sum of d_weight, so the Triton backend
             walks small groups of rows, its working memory flat in the row count. Not with backend "verl"
             (its kernel returns d_weight itself): ValueError.
-        batch_invariant: True: a row's log-prob and entropy have the same bits whatever batch computes it
-            (its size, the row's position, the other rows and the mask), at a fixed TP size: the Triton forward
-            then fixes its vocabulary splits by the shard's width instead of picking them per row count, at a
-            cost measured in docs/op.md (up to +4.3% forward at one standard shape). Backend "torch" on CUDA
-            cannot promise it (ValueError); on the CPU it is invariant either way. False (default): values may
-            differ in the last bits between batches (1.9e-6 measured).
+        batch_invariant: True: a row's log-prob and entropy must have the same bits whatever batch computes it
+            (its size, the row's position, the other rows and the mask), at a fixed TP size. Backends "triton"
+            and "verl", and "torch" on the CPU, give that either way (the Triton forward merges each column
+            tile's partial in an order fixed by the width, docs/op.md); "torch" on CUDA cannot (ValueError
+            with True; with False (default) its values may differ in the last bits between batches).
 
     Returns:
         (log_probs, entropy): float32, shaped like labels; entropy None if not asked.

@@ -23,8 +23,8 @@ status is 1 when something would fail at start-up:
 - sampling replay: with `output_processor_sampling_replay=true`, the composed config's rollout checked as the engine
   build checks it (truncation configured, processed log-probs, the bound at least top_k);
 - op self-check: log-probs, entropy and both gradients against fp64 on the device at hand;
-- batch invariance: with the opt-in batch_invariant, rows' log-probs and entropy alone and inside bigger batches
-  (first, last, others masked) on the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
+- batch invariance: with the ops' defaults, rows' log-probs and entropy alone and inside bigger batches (first, last,
+  others masked) on the device at hand, compared bit for bit (exact on-policy training: docs/op.md).
 
 Usage: verl-fused-hook doctor [--hidden-size H] [--dtype bf16|fp32] [--config-name NAME] [--verbose] [OVERRIDE ...]
 """
@@ -381,9 +381,10 @@ def check_op(dtype: torch.dtype) -> Finding:
 
 
 def check_batch_invariance(dtype: torch.dtype) -> Finding:
-    """With batch_invariant=True (`output_processor_batch_invariant=true`) the probe rows' values alone and inside
-    batches must be the same bits: whatever micro-batch computes a sequence, its log-probs are the same (the PPO
-    ratio of the first on-policy step is exactly 1)."""
+    """With the op's defaults (no `batch_invariant`) the probe rows' values alone and inside batches must be the
+    same bits: whatever micro-batch computes a sequence, its log-probs are the same (the PPO ratio of the first
+    on-policy step is exactly 1). Where they are not (the portable backend on a GPU), the flag cannot help: it is
+    refused there."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = dtype if device == "cuda" else torch.float32
     shape = INVARIANCE_PROBE
@@ -404,7 +405,6 @@ def check_batch_invariance(dtype: torch.dtype) -> Finding:
                 labels[rows],
                 temperature=shape["temperature"],
                 score_mask=score_mask,
-                batch_invariant=True,
             )
         return lp[where], ent[where]
 
@@ -422,19 +422,21 @@ def check_batch_invariance(dtype: torch.dtype) -> Finding:
         ):
             worst = max(worst, (lp - alone[0]).abs().max().item(), (ent - alone[1]).abs().max().item())
     backend = describe_backends(hidden, weight)["auto"]
-    setting = f"{device} {str(dtype).removeprefix('torch.')}, backend {backend}, batch_invariant=True"
+    setting = f"{device} {str(dtype).removeprefix('torch.')}, backend {backend}, the ops' defaults"
     if worst == 0.0:
         return Finding(
             "invariance",
             OK,
             f"{setting}: {shape['rows']} rows alone and among {' and '.join(map(str, shape['others']))} others "
-            f"(first, last, others masked): the same bits (opt-in: {CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true)",
+            f"(first, last, others masked): the same bits ({CONFIG_PREFIX}.{CONFIG_BATCH_INVARIANT_KEY}=true is not "
+            "needed for them)",
         )
     return Finding(
         "invariance",
         WARN,
         f"{setting}: a row's values move by up to {worst:.1e} with the batch; exact on-policy training (the same "
-        "log-probs whatever micro-batch computes them) does not hold on this device and backend",
+        "log-probs whatever micro-batch computes them) does not hold on this device and backend (the Triton backend "
+        "gives it on Hopper and newer GPUs)",
     )
 
 

@@ -1,9 +1,10 @@
 """The Triton backend's host side (CUDA, Hopper first): availability, launches, and the passes both drivers walk.
 Its kernels are triton_kernels.py's. No float atomics anywhere, so two runs give the same bits.
 
-Forward (both ops): one kernel reduces each scored row's logits, tile by tile, to a Partial; logits never reach
-memory. The vocabulary is split across programs when rows are few, and the splits are merged with softmax_math's
-formulas in one more kernel (`local_statistics`).
+Forward (both ops): one kernel reduces each scored row's logits to one Partial per column tile; logits never reach
+memory. The vocabulary is split across programs when rows are few (the fastest layout for the row count,
+forward_layout.py), and one more kernel merges a row's tiles with softmax_math's formulas in an order fixed by the
+shard's width, so a row's values are the same bits whatever batch computes it (`forward_partials`).
 
 Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows and
 vocabulary themselves. The backward recomputes the logits one vocabulary chunk at a time
@@ -46,25 +47,20 @@ from ..softmax_math import (
 )
 from ..weight_gradient import WeightGradientSum
 from . import RowBlock, SavedPasses
+from .forward_layout import tile_partial_rows, tiles_per_split
 
 logger = logging.getLogger(__name__)
 
-# Each split pays a prologue and a partial-statistics store, worth about this many column tiles.
-SPLIT_OVERHEAD_TILES = 0.5
-# The row counts the batch-invariant split layout is chosen for (`tiles_per_split`): fixed per shard width,
-# whatever rows a call has. H200, 151936 columns: 33 splits of 18 tiles, modelled within 1.7% of the best layout
-# for each count; measured (results/ab_batch_invariance.json) 0.98-1.01x the per-row-count layout's
-# forward+backward at five standard shapes, 1.012x (forward 1.043x) at 32768 x 8192 x 128256 (8 splits of 63).
-REFERENCE_ROWS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
-# Programs running together share few row blocks (kept in L2) and stream a few vocabulary splits; with one
-# split, 132 programs would each stream their own 1 MiB row block per tile.
-MIN_SPLITS = 8
 # The loss-inside op's chunk of stored logits (fp16, then d_logits in place). More rows per chunk add fewer times
 # into the fp32 d_weight accumulator (V_local x H x 4 bytes; none with one chunk) and leave more GPU work queued
 # behind loss_fn's final host evaluation (~21 ms for verl's ppo_loss at 65k tokens). H200, 65536 x 2048 x 151936:
 # 4 GiB (5 chunks) 0.84x the 4-GEMM floor, 2 GiB (10 chunks) 0.885x.
 STORED_CHUNK_BUDGET_BYTES = 4 * 1024**3
 
+# merge_tiles_kernel's block: one warp, a row per thread (a row's tiles then sit in one thread: one order); a
+# program merges MERGE_TILES tiles (a group), then one more launch the groups, MERGE_TILES at a time.
+MERGE_ROWS = 32
+MERGE_TILES = 16
 # Columns per program of the in-place gradient pass over kept logits.
 GRAD_BLOCK = 2048
 
@@ -188,49 +184,11 @@ def kept_rows_buffer(
         return None
 
 
-def _modelled_time(per: int, row_blocks: int, col_tiles: int, slots: int) -> int | float:
-    """Waves of programs times the tiles each streams plus its overhead: the forward's time in tile units."""
-    splits = -(-col_tiles // per)
-    return -(-(row_blocks * splits) // slots) * (per + SPLIT_OVERHEAD_TILES)
-
-
-def _split_candidates(col_tiles: int) -> list[int]:
-    """Tiles per split with at least MIN_SPLITS splits (L2 locality) and no empty last split."""
-    return [
-        per
-        for per in range(1, -(-col_tiles // min(MIN_SPLITS, col_tiles)) + 1)
-        if -(-col_tiles // per) * per - col_tiles < per
-    ]
-
-
-@functools.lru_cache(maxsize=1024)  # host time before the launch is GPU idle time
-def tiles_per_split(col_tiles: int, slots: int, row_blocks: int | None = None) -> int:
-    """Column tiles per program of the forward kernel.
-
-    With `row_blocks` (the call's rows in blocks): the layout of least modelled time for that many rows, the
-    fastest. None (batch_invariant): from the shard's width and the GPU alone, since a row's statistics are added
-    split by split and a layout that followed N would give a row other bits in another batch (the old log-probs
-    and the update's forward then differ in the last bits): the candidate whose modelled time is on average
-    closest to the best layout at each of REFERENCE_ROWS."""
-    candidates = _split_candidates(col_tiles)
-    if row_blocks is not None:
-        return min(candidates, key=lambda per: (_modelled_time(per, row_blocks, col_tiles, slots), per))
-    reference_blocks = [-(-rows // FORWARD_CONFIG.block_m) for rows in REFERENCE_ROWS]
-    best = [min(_modelled_time(per, blocks, col_tiles, slots) for per in candidates) for blocks in reference_blocks]
-
-    def mean_excess(per: int) -> float:
-        return sum(
-            _modelled_time(per, blocks, col_tiles, slots) / fastest for blocks, fastest in zip(reference_blocks, best)
-        )
-
-    return min(candidates, key=mean_excess)
-
-
-def split_layout(p: LogProbProblem, row_blocks: int, col_tiles: int, device, config: TileConfig | None = None) -> int:
-    """Tiles per split of the forward kernel (`config`, None: FORWARD_CONFIG) for `row_blocks` blocks of `p`'s rows
-    (fixed by the width when p.batch_invariant)."""
+def split_layout(row_blocks: int, col_tiles: int, device, config: TileConfig | None = None) -> int:
+    """Tiles per split of the forward kernel (`config`, None: FORWARD_CONFIG) for `row_blocks` blocks of rows: the
+    fastest layout for the row count, which a row's values do not depend on (`forward_statistics_kernel`)."""
     slots = num_sms(device) * (FORWARD_CONFIG if config is None else config).ctas_per_sm
-    return tiles_per_split(col_tiles, slots, None if p.batch_invariant else row_blocks)
+    return tiles_per_split(col_tiles, slots, row_blocks)
 
 
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
@@ -256,41 +214,79 @@ def local_statistics(
     the kernel also writes the logits there. `config` (None: FORWARD_CONFIG, read at the call) and `per_split`
     (column tiles per split; None: `split_layout`'s) let scripts/sweep_forward_tiles.py time other tiles and
     layouts; the op passes neither."""
+    if p.valid_columns == 0 or hidden.shape[0] == 0:
+        return no_column_partials(hidden.shape[0], hidden.device)
+    c = FORWARD_CONFIG if config is None else config
+    stored = None
+    if store is not None:
+        stored = (descriptor(store.shifted, [c.block_m, c.block_n]), store.tile_max)
+    merged = forward_partials(p, hidden, weight, label_col, inv_temp, stored=stored, config=c, per_split=per_split)
+    return Partials(*merged.unbind(0))
+
+
+def forward_partials(
+    p: LogProbProblem,
+    hidden: Tensor,
+    weight: Tensor,
+    label_col: Tensor,
+    inv_temp: Tensor,
+    *,
+    squares: bool = False,
+    stored: tuple | None = None,
+    raw: bool = False,
+    group_columns: int = 16,
+    config: TileConfig | None = None,
+    per_split: int | None = None,
+) -> Tensor:
+    """fp32 [4, rows] (with `squares` [5, rows]): the merged partials of `hidden`'s rows (p.valid_columns > 0), the
+    forward kernel's per-tile partials merged by `merge_tiles`. `stored`: the kernel's (store_desc, tile_max)
+    arguments (STORE; RAW with `raw`), whose rows are one bounded chunk; without, rows past
+    TILE_PARTIALS_BUDGET_BYTES of partials run as further launches, each with its own fastest split layout."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
-    if p.valid_columns == 0 or n == 0:
-        return no_column_partials(n, hidden.device)
     c = FORWARD_CONFIG if config is None else config
-    row_blocks = -(-n // c.block_m)
     col_tiles = -(-p.valid_columns // c.block_n)
-    per = split_layout(p, row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
-    splits = -(-col_tiles // per)
-    parts = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
-    kernels.forward_statistics_kernel[(row_blocks * splits,)](
-        descriptor(hidden, [c.block_m, c.block_k]),
-        descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
-        label_col, inv_temp, parts[0], parts[1], parts[2], parts[3],
-        None if store is None else descriptor(store.shifted, [c.block_m, c.block_n]),
-        None if store is None else store.tile_max,
-        n, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy, STORE=store is not None, num_warps=c.num_warps, num_stages=c.num_stages,
-    )  # fmt: skip
-    if splits == 1:
-        return Partials(parts[0, 0], parts[1, 0], parts[2, 0], parts[3, 0])
-    return merged_splits(parts)
+    planes = 5 if squares else 4
+    group = n if stored is not None else tile_partial_rows(col_tiles, planes, c.block_m)
+    w_desc = descriptor(weight[: p.valid_columns], [c.block_n, c.block_k])
+    merged = torch.empty(planes, n, dtype=torch.float32, device=hidden.device)
+    buffer = torch.empty(planes * col_tiles * min(n, group), dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, group):
+        rows = min(group, n - start)
+        row_blocks = -(-rows // c.block_m)
+        per = split_layout(row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
+        splits = -(-col_tiles // per)
+        parts = buffer[: planes * col_tiles * rows].view(planes, col_tiles, rows)
+        kernels.forward_statistics_kernel[(row_blocks * splits,)](
+            descriptor(hidden[start : start + rows], [c.block_m, c.block_k]), w_desc,
+            label_col[start : start + rows], inv_temp[start : start + rows], parts, *(stored or (None, None)),
+            rows, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            ENTROPY=p.calculate_entropy, STORE=stored is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+            SQUARES=squares, RAW=raw, GROUP_N=group_columns,
+        )  # fmt: skip
+        merge_tiles(parts, merged[:, start : start + rows])
+    return merged
 
 
-def merged_splits(parts: Tensor) -> Partials:
-    """One partial per row from the forward kernel's split partials (fp32 [>= 4, splits, rows]) in one launch."""
+def merge_tiles(parts: Tensor, out: Tensor) -> Tensor:
+    """`out` (fp32 [planes, rows], rows contiguous) filled with one partial per row from the forward kernel's
+    per-tile partials (fp32 [planes, tiles, rows], contiguous; planes 4, or 5 with the square sums): first each
+    group of MERGE_TILES tiles in a program of its own (rows x groups programs: enough of them at 1024 rows), then
+    the groups, in an order fixed by the tile count."""
     from . import triton_kernels as kernels
 
-    _, splits, n = parts.shape
-    merged = torch.empty(4, n, dtype=torch.float32, device=parts.device)
-    block_splits = 1 << (splits - 1).bit_length()  # the next power of 2
-    kernels.merge_splits_kernel[(-(-n // 128),)](parts, merged, n, splits, BLOCK_S=block_splits, BLOCK_R=128)
-    return Partials(*merged.unbind(0))
+    planes, tiles, n = parts.shape
+    options = dict(PLANES=planes, BLOCK_S=MERGE_TILES, BLOCK_R=MERGE_ROWS, num_warps=1)
+    if tiles > MERGE_TILES:
+        groups = -(-tiles // MERGE_TILES)
+        grouped = torch.empty(planes, groups, n, dtype=torch.float32, device=parts.device)
+        grid = (-(-n // MERGE_ROWS), groups)
+        kernels.merge_tiles_kernel[grid](parts, grouped, n, tiles, MERGE_TILES, groups * n, n, **options)
+        parts, tiles = grouped, groups
+    kernels.merge_tiles_kernel[(-(-n // MERGE_ROWS), 1)](parts, out, n, tiles, tiles, out.stride(0), 0, **options)
+    return out
 
 
 def recomputed_gradients(

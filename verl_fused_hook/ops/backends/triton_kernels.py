@@ -3,7 +3,7 @@
 - `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
   keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes), or
   in fp32 as computed (token_log_probs' top-k and ids);
-- `merge_splits_kernel`: the forward's per-split partials merged into one per row, in one launch;
+- `merge_tiles_kernel`: the forward's per-tile partials merged into one per row, in one launch;
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
 - `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
@@ -64,10 +64,7 @@ def forward_statistics_kernel(
     w_desc,  # [rows, H], [valid_columns, H] tensor descriptors
     label_col_ptr,  # int32 [rows]: label's column in this shard, -1 if elsewhere
     inv_temp_ptr,  # fp32 [rows]: 1 / temperature
-    max_ptr,
-    sum_ptr,
-    dot_ptr,
-    label_ptr,  # fp32 [num_splits, rows] partial statistics
+    parts_ptr,  # fp32 [4 (SQUARES: 5), num_col_tiles, rows]: each column tile's max, sum, dot, label (, squares)
     store_desc,
     tile_max_ptr,  # STORE: fp16 [rows, valid_columns] logits - tile max, fp32 [rows, num_col_tiles] (RAW: below)
     rows,
@@ -82,15 +79,16 @@ def forward_statistics_kernel(
     GROUP_M: tl.constexpr,
     ENTROPY: tl.constexpr,
     STORE: tl.constexpr,
-    square_ptr=None,
-    SQUARES: tl.constexpr = False,  # SQUARES only: fp32 [num_splits, rows] sum e^(2(z-m))
+    SQUARES: tl.constexpr = False,  # also each tile's sum e^(2(z-m)), parts_ptr's fifth plane
     RAW: tl.constexpr = False,  # STORE in fp32 as computed (store_desc: fp32 [rows, valid_columns], half-tile blocks)
     GROUP_N: tl.constexpr = 16,  # RAW: tile_max_ptr, a descriptor, gets each GROUP_N columns' max [rows, groups]
 ):
-    """One program: one row block against one contiguous split of column tiles,
-    reduced online to (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit) per row.
-    With SQUARES (token_log_probs' sum pi^2) also sum e^(2(z-m)), rescaled like the sum; off, the kernel is
-    the same as before the flag existed.
+    """One program: one row block against one contiguous split of column tiles. Each tile's logits are reduced to
+    that tile's partial per row, (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit), written to the tile's slot:
+    nothing is carried from one tile to the next, so a row's partials are the same bits whatever split layout
+    (chosen per row count, for speed) computed them, and `merge_tiles_kernel` adds them in an order fixed by the
+    shard's width alone: the op is batch invariant without giving up the fastest layout.
+    With SQUARES (token_log_probs' sum pi^2) also each tile's sum e^(2(z-m)).
     With STORE it also keeps the raw logits for a later gradient pass (the fused loss):
     each tile relative to its own row max, in fp16 (a difference <= 0 whose fp16 rounding
     is far below the bf16 rounding of d_logits), saturated at fp16's lowest value (where
@@ -101,12 +99,10 @@ def forward_statistics_kernel(
     the tile max, the max of each group of GROUP_N columns (the top-k ranks the best tiles' groups
     without reading their logits).
 
-    The running max is kept on the raw dot products a (z = a / T) and exponents in
-    base 2, so each logit costs a max, a subtract, a multiply, an ex2 and two adds;
-    a - max is exact for nearby values, so logits far from 0 (all near -1e4, say)
-    keep their differences, and the max and the label logit are scaled by 1/T with
-    the same single rounding, so a label that is the row's max cancels exactly in
-    log p = z_y - m - log s.
+    The max is taken on the raw dot products a (z = a / T) and exponents in base 2, so each logit costs a max, a
+    subtract, a multiply, an ex2 and two adds; a - max is exact for nearby values, so logits far from 0 (all near
+    -1e4, say) keep their differences, and the max and the label logit are scaled by 1/T with the same single
+    rounding, so a label that is the row's max cancels exactly in log p = z_y - m - log s.
     """
     pid_m, split = _grouped_tile(tl.program_id(0), tl.cdiv(rows, BLOCK_M), num_splits, GROUP_M)
     off_m = pid_m * BLOCK_M
@@ -116,11 +112,7 @@ def forward_statistics_kernel(
     inv_temp = tl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
     scale = inv_temp * LOG2E  # raw dot product -> base-2 logit
 
-    run_max = tl.full((BLOCK_M,), NEG, tl.float32)  # raw units
-    run_sum = tl.zeros((BLOCK_M,), tl.float32)
-    run_dot = tl.zeros((BLOCK_M,), tl.float32)  # base-2 units
-    label_raw = tl.zeros((BLOCK_M,), tl.float32)
-    run_square = tl.zeros((BLOCK_M,), tl.float32)
+    plane = num_col_tiles * rows
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_col_tiles)
     for tile in range(first_tile, last_tile):
@@ -129,9 +121,10 @@ def forward_statistics_kernel(
         cols = off_n + tl.arange(0, BLOCK_N)
         if off_n + BLOCK_N > valid_columns:  # only the last tile holds padding columns
             acc = tl.where(cols[None, :] < valid_columns, acc, NEG)
+        label_raw = tl.zeros((BLOCK_M,), tl.float32)
         # Most tiles hold no row's label (81% for 128 uniform labels over 594 tiles): skip their select and sum.
         if tl.max(((label_col >= off_n) & (label_col < off_n + BLOCK_N)).to(tl.int32), axis=0) > 0:
-            label_raw += tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
+            label_raw = tl.sum(tl.where(cols[None, :] == label_col[:, None], acc, 0.0), axis=1)
         tile_max = tl.max(acc, axis=1)
         if STORE:
             if RAW:
@@ -144,65 +137,79 @@ def forward_statistics_kernel(
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
                 tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
-        new_max = tl.maximum(run_max, tile_max)
-        shift = (run_max - new_max) * scale
-        rescale = tl.exp2(shift)
-        shifted = (acc - new_max[:, None]) * scale[:, None]  # exact difference first: no cancellation
+        shifted = (acc - tile_max[:, None]) * scale[:, None]  # exact difference first: no cancellation
         e = tl.exp2(shifted)
-        if ENTROPY:
-            # sum 2^(x-M)(x-M) over old columns = rescale * (dot + shift * sum)
-            run_dot = rescale * (run_dot + shift * run_sum) + tl.sum(e * shifted, axis=1)
+        dot = tl.sum(e * shifted, axis=1) * LN2 if ENTROPY else tl.zeros((BLOCK_M,), tl.float32)
+        # the four values in one store (four stores, whose addresses stay live through the K loop, spill registers)
+        # join appends its axis last: [[max, dot], [sum, label]] joined is max, sum, dot, label in memory order
+        values = tl.join(tl.join(tile_max * inv_temp, dot), tl.join(tl.sum(e, axis=1), label_raw * inv_temp))
+        where = parts_ptr + (tile * rows + row_ids)[:, None] + (tl.arange(0, 4) * plane)[None, :]
+        tl.store(where, tl.reshape(values, [BLOCK_M, 4]), mask=row_ok[:, None])
         if SQUARES:
-            run_square = run_square * (rescale * rescale) + tl.sum(e * e, axis=1)
-        run_sum = run_sum * rescale + tl.sum(e, axis=1)
-        run_max = new_max
-
-    out = split * rows + row_ids
-    tl.store(max_ptr + out, run_max * inv_temp, mask=row_ok)
-    tl.store(sum_ptr + out, run_sum, mask=row_ok)
-    tl.store(dot_ptr + out, run_dot * LN2, mask=row_ok)
-    tl.store(label_ptr + out, label_raw * inv_temp, mask=row_ok)
-    if SQUARES:
-        tl.store(square_ptr + out, run_square, mask=row_ok)
+            tl.store(parts_ptr + 4 * plane + tile * rows + row_ids, tl.sum(e * e, axis=1), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["rows", "num_splits"])
-def merge_splits_kernel(
-    parts_ptr,  # fp32 [4, num_splits, rows]: the forward kernel's max, sum, shifted dot, label logit per split
-    out_ptr,  # fp32 [4, rows]: the same, merged over the splits
+@triton.jit(do_not_specialize=["rows", "num_tiles", "tiles_per_program", "out_stride", "out_group_stride"])
+def merge_tiles_kernel(
+    parts_ptr,  # fp32 [PLANES, num_tiles, rows]: the forward kernel's max, sum, shifted dot, label logit (, square sum)
+    out_ptr,  # fp32 [PLANES, groups, rows]: the same, merged over each program's tiles (squares: to the merged max)
     rows,
-    num_splits,
+    num_tiles,
+    tiles_per_program,
+    out_stride,  # between out's planes
+    out_group_stride,  # between out's groups (program_id(1))
+    PLANES: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One program per BLOCK_R rows: softmax_math.merge_partials' formulas over a row's splits. The torch version
-    adds the splits in ~60 small launches (each costs the host more than the GPU, so the GPU waited on them at
-    small N); here the splits are one [BLOCK_S, BLOCK_R] tile whose compiled layout holds a row's splits in one
-    thread, so they are added in one order whatever the rows. Why the counts are never specialized: Triton compiles
-    a variant for an integer divisible by 16, and on an H100 the one for 1024 rows spread the splits over four warps
-    (other bits than 777 rows gave). Slots past num_splits add exact zeros."""
+    """One program: BLOCK_R rows over tiles_per_program consecutive tiles (group program_id(1)), with
+    softmax_math.merge_partials' formulas, BLOCK_S tiles at a time folded into running sums rescaled to the running
+    max (as the online softmax does). The launch (`triton_backend.merge_tiles`) merges groups of tiles first, then
+    the groups, so the order a row's terms are added in is fixed by num_tiles (the shard's width) and the compiled
+    layout alone: a row gets the same bits whatever rows share the call. Why the counts are never specialized:
+    Triton compiles a variant for an integer divisible by 16, and on an H100 the one for 1024 rows laid the tile out
+    over other threads (other bits than 777 rows gave). Slots past the group's tiles add exact zeros."""
     row_ids = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    split = tl.arange(0, BLOCK_S)
-    inside = (split[:, None] < num_splits) & (row_ids[None, :] < rows)
-    offsets = split[:, None] * rows + row_ids[None, :]
-    plane = num_splits * rows
-    part_max = tl.load(parts_ptr + offsets, mask=inside, other=float("-inf"))
-    part_sum = tl.load(parts_ptr + plane + offsets, mask=inside, other=0.0)
-    part_dot = tl.load(parts_ptr + 2 * plane + offsets, mask=inside, other=0.0)
-    part_label = tl.load(parts_ptr + 3 * plane + offsets, mask=inside, other=0.0)
-    row_max = tl.max(part_max, axis=0)
-    has_mass = part_sum > 0
-    shift = tl.where(has_mass, part_max - row_max[None, :], 0.0)  # <= 0
-    rescale = tl.where(has_mass, tl.exp(shift), 0.0)
-    # sum_j e^(z_j - M) (z_j - M) = rescale * (dot + (m - M) * sum) per split
-    total = tl.sum(part_sum * rescale, axis=0)
-    dot = tl.sum(rescale * (part_dot + shift * part_sum), axis=0)
-    label = tl.sum(part_label, axis=0)
     row_ok = row_ids < rows
-    tl.store(out_ptr + row_ids, row_max, mask=row_ok)
-    tl.store(out_ptr + rows + row_ids, total, mask=row_ok)
-    tl.store(out_ptr + 2 * rows + row_ids, dot, mask=row_ok)
-    tl.store(out_ptr + 3 * rows + row_ids, label, mask=row_ok)
+    plane = num_tiles * rows
+    group_first = tl.program_id(1) * tiles_per_program
+    group_end = tl.minimum(group_first + tiles_per_program, num_tiles)
+    run_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK_R,), tl.float32)
+    run_dot = tl.zeros((BLOCK_R,), tl.float32)
+    run_label = tl.zeros((BLOCK_R,), tl.float32)
+    run_square = tl.zeros((BLOCK_R,), tl.float32)
+    for first in range(group_first, group_end, BLOCK_S):
+        tile = first + tl.arange(0, BLOCK_S)
+        inside = (tile[:, None] < group_end) & row_ok[None, :]
+        offsets = tile[:, None] * rows + row_ids[None, :]
+        part_max = tl.load(parts_ptr + offsets, mask=inside, other=float("-inf"))
+        part_sum = tl.load(parts_ptr + plane + offsets, mask=inside, other=0.0)
+        part_dot = tl.load(parts_ptr + 2 * plane + offsets, mask=inside, other=0.0)
+        part_label = tl.load(parts_ptr + 3 * plane + offsets, mask=inside, other=0.0)
+        new_max = tl.maximum(run_max, tl.max(part_max, axis=0))
+        # what was summed so far, moved to the new max (nothing yet: exact zeros)
+        had_mass = run_sum > 0
+        old_shift = tl.where(had_mass, run_max - new_max, 0.0)  # <= 0
+        old_rescale = tl.where(had_mass, tl.exp(old_shift), 0.0)
+        has_mass = part_sum > 0
+        shift = tl.where(has_mass, part_max - new_max[None, :], 0.0)
+        rescale = tl.where(has_mass, tl.exp(shift), 0.0)
+        # sum_j e^(z_j - M) (z_j - M) = rescale * (dot + (m - M) * sum) per part
+        run_dot = old_rescale * (run_dot + old_shift * run_sum) + tl.sum(rescale * (part_dot + shift * part_sum), 0)
+        if PLANES == 5:
+            part_square = tl.load(parts_ptr + 4 * plane + offsets, mask=inside, other=0.0)
+            run_square = run_square * (old_rescale * old_rescale) + tl.sum(part_square * (rescale * rescale), 0)
+        run_sum = run_sum * old_rescale + tl.sum(part_sum * rescale, axis=0)
+        run_label += tl.sum(part_label, axis=0)
+        run_max = new_max
+    out = out_ptr + tl.program_id(1) * out_group_stride + row_ids
+    tl.store(out, run_max, mask=row_ok)
+    tl.store(out + out_stride, run_sum, mask=row_ok)
+    tl.store(out + 2 * out_stride, run_dot, mask=row_ok)
+    tl.store(out + 3 * out_stride, run_label, mask=row_ok)
+    if PLANES == 5:
+        tl.store(out + 4 * out_stride, run_square, mask=row_ok)
 
 
 @triton.jit

@@ -31,7 +31,6 @@ from ..token_math import (
     SparseLogitGradient,
     TokenPartials,
     TokenRequest,
-    merge_square_sums,
     pad_candidates,
     select_top,
     top_positions,
@@ -41,9 +40,8 @@ from . import RowBlock, SavedPasses
 from . import triton_backend as backend  # its tile configurations read at call time
 from .triton_backend import (
     descriptor,
-    merged_splits,
+    forward_partials,
     recomputed_gradients,
-    split_layout,
     stored_layout,
     tma_ready,
 )
@@ -131,51 +129,27 @@ def statistics_with_squares(
     kept: KeptLogits | None,
 ) -> tuple[Partials, Tensor | None]:
     """This rank's partials of `hidden`'s rows and, with `squares`, their square sums relative to the row max: the
-    launch of triton_backend.local_statistics with the kernel's SQUARES flag, its splits chosen and merged the same
-    way; with `kept`, the rows' raw logits and group maxima written there (STORE and RAW)."""
-    from . import triton_kernels as kernels
-
-    n = hidden.shape[0]
+    forward kernel with its SQUARES flag, its tiles merged as triton_backend.local_statistics' are; with `kept`, the
+    rows' raw logits and group maxima written there (STORE and RAW)."""
     c = backend.FORWARD_CONFIG
-    row_blocks = -(-n // c.block_m)
-    col_tiles = -(-p.valid_columns // c.block_n)
-    per = split_layout(p, row_blocks, col_tiles, hidden.device)
-    splits = -(-col_tiles // per)
-    parts = torch.empty(5 if squares else 4, splits, n, dtype=torch.float32, device=hidden.device)
-    kernels.forward_statistics_kernel[(row_blocks * splits,)](
-        descriptor(hidden, [c.block_m, c.block_k]),
-        descriptor(weight[: p.valid_columns], [c.block_n, c.block_k]),
+    stored = None
+    if kept is not None:
+        stored = (
+            descriptor(kept.raw, [c.block_m, c.block_n // 2]),
+            descriptor(kept.group_max, [c.block_m, c.block_n // kept.group_columns]),
+        )
+    merged = forward_partials(
+        p,
+        hidden,
+        weight,
         label_col,
         inv_temp,
-        parts[0],
-        parts[1],
-        parts[2],
-        parts[3],
-        None if kept is None else descriptor(kept.raw, [c.block_m, c.block_n // 2]),
-        None if kept is None else descriptor(kept.group_max, [c.block_m, c.block_n // kept.group_columns]),
-        n,
-        hidden.shape[1],
-        p.valid_columns,
-        col_tiles,
-        per,
-        splits,
-        BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k,
-        GROUP_M=c.group_m,
-        ENTROPY=p.calculate_entropy,
-        STORE=kept is not None,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
-        square_ptr=parts[4] if squares else None,
-        SQUARES=squares,
-        RAW=kept is not None,
-        GROUP_N=GROUP_COLUMNS if kept is None else kept.group_columns,
+        squares=squares,
+        stored=stored,
+        raw=kept is not None,
+        group_columns=GROUP_COLUMNS if kept is None else kept.group_columns,
     )
-    if splits == 1:
-        return Partials(*parts[:4, 0]), parts[4, 0] if squares else None
-    partials = merged_splits(parts)
-    return partials, merge_square_sums(parts[0], parts[1], parts[4], partials.row_max) if squares else None
+    return Partials(*merged[:4]), merged[4] if squares else None
 
 
 def token_logits(hidden: Tensor, weight: Tensor, columns: Tensor, inv_temp: Tensor) -> Tensor:
