@@ -12,6 +12,7 @@ each step (NVML) and both kernels' own time under the profiler.
 merged_splits for merge_tiles, with no forward_partials.)
 """
 
+import contextlib
 import functools
 import json
 import statistics
@@ -79,24 +80,56 @@ def state_experiment(out):
         meter.close()
 
 
+# The functions of one no-grad call whose wall time `host_breakdown` reads.
+HOST_FUNCTIONS = {
+    "two_pass": ("build_problem", "resolve_backend", "combine_row_statistics", "scatter_rows"),
+    "triton_backend": (
+        "_block", "local_statistics", "forward_partials", "merge_tiles", "descriptor", "split_layout",
+        "label_columns", "inverse_temperature", "tma_ready",
+    ),
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def timing_functions(modules: dict, spent: dict):
+    """HOST_FUNCTIONS wrapped to add their wall time (ns) to `spent` while the block runs, the originals back after:
+    what they compute does not change."""
+    originals = []
+    for module_name, names in HOST_FUNCTIONS.items():
+        module = modules[module_name]
+        for name in names:
+            original = getattr(module, name)
+            originals.append((module, name, original))
+
+            def wrapper(*args, _original=original, _key=f"{module_name}.{name}", **kwargs):
+                start = time.perf_counter_ns()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    spent.setdefault(_key, []).append(time.perf_counter_ns() - start)
+
+            setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def median_wall_us(call, repeats: int = 100) -> float:
+    """Median host wall time of `call`, the GPU idle before each (synchronized after)."""
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        call()
+        walls.append(time.perf_counter_ns() - start)
+        torch.cuda.synchronize()
+    return statistics.median(walls) / 1e3
+
+
 def host_breakdown(out, n=1024, h=4096, v=151936):
     from verl_fused_hook.ops import log_probs_and_entropy, two_pass
     from verl_fused_hook.ops.backends import triton_backend
-
-    spent = {}
-
-    def timed(module, name):
-        original = getattr(module, name)
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter_ns()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent.setdefault(f"{module.__name__.split('.')[-1]}.{name}", []).append(time.perf_counter_ns() - start)
-
-        setattr(module, name, wrapper)
 
     g = torch.Generator(device="cuda").manual_seed(n)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -110,36 +143,10 @@ def host_breakdown(out, n=1024, h=4096, v=151936):
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(100):
-        start = time.perf_counter_ns()
-        call()
-        walls.append(time.perf_counter_ns() - start)
-        torch.cuda.synchronize()
-    out["host_wall_us_unwrapped"] = statistics.median(walls) / 1e3
-    for module, name in [
-        (two_pass, "build_problem"),
-        (two_pass, "resolve_backend"),
-        (two_pass, "combine_row_statistics"),
-        (two_pass, "scatter_rows"),
-        (triton_backend, "_block"),
-        (triton_backend, "local_statistics"),
-        (triton_backend, "forward_partials"),
-        (triton_backend, "merge_tiles"),
-        (triton_backend, "descriptor"),
-        (triton_backend, "split_layout"),
-        (triton_backend, "label_columns"),
-        (triton_backend, "inverse_temperature"),
-        (triton_backend, "tma_ready"),
-    ]:
-        timed(module, name)
-    walls = []
-    for _ in range(100):
-        start = time.perf_counter_ns()
-        call()
-        walls.append(time.perf_counter_ns() - start)
-        torch.cuda.synchronize()
-    out["host_wall_us_wrapped"] = statistics.median(walls) / 1e3
+    out["host_wall_us_unwrapped"] = median_wall_us(call)
+    spent = {}
+    with timing_functions({"two_pass": two_pass, "triton_backend": triton_backend}, spent):
+        out["host_wall_us_wrapped"] = median_wall_us(call)
     out["host_us"] = {k: statistics.median(v) / 1e3 for k, v in spent.items()}
     out["call_kernels_us"] = kernels(call)
     ev = []
