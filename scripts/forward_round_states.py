@@ -3,16 +3,17 @@
 `state`: does what ran before (nothing, three calls back to back, the floor's GEMMs, six forward+backward calls)
 change the op's time against one GEMM timed in the same rounds? Each state's rounds also record the SM clock of
 each step (NVML) and both kernels' own time under the profiler.
-`host`: where the host time of one no-grad call at 1024 x 4096 x 151936 goes, as wall-clock time per function
-(GPU idle between calls, no profiler), the forward kernel's time, and the call's CUDA-event time.
+`host`: where the host time of one no-grad call at 1024 x 4096 x 151936 goes, as wall-clock time of the call and of
+its stages called one by one (GPU idle between calls, no profiler), the forward kernel's time, and the call's
+CUDA-event time.
 
     python3 scripts/forward_round_states.py OUT.json host state
 
-(results/forward_round_states_h100.json is this command's output on an H100 at c49e172, whose functions were named
-merged_splits for merge_tiles, with no forward_partials.)
+(results/forward_round_states_h100.json is this command's output on an H100 at c49e172, whose `host` mode timed the
+same functions by wrapping them inside the call; that replaced module attributes, so the stages are now called in
+turn instead.)
 """
 
-import contextlib
 import functools
 import json
 import statistics
@@ -80,44 +81,8 @@ def state_experiment(out):
         meter.close()
 
 
-# The functions of one no-grad call whose wall time `host_breakdown` reads.
-HOST_FUNCTIONS = {
-    "two_pass": ("build_problem", "resolve_backend", "combine_row_statistics", "scatter_rows"),
-    "triton_backend": (
-        "_block", "local_statistics", "forward_partials", "merge_tiles", "descriptor", "split_layout",
-        "label_columns", "inverse_temperature", "tma_ready",
-    ),
-}  # fmt: skip
-
-
-@contextlib.contextmanager
-def timing_functions(modules: dict, spent: dict):
-    """HOST_FUNCTIONS wrapped to add their wall time (ns) to `spent` while the block runs, the originals back after:
-    what they compute does not change."""
-    originals = []
-    for module_name, names in HOST_FUNCTIONS.items():
-        module = modules[module_name]
-        for name in names:
-            original = getattr(module, name)
-            originals.append((module, name, original))
-
-            def wrapper(*args, _original=original, _key=f"{module_name}.{name}", **kwargs):
-                start = time.perf_counter_ns()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    spent.setdefault(_key, []).append(time.perf_counter_ns() - start)
-
-            setattr(module, name, wrapper)
-    try:
-        yield
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
-
-
 def median_wall_us(call, repeats: int = 100) -> float:
-    """Median host wall time of `call`, the GPU idle before each (synchronized after)."""
+    """Median host wall time of `call` in us, the GPU idle before each (synchronized after)."""
     walls = []
     for _ in range(repeats):
         start = time.perf_counter_ns()
@@ -128,8 +93,13 @@ def median_wall_us(call, repeats: int = 100) -> float:
 
 
 def host_breakdown(out, n=1024, h=4096, v=151936):
-    from verl_fused_hook.ops import log_probs_and_entropy, two_pass
-    from verl_fused_hook.ops.backends import triton_backend
+    """The no-grad call's host time, whole, and stage by stage: its stages called in the op's order (as
+    scripts/sweep_forward_tiles.py's sweep_forward calls them), each timed on its own."""
+    from verl_fused_hook.ops import log_probs_and_entropy
+    from verl_fused_hook.ops.arguments import build_problem
+    from verl_fused_hook.ops.backends import resolve_backend, triton_backend
+    from verl_fused_hook.ops.softmax_math import combine_row_statistics, scatter_rows
+    from verl_fused_hook_harness.commands.bench.timing import event_ms
 
     g = torch.Generator(device="cuda").manual_seed(n)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -143,21 +113,35 @@ def host_breakdown(out, n=1024, h=4096, v=151936):
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    out["host_wall_us_unwrapped"] = median_wall_us(call)
-    spent = {}
-    with timing_functions({"two_pass": two_pass, "triton_backend": triton_backend}, spent):
-        out["host_wall_us_wrapped"] = median_wall_us(call)
-    out["host_us"] = {k: statistics.median(v) / 1e3 for k, v in spent.items()}
+    out["host_wall_us"] = median_wall_us(call)
+    stages = {}
+
+    def timed(name, fn, *args, **kwargs):
+        start = time.perf_counter_ns()
+        value = fn(*args, **kwargs)
+        stages.setdefault(name, []).append(time.perf_counter_ns() - start)
+        return value
+
+    def staged_call():
+        with torch.no_grad():
+            p = timed(
+                "build_problem", build_problem, hidden, weight, labels, temperature=0.7, tp_group=None,
+                score_mask=None, ignore_index=-100, vocab_size=None, calculate_entropy=True, tile_rows=None,
+            )  # fmt: skip
+            timed("resolve_backend", resolve_backend, "triton", p)
+            passes = timed("two_pass_passes", triton_backend.two_pass_passes, p)
+            b = passes.block
+            args = (p, b.hidden, passes.weight, b.label_col, b.inv_temp)
+            partials = timed("local_statistics", triton_backend.local_statistics, *args)
+            statistics_ = timed("combine_row_statistics", combine_row_statistics, p, partials)
+            timed(
+                "scatter_rows", lambda: (scatter_rows(p, statistics_.log_probs), scatter_rows(p, statistics_.entropy))
+            )
+
+    median_wall_us(staged_call)
+    out["host_us"] = {name: statistics.median(ns) / 1e3 for name, ns in stages.items()}
     out["call_kernels_us"] = kernels(call)
-    ev = []
-    for _ in range(50):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call()
-        b.record()
-        torch.cuda.synchronize()
-        ev.append(a.elapsed_time(b) * 1e3)
-    out["call_event_us"] = statistics.median(ev)
+    out["call_event_us"] = statistics.median(event_ms(call) for _ in range(50)) * 1e3
     print(json.dumps(out, indent=1), flush=True)
 
 
