@@ -168,3 +168,28 @@ def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_cou
     assert tiles, compiled.asm["ttgir"][:2000]
     for _, _, threads_along_tiles, _, warps_along_tiles, _ in tiles:
         assert (threads_along_tiles, warps_along_tiles) == ("1", "1"), tiles
+
+
+@pytest.mark.parametrize("top_k", [128, 1024], ids=["k=128", "the kernel's largest k"])
+def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
+    """top_k_kernel holds a row's 16384 group maxima (V = 262144 at TP 1) and its picked groups' logits in registers
+    at the launch's 8 warps: compiled for sm_90 without spills, at k=128 and at MAX_SELECTION_TOP_K."""
+    from verl_fused_hook.ops.backends.triton_selected_tokens import (
+        MAX_SELECTION_GROUPS,
+        MAX_SELECTION_TOP_K,
+        _selection_blocks,
+    )
+
+    fp32, i32 = "*fp32", "i32"
+    signature = {
+        "raw_ptr": fp32, "raw_stride": i32, "group_max_ptr": fp32, "group_stride": i32, "inv_temp_ptr": fp32,
+        "scratch_ptr": "*i32", "values_ptr": fp32, "ids_ptr": "*i64", "out_stride": i32, "groups": i32,
+        "valid_columns": i32, "wanted": i32, "vocab_start": i32,
+    }  # fmt: skip
+    columns = MAX_SELECTION_GROUPS * GROUP_COLUMNS
+    assert _selection_blocks(columns, FORWARD_CONFIG.block_n, MAX_SELECTION_TOP_K) == (MAX_SELECTION_GROUPS, 1024)
+    assert _selection_blocks(columns + 1, FORWARD_CONFIG.block_n, top_k) is None
+    constants = dict(GROUP=GROUP_COLUMNS, BLOCK_G=MAX_SELECTION_GROUPS, BLOCK_K=top_k)
+    compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=8, num_stages=1)
+    assert compiled.metadata.shared <= SHARED_LIMIT
+    assert _spilled_bytes(compiled) == 0

@@ -147,19 +147,19 @@ def _op_cases() -> list[dict]:
             )
         results.append(result)
 
-    # top-3 of 2003 columns (62 whole tiles of 32 and a partial one): ranked within each row's 3 best tiles only
+    # top-3 of 2003 columns (62 whole tiles of 32 and a partial one): top_k_kernel reads 3 groups a row
     case = make_case(n=40, h=64, padded=2016, vocab=2003, k=4, dtype=torch.float16)
     want = reference(case, top_k=3)
     out, d_hidden, d_weight = run_case(case, top_k=3, backend="triton")
     results.append(
         {
-            "case": "top-3 from the best tiles",
+            "case": "top-3 from the best groups",
             "d_hidden": rel(d_hidden, want["d_hidden"]),
             "d_weight": rel(d_weight, want["d_weight"]),
             "off_rows_zero": bool((d_hidden[~scored_rows(case)] == 0).all()),
             "top_log_probs": max_abs(out.top_log_probs, want["top_log_probs"]),
             "top_ids_exact": bool(torch.equal(out.top_ids, want["top_ids"])),
-            "best_tiles_path": triton_selected_tokens._ranks_best_tiles(2003, 32, 3),
+            "selection_kernel": triton_selected_tokens._selection_blocks(2003, 32, 3) is not None,
         }
     )
 
@@ -198,6 +198,83 @@ def _op_cases() -> list[dict]:
     return results
 
 
+def _top_k_cases() -> list[dict]:
+    """Run in the subprocess: `top_candidates` (top_k_kernel, and torch.topk past its limits) on rows built to break a
+    selection that ranks groups before columns, against a full sort: the set is the top `wanted` by (logit, then lower
+    column), ordered as select_top orders it; each row alone gives the same bits."""
+    import torch
+
+    from verl_fused_hook.ops.backends import triton_selected_tokens as selected
+    from verl_fused_hook.ops.token_math import select_top
+
+    width, columns, rows, start = 256, 600 * 256 + 37, 12, 1000  # the GPU's tiles and groups; a partial last tile
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, columns, generator=generator) * 3
+    logits[1, 512:768] += 20  # every large value in one tile
+    logits[2, -37:] += 20  # the largest in the partial last tile
+    logits[3, ::257] += 15  # one large value in nearly every tile
+    logits[4, 1040:1056] += 20  # the 16 largest in one group
+    logits[5, 3000:3400:3] += 20  # many groups of two tiles
+    logits[6] = logits[6].half().float()  # many equal values
+    logits[7] = 0.0  # every value equal
+    logits[8] = (logits[8] > 2).float() * 5  # ~350 equal maxima in many tiles, the rest equal too
+    logits[9, ::7] = 4.0  # equal values in every tile and group at the top
+    logits[10, ::2] = -0.0  # signed zeros at the top: equal values
+    logits[10, 1::2] = -logits[10, 1::2].abs() - 1
+    logits[11] = logits[11] * 1e4  # large magnitudes
+    tiles = -(-columns // width)
+    padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), -1.0e30)], 1)  # the kernel's NEG
+    group_max = padded.view(rows, tiles * width // 16, 16).amax(2)  # as the kernel writes them (GROUP_N = 16)
+    inv_temp = torch.rand(rows, generator=generator) + 0.5
+    results = []
+    for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K, torch.topk over every column
+        kept = selected.KeptLogits(logits, group_max, width, 16)
+        values, ids = selected.top_candidates(kept, inv_temp, wanted, start)
+        by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
+        want_values, want_ids = select_top(logits.gather(1, by_column) * inv_temp[:, None], by_column + start, wanted)
+        alone = all(
+            torch.equal(
+                torch.cat(
+                    selected.top_candidates(
+                        selected.KeptLogits(logits[r : r + 1], group_max[r : r + 1], width, 16),
+                        inv_temp[r : r + 1],
+                        wanted,
+                        start,
+                    ),
+                    1,
+                ),
+                torch.cat([values[r : r + 1], ids[r : r + 1].to(values.dtype)], 1),
+            )
+            for r in (6, 7, 8, 9)
+        )
+        results.append(
+            {
+                "wanted": wanted,
+                "kernel": selected._selection_blocks(columns, width, wanted) is not None,
+                "same_ids": torch.equal(ids, want_ids),
+                "same_values": torch.equal(values, want_values),
+                "rows_alone": alone,
+            }
+        )
+    # a shard narrower than k groups and k columns: every group picked, the k padded
+    kept = selected.KeptLogits(logits[:, :100], padded[:, :256].reshape(rows, 16, 16).amax(2).clone(), width, 16)
+    kept.group_max[:, 7:] = -1.0e30  # groups past column 100: padding only
+    kept.group_max[:, 6] = logits[:, 96:100].amax(1)
+    values, ids = selected.top_candidates(kept, inv_temp, 120, start)
+    order = torch.sort(logits[:, :100], dim=1, descending=True, stable=True).indices
+    want_values, want_ids = select_top(logits[:, :100].gather(1, order) * inv_temp[:, None], order + start, 100)
+    results.append(
+        {
+            "wanted": 120,
+            "kernel": True,
+            "same_ids": torch.equal(ids[:, :100], want_ids) and bool((ids[:, 100:] == -1).all()),
+            "same_values": torch.equal(values[:, :100], want_values) and bool((values[:, 100:] == float("-inf")).all()),
+            "rows_alone": True,
+        }
+    )
+    return results
+
+
 def _run_interpreted(function: str):
     return run_interpreted(function, Path(__file__).stem)
 
@@ -221,6 +298,16 @@ def test_token_log_probs_triton_path_in_the_interpreter():
         assert case.get("top_ids_exact", True), case
         assert case["d_hidden"] <= GRAD_TOL and case["d_weight"] <= GRAD_TOL, case
         assert case.get("placeholder", True) and case.get("row_groups", 2) > 1, case
-        assert case.get("best_tiles_path", True), case  # the case's shape takes top_columns' tile path
+        assert case.get("selection_kernel", True), case  # the case's shape takes top_k_kernel
         assert case.get("same_bits_in_one_chunk", True), case
     assert cases[0]["same_bits_in_one_chunk"] is True
+
+
+def test_top_k_kernel_against_a_full_sort():
+    """Every top-k of the Triton path is the exact top `wanted` by (logit, then lower id), whatever bunches the largest
+    logits into a tile or a group, equal values (all, many, signed zeros), magnitudes of 1e4, a shard narrower than
+    k; past the kernel's limits torch.topk gives the same."""
+    cases = _run_interpreted("_top_k_cases")
+    assert [case["kernel"] for case in cases] == [True, True, True, False, True], cases
+    for case in cases:
+        assert case["same_ids"] and case["same_values"] and case["rows_alone"], case

@@ -44,7 +44,8 @@ class LogProbProblem:
     rows' logits (fp16) instead of recomputing them (0: recompute every row); main_grad_dtype: None, or the
     dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py);
     batch_invariant: a row's forward values must not depend on the rest of the batch (the portable backend refuses
-    it on CUDA, the top-k then takes the lower ids among ties; the Triton forward is invariant either way).
+    it on CUDA, its top-k then takes the lower ids among ties; the Triton forward is invariant either way, its
+    top-k takes the lower ids always).
     """
 
     hidden: torch.Tensor

@@ -96,7 +96,7 @@ def forward_statistics_kernel(
     logits themselves in fp32, the accumulator's exact values (token_log_probs' top-k and
     ids read them): stored as two [BLOCK_M, BLOCK_N / 2] halves through one staging buffer,
     since a whole fp32 tile's would not fit beside the pipeline in shared memory; and, in place of
-    the tile max, the max of each group of GROUP_N columns (the top-k ranks the best tiles' groups
+    the tile max, the max of each group of GROUP_N columns (`top_k_kernel` ranks the groups
     without reading their logits).
 
     The max is taken on the raw dot products a (z = a / T) and exponents in base 2, so each logit costs a max, a
@@ -131,7 +131,7 @@ def forward_statistics_kernel(
                 left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
                 store_desc.store([off_m, off_n], left)
                 store_desc.store([off_m, off_n + BLOCK_N // 2], right)
-                # each group's max: the top-k ranks the best tiles' groups without reading their logits
+                # each group's max: top_k_kernel ranks groups before reading any logit
                 group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
                 tile_max_ptr.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
             else:
@@ -428,3 +428,81 @@ def kept_columns_gradient_kernel(
     if ACCUMULATE:
         acc += tl.load(where, mask=k_ok, other=0.0).to(tl.float32)
     tl.store(where, acc.to(out_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def _order_keys(x):
+    """fp32 -> uint32 in x's order (-0.0 as +0.0; 0 stays free for "no value"): the top-k compares integers."""
+    bits = (x + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _first_largest(keys, n):
+    """Mask of exactly n of `keys` (uint32, 0 where empty; n at most the non-empty ones): those above the n-th
+    largest, then the ones equal to it by lower position. The n-th largest is found one bit at a time from the top,
+    the largest t that at least n keys reach."""
+    found = tl.max(tl.zeros_like(keys), axis=0)
+    for bit in tl.static_range(31, -1, -1):
+        trial = found | (1 << bit)
+        found = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= n, trial, found)
+    above = keys > found
+    tie = (keys == found).to(tl.int32)
+    room = n - tl.sum(above.to(tl.int32), axis=0)
+    return above | ((tie != 0) & (tl.cumsum(tie, axis=0) - tie < room))
+
+
+@triton.jit(do_not_specialize=["groups", "valid_columns", "wanted", "vocab_start"])
+def top_k_kernel(
+    raw_ptr,  # fp32 [rows, raw_stride]: the forward kernel's kept logits (RAW), valid_columns of each row
+    raw_stride,
+    group_max_ptr,  # fp32 [rows, group_stride]: each GROUP columns' max, `groups` of each row
+    group_stride,
+    inv_temp_ptr,  # fp32 [rows]
+    scratch_ptr,  # int32 [rows, BLOCK_K]: each row's picks between the steps
+    values_ptr,  # fp32 [rows, out_stride]: the row's top `wanted` logits z = raw / T, highest first
+    ids_ptr,  # int64 [rows, out_stride]: their ids (column + vocab_start)
+    out_stride,
+    groups,
+    valid_columns,
+    wanted,
+    vocab_start,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program: one row's top `wanted` logits of its shard, exact, equal logits by lower column first (so the set
+    depends on the row alone), ordered as token_math.select_top orders them. Every one of the wanted largest lies
+    in the `wanted` groups of largest max (a group outside holds nothing above those maxima; on equal maxima the
+    lower group holds the lower columns), so only the group maxima and those groups' logits are read: at k = 128
+    of 151936 columns 9504 maxima and 2048 logits a row, instead of a sort of 151936."""
+    row = tl.program_id(0).to(tl.int64)
+    scratch = scratch_ptr + row * BLOCK_K
+    group = tl.arange(0, BLOCK_G)
+    maxima = tl.load(group_max_ptr + row * group_stride + group, mask=group < groups, other=0.0)
+    picked_groups = tl.minimum(wanted, groups)
+    picked = _first_largest(tl.where(group < groups, _order_keys(maxima), 0), picked_groups)
+    tl.store(scratch + tl.cumsum(picked.to(tl.int32), axis=0) - 1, group, mask=picked)
+    tl.debug_barrier()
+
+    entry = tl.arange(0, BLOCK_K * GROUP)  # the picked groups' columns, in column order
+    in_group = entry // GROUP < picked_groups
+    columns = tl.load(scratch + entry // GROUP, mask=in_group, other=0) * GROUP + entry % GROUP
+    inside = in_group & (columns < valid_columns)
+    raw = tl.load(raw_ptr + row * raw_stride + columns, mask=inside, other=0.0)
+    picked = _first_largest(tl.where(inside, _order_keys(raw), 0), wanted)
+    tl.debug_barrier()  # every program thread has read the groups before they are overwritten
+    tl.store(scratch + tl.cumsum(picked.to(tl.int32), axis=0) - 1, columns, mask=picked)
+    tl.debug_barrier()
+
+    slot = tl.arange(0, BLOCK_K)
+    kept = slot < wanted
+    column = tl.load(scratch + slot, mask=kept, other=0)
+    inv_temp = tl.load(inv_temp_ptr + row)
+    z = tl.load(raw_ptr + row * raw_stride + column, mask=kept, other=0.0) * inv_temp
+    order = (_order_keys(z).to(tl.uint64) << 32) | (column.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    order = tl.sort(tl.where(kept, order, 0), descending=True)
+    column = ((order & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
+    z = tl.load(raw_ptr + row * raw_stride + column, mask=kept, other=0.0) * inv_temp
+    tl.store(values_ptr + row * out_stride + slot, z, mask=kept)
+    tl.store(ids_ptr + row * out_stride + slot, column.to(tl.int64) + vocab_start, mask=kept)

@@ -4,8 +4,8 @@ Forward: the statistics kernel of `log_probs_and_entropy`, with its SQUARES flag
 running sum, no more GEMM). Without top_k the asked ids' logits come from `token_logits_kernel`, a gather-dot in fp32 in
 a fixed order over H. With top_k the rows go through the statistics kernel in chunks whose raw logits it also keeps in
 fp32 (its STORE and RAW flags: the accumulator's own values, a bounded buffer, `KeptLogits`); the shard's top_k are
-ranked on those exact values within each row's best tiles (`top_columns`), and the asked ids' logits are read from
-them too: no second read of W's rows. Beyond the two-pass op's own per-row memory (its d_hidden sum), nothing grows
+selected on those exact values by `top_k_kernel` (a program a row: its group maxima, then its best groups' logits),
+and the asked ids' logits are read from them too: no second read of W's rows. Beyond the two-pass op's own per-row memory (its d_hidden sum), nothing grows
 with N but the [N, k] inputs and outputs.
 
 Backward: `triton_backend.recomputed_gradients` (the two-pass op's walk over vocabulary chunks and row tiles, row
@@ -18,12 +18,14 @@ there, so the k + 1 sparse entries per row are rounded twice (each rounding 2^-9
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from ...log_once import log_once
 from ..arguments import LogProbProblem
 from ..backward_plan import row_groups
 from ..softmax_math import LogitGradientInputs, Partials
@@ -46,12 +48,18 @@ from .triton_backend import (
     tma_ready,
 )
 
+logger = logging.getLogger(__name__)
+
 # Memory of one chunk of rows under top_k unless the call says (`top_k_chunk_bytes`): the kept fp32 logits and tile
 # maxima, and what the top-k's selection reads and writes (`_selection_bytes`).
 TOP_K_CHUNK_BYTES = 1024**3
-# Columns per group of a tile that the top-k's selection ranks by its largest logit between ranking tiles and ranking
-# columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
+# Columns per group whose max the forward kernel writes beside the kept logits, for `top_k_kernel` to rank groups
+# before columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
 GROUP_COLUMNS = 16
+# `top_k_kernel`'s limits: a row's group maxima and its picked groups' logits sit in registers (16384 a row at
+# 8 warps compile without spills for sm_90).
+MAX_SELECTION_GROUPS = 16384
+MAX_SELECTION_TOP_K = 1024
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
@@ -82,7 +90,7 @@ class KeptLogits:
         )
 
 
-def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int) -> int | None:
+def _top_k_chunk_rows(columns: int, top_k: int, chunk_bytes: int) -> int | None:
     """Rows per forward chunk (whole row blocks of the statistics kernel, at least one) within `chunk_bytes` under
     top_k, None without top_k."""
     if not top_k:
@@ -90,27 +98,26 @@ def _top_k_chunk_rows(columns: int, top_k: int, distinct: bool, chunk_bytes: int
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
     per_row = 4 * pitch + 4 * tiles * (width // _group_columns(width))
-    per_row += _selection_bytes(columns, width, min(top_k, columns), distinct)
+    per_row += _selection_bytes(columns, width, min(top_k, columns))
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, chunk_bytes // per_row // block_m * block_m)
 
 
-def _ranks_best_tiles(columns: int, width: int, wanted: int) -> bool:
-    """Whether `top_columns` ranks only the best tiles: more whole tiles than wanted columns, and those tiles at
-    most half the columns (otherwise every column is ranked)."""
-    return columns // width > wanted and 8 * wanted * width <= 4 * columns
+def _selection_blocks(columns: int, width: int, wanted: int) -> tuple[int, int] | None:
+    """`top_k_kernel`'s (BLOCK_G, BLOCK_K) for a shard of `columns` in `width`-wide tiles, None past its limits
+    (then `top_candidates` ranks every column with torch.topk)."""
+    groups = -(-columns // width) * (width // _group_columns(width))
+    blocks = 1 << (groups - 1).bit_length(), 1 << (wanted - 1).bit_length()
+    return blocks if blocks[0] <= MAX_SELECTION_GROUPS and blocks[1] <= MAX_SELECTION_TOP_K else None
 
 
-def _selection_bytes(columns: int, width: int, wanted: int, distinct: bool) -> int:
-    """Bytes per row `top_columns` allocates: every column's value, or the tiles' maxima, the best tiles' group
-    maxima, the best groups' columns and values and the partial tile; the int64 indices; with `distinct` the largest
-    rank's int64 keys, their temporary and columns."""
-    if not _ranks_best_tiles(columns, width, wanted):
-        return 8 * wanted + (24 * columns if distinct else 0)
-    group = _group_columns(width)
-    keys = 24 * (wanted * group + width) if distinct else 0
-    tiles = -(-columns // width)
-    return 4 * tiles + 4 * wanted * (width // group) + 12 * wanted * group + 4 * width + 32 * wanted + keys
+def _selection_bytes(columns: int, width: int, wanted: int) -> int:
+    """Bytes per row the top-k's selection allocates: the kernel's scratch and outputs, or torch.topk's int64 keys
+    of every column and their temporary."""
+    blocks = _selection_blocks(columns, width, wanted)
+    if blocks is None:
+        return 8 * wanted + 24 * columns
+    return 4 * blocks[1] + 12 * wanted
 
 
 def _group_columns(width: int) -> int:
@@ -182,55 +189,49 @@ def kept_token_logits(kept: KeptLogits, columns: Tensor, inv_temp: Tensor) -> Te
     return torch.where(columns >= 0, raw * inv_temp[:, None], 0.0)
 
 
-def top_columns(kept: KeptLogits, wanted: int, distinct: bool) -> Tensor:
-    """The shard columns of each row's `wanted` largest kept logits, int64 [rows, wanted], in no particular order;
-    equal logits by lower column first with `distinct` (`top_positions`: the set then depends on the row alone).
+def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int) -> tuple[Tensor, Tensor]:
+    """The shard's top_k (fp32 logits z = raw / T, global ids, highest first; -inf / -1 padding) of the rows whose
+    logits `kept` holds, equal logits by lower id first, so the set depends on the row alone: `top_k_kernel`, one
+    program a row reading its group maxima and its best groups' logits; past the kernel's limits (a shard over
+    MAX_SELECTION_GROUPS groups, top_k over MAX_SELECTION_TOP_K) torch.topk over every column, said in a log line."""
+    from . import triton_kernels as kernels
 
-    Why not one topk over every column: each tile's max is one of its logits, so the `wanted` largest all lie in the
-    `wanted` tiles of largest max (or in a partial last tile, always read); by the same argument within those tiles,
-    in their `wanted` groups of GROUP_COLUMNS columns of largest max. With `distinct` a tile or group ranks by its
-    max, then by its first column, which keeps that argument for equal values. At k=128 of 151936 columns the ranks
-    run over 594 tile maxima, 2048 group maxima and 2048 logits instead of 151936; the forward kernel wrote every
-    group's max, so only those 2048 group maxima and 2048 logits a row are read here. Where the best tiles would not be
-    a fraction of the columns (few tiles, large k), every column is ranked. The logits are T-free; their order is
-    z's (T > 0)."""
-    raw, width, group = kept.raw, kept.tile_columns, kept.group_columns
-    rows, columns = raw.shape
-    whole = columns // width
-    device = raw.device
-    if not _ranks_best_tiles(columns, width, wanted):
-        return top_positions(raw, torch.arange(columns, device=device), wanted, distinct)
-    per_tile = width // group
-    group_max = kept.group_max.view(rows, -1, per_tile)  # [rows, tiles, groups a tile]
-    tiles = top_positions(group_max[:, :whole].amax(2), torch.arange(whole, device=device), wanted, distinct)
-    best_tiles_groups = group_max.gather(1, tiles[:, :, None].expand(rows, wanted, per_tile)).view(rows, -1)
-    group_first = None  # each group's first column, the tie-break of `distinct`
-    if distinct:
-        group_first = (tiles[:, :, None] * width + torch.arange(0, width, group, device=device)).view(rows, -1)
-    groups = top_positions(best_tiles_groups, group_first, wanted, distinct)
-    first_column = tiles.gather(1, groups // per_tile) * width + groups % per_tile * group  # [rows, wanted]
-    group_columns = (first_column[:, :, None] + torch.arange(group, device=device)).view(rows, -1)
-    values = raw.gather(1, group_columns)
-    key_columns = group_columns if distinct else None
-    if columns > whole * width:  # the partial last tile, whole
-        values = torch.cat([values, raw[:, whole * width :]], 1)
-        if distinct:
-            tail_columns = torch.arange(whole * width, columns, device=device).expand(rows, -1)
-            key_columns = torch.cat([key_columns, tail_columns], 1)
-    best = top_positions(values, key_columns, wanted, distinct)
-    in_groups = best < wanted * group
-    from_group = group_columns.gather(1, best.clamp_max(wanted * group - 1))
-    return torch.where(in_groups, from_group, best - wanted * group + whole * width)
-
-
-def top_candidates(
-    kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int, distinct: bool
-) -> tuple[Tensor, Tensor]:
-    """The shard's top_k (fp32 logits, global ids, highest first; -inf / -1 padding) of the rows whose logits `kept`
-    holds; `distinct` as in `top_columns`."""
-    wanted = min(top_k, kept.raw.shape[1])
-    columns = top_columns(kept, wanted, distinct)
-    values, ids = select_top(kept_token_logits(kept, columns, inv_temp), columns + vocab_start, wanted)
+    raw, rows, columns = kept.raw, kept.raw.shape[0], kept.raw.shape[1]
+    wanted = min(top_k, columns)
+    blocks = _selection_blocks(columns, kept.tile_columns, wanted)
+    if blocks is None:
+        log_once(
+            logger,
+            f"token_log_probs: top_k={top_k} of {columns} columns is past the top-k kernel's limits (top_k <= "
+            f"{MAX_SELECTION_TOP_K}, {MAX_SELECTION_GROUPS} groups of {kept.group_columns} columns); its rows are "
+            "ranked by torch.topk over every column",
+        )
+        positions = top_positions(raw, torch.arange(columns, device=raw.device), wanted, True)
+        values, ids = select_top(kept_token_logits(kept, positions, inv_temp), positions + vocab_start, wanted)
+        return pad_candidates(values, ids, top_k)
+    values = torch.empty(rows, wanted, dtype=torch.float32, device=raw.device)
+    ids = torch.empty(rows, wanted, dtype=torch.int64, device=raw.device)
+    if rows:
+        block_g, block_k = blocks
+        kernels.top_k_kernel[(rows,)](
+            raw,
+            raw.stride(0),
+            kept.group_max,
+            kept.group_max.stride(0),
+            inv_temp.contiguous(),
+            torch.empty(rows, block_k, dtype=torch.int32, device=raw.device),
+            values,
+            ids,
+            wanted,
+            kept.group_max.shape[1],
+            columns,
+            wanted,
+            vocab_start,
+            GROUP=kept.group_columns,
+            BLOCK_G=block_g,
+            BLOCK_K=block_k,
+            num_warps=8 if max(block_g, block_k * kept.group_columns) > 4096 else 4,
+        )
     return pad_candidates(values, ids, top_k)
 
 
@@ -276,7 +277,7 @@ class TritonTokenPasses:
             else:
                 logits = token_logits(block.hidden, self.weight, columns, block.inv_temp)
         if kept is not None:
-            top_values, top_ids = top_candidates(kept, block.inv_temp, request.top_k, p.vocab_start, p.batch_invariant)
+            top_values, top_ids = top_candidates(kept, block.inv_temp, request.top_k, p.vocab_start)
         return partials, TokenPartials(logits, squares, top_values, top_ids)
 
     def token_gradients(
@@ -346,6 +347,6 @@ def selected_token_passes(p: LogProbProblem, request: TokenRequest) -> TritonTok
     active = p.active_rows.numel()
     block = backend._block(p, p.active_rows, slice(0, active))
     budget = request.chunk_bytes or TOP_K_CHUNK_BYTES
-    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k, p.batch_invariant, budget) or max(active, 1)
+    chunk = _top_k_chunk_rows(p.valid_columns, request.top_k, budget) or max(active, 1)
     spans = [slice(start, min(start + chunk, active)) for start in range(0, active, chunk)]
     return TritonTokenPasses(p, p.valid_columns, tma_ready(p.weight), block, request, spans)
