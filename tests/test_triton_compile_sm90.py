@@ -40,7 +40,8 @@ def _forward_signature(store: bool, raw: bool) -> dict:
         "inv_temp_ptr": "*fp32",
         "parts_ptr": "*fp32",
         "store_desc": kept if store else "constexpr",
-        "tile_max_ptr": "constexpr" if not store else group_max if raw else "*fp32",
+        "tile_max_ptr": "*fp32" if store else "constexpr",
+        "group_max_desc": group_max if raw else "constexpr",
         "rows": "i32",
         "H": "i32",
         "valid_columns": "i32",
@@ -64,6 +65,8 @@ def test_forward_statistics_kernel_fits_hopper(store, raw, squares):
     )  # fmt: skip
     if not store:
         constants |= {"store_desc": None, "tile_max_ptr": None}
+    if not raw:
+        constants |= {"group_max_desc": None}
     signature = _forward_signature(store, raw)
     compiled = _compile(kernels.forward_statistics_kernel, signature, constants, c.num_warps, c.num_stages)
     assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
@@ -170,26 +173,36 @@ def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_cou
         assert (threads_along_tiles, warps_along_tiles) == ("1", "1"), tiles
 
 
-@pytest.mark.parametrize("top_k", [128, 1024], ids=["k=128", "the kernel's largest k"])
+@pytest.mark.parametrize("top_k", [32, 128, 512], ids=["k=32", "k=128", "the kernel's largest k"])
 def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
-    """top_k_kernel holds a row's 16384 group maxima (V = 262144 at TP 1) and its picked groups' logits in registers
-    at the launch's 8 warps: compiled for sm_90 without spills, at k=128 and at MAX_SELECTION_TOP_K."""
+    """top_k_kernel holds a row's tile maxima (1024 tiles: V = 262144 at TP 1), then its picked tiles' group maxima
+    and its picked groups' logits in registers at the launch's warps: compiled for sm_90 without spills, at the
+    kernel's limits and at k = 32 and 128."""
     from verl_fused_hook.ops.backends.triton_selected_tokens import (
-        MAX_SELECTION_GROUPS,
+        MAX_SELECTION_TILES,
         MAX_SELECTION_TOP_K,
         _selection_blocks,
+        top_k_warps,
     )
 
     fp32, i32 = "*fp32", "i32"
     signature = {
-        "raw_ptr": fp32, "raw_stride": i32, "group_max_ptr": fp32, "group_stride": i32, "inv_temp_ptr": fp32,
-        "scratch_ptr": "*i32", "values_ptr": fp32, "ids_ptr": "*i64", "out_stride": i32, "groups": i32,
+        "raw_ptr": fp32, "raw_stride": i32, "tile_max_ptr": fp32, "tile_stride": i32, "group_max_ptr": fp32,
+        "group_stride": i32, "inv_temp_ptr": fp32,
+        "scratch_ptr": "*i32", "values_ptr": fp32, "ids_ptr": "*i64", "out_stride": i32, "tiles": i32,
         "valid_columns": i32, "wanted": i32, "vocab_start": i32,
     }  # fmt: skip
-    columns = MAX_SELECTION_GROUPS * GROUP_COLUMNS
-    assert _selection_blocks(columns, FORWARD_CONFIG.block_n, MAX_SELECTION_TOP_K) == (MAX_SELECTION_GROUPS, 1024)
-    assert _selection_blocks(columns + 1, FORWARD_CONFIG.block_n, top_k) is None
-    constants = dict(GROUP=GROUP_COLUMNS, BLOCK_G=MAX_SELECTION_GROUPS, BLOCK_K=top_k)
-    compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=8, num_stages=1)
+    assert top_k <= MAX_SELECTION_TOP_K == 512
+    width = FORWARD_CONFIG.block_n
+    columns = MAX_SELECTION_TILES * width
+    assert _selection_blocks(columns, width, MAX_SELECTION_TOP_K) == (MAX_SELECTION_TILES, MAX_SELECTION_TOP_K)
+    assert _selection_blocks(columns + 1, width, top_k) is None
+    assert _selection_blocks(columns, width, MAX_SELECTION_TOP_K + 1) is None
+    per_tile = width // GROUP_COLUMNS
+    constants = dict(
+        GROUP=GROUP_COLUMNS, PER_TILE=per_tile, BLOCK_T=MAX_SELECTION_TILES, BLOCK_K=top_k
+    )  # fmt: skip
+    warps = top_k_warps(MAX_SELECTION_TILES, top_k, GROUP_COLUMNS, per_tile)
+    compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)
     assert compiled.metadata.shared <= SHARED_LIMIT
     assert _spilled_bytes(compiled) == 0

@@ -85,8 +85,8 @@ def _kernel_cases() -> dict:
     results["squares"] = ((squares.double() - square_sum(z)) / square_sum(z)).abs().max().item()
     results["row_max"] = (partials.row_max.double() - z.amax(1)).abs().max().item()
 
-    # STORE and RAW (the top-k's kept logits): raw fp32 logits and every 16-column group's max, the last tile's
-    # padding columns left out of its groups
+    # STORE and RAW (the top-k's kept logits): raw fp32 logits, every tile's max and every 16-column group's max, the
+    # last tile's padding columns left out
     width = triton_backend.FORWARD_CONFIG.block_n
     tiles = -(-v // width)
     kept = KeptLogits.allocate(n, v, width, "cpu")
@@ -99,6 +99,7 @@ def _kernel_cases() -> dict:
     results["kept_raw"] = ((kept.raw.double() - raw).abs().max() / raw.abs().max()).item()
     padded = torch.cat([kept.raw, kept.raw.new_full((n, tiles * width - v), -1.0e30)], 1)  # the kernel's NEG
     results["group_max_exact"] = bool(torch.equal(kept.group_max, padded.view(n, -1, group).amax(2)))
+    results["tile_max_exact"] = bool(torch.equal(kept.tile_max, padded.view(n, tiles, width).amax(2)))
     return results
 
 
@@ -225,10 +226,11 @@ def _top_k_cases() -> list[dict]:
     tiles = -(-columns // width)
     padded = torch.cat([logits, logits.new_full((rows, tiles * width - columns), -1.0e30)], 1)  # the kernel's NEG
     group_max = padded.view(rows, tiles * width // 16, 16).amax(2)  # as the kernel writes them (GROUP_N = 16)
+    tile_max = padded.view(rows, tiles, width).amax(2)
     inv_temp = torch.rand(rows, generator=generator) + 0.5
     results = []
     for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K, torch.topk over every column
-        kept = selected.KeptLogits(logits, group_max, width, 16)
+        kept = selected.KeptLogits(logits, tile_max, group_max, width, 16)
         values, ids = selected.top_candidates(kept, inv_temp, wanted, start)
         by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
         want_values, want_ids = select_top(logits.gather(1, by_column) * inv_temp[:, None], by_column + start, wanted)
@@ -236,7 +238,7 @@ def _top_k_cases() -> list[dict]:
             torch.equal(
                 torch.cat(
                     selected.top_candidates(
-                        selected.KeptLogits(logits[r : r + 1], group_max[r : r + 1], width, 16),
+                        selected.KeptLogits(logits[r : r + 1], tile_max[r : r + 1], group_max[r : r + 1], width, 16),
                         inv_temp[r : r + 1],
                         wanted,
                         start,
@@ -257,9 +259,10 @@ def _top_k_cases() -> list[dict]:
             }
         )
     # a shard narrower than k groups and k columns: every group picked, the k padded
-    kept = selected.KeptLogits(logits[:, :100], padded[:, :256].reshape(rows, 16, 16).amax(2).clone(), width, 16)
-    kept.group_max[:, 7:] = -1.0e30  # groups past column 100: padding only
-    kept.group_max[:, 6] = logits[:, 96:100].amax(1)
+    narrow = torch.cat([logits[:, :100], logits.new_full((rows, 156), -1.0e30)], 1)  # groups past 100: padding
+    kept = selected.KeptLogits(
+        logits[:, :100], narrow.amax(1, keepdim=True), narrow.view(rows, 16, 16).amax(2), width, 16
+    )
     values, ids = selected.top_candidates(kept, inv_temp, 120, start)
     order = torch.sort(logits[:, :100], dim=1, descending=True, stable=True).indices
     want_values, want_ids = select_top(logits[:, :100].gather(1, order) * inv_temp[:, None], order + start, 100)
@@ -284,7 +287,7 @@ def test_selected_token_kernels_in_the_interpreter():
     assert results["gather_dot"] <= VALUE_TOL, results
     assert results["fix_up"] == 0.0, results  # fp16(old + c / T), the same rounding as the torch expectation
     assert results["squares"] <= VALUE_TOL and results["row_max"] <= VALUE_TOL, results
-    assert results["kept_raw"] <= 1e-6 and results["group_max_exact"], results
+    assert results["kept_raw"] <= 1e-6 and results["group_max_exact"] and results["tile_max_exact"], results
 
 
 def test_token_log_probs_triton_path_in_the_interpreter():

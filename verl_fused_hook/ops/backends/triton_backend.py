@@ -219,7 +219,7 @@ def local_statistics(
     c = FORWARD_CONFIG if config is None else config
     stored = None
     if store is not None:
-        stored = (descriptor(store.shifted, [c.block_m, c.block_n]), store.tile_max)
+        stored = (descriptor(store.shifted, [c.block_m, c.block_n]), store.tile_max, None)
     merged = forward_partials(p, hidden, weight, label_col, inv_temp, stored=stored, config=c, per_split=per_split)
     return Partials(*merged.unbind(0))
 
@@ -239,8 +239,8 @@ def forward_partials(
     per_split: int | None = None,
 ) -> Tensor:
     """fp32 [4, rows] (with `squares` [5, rows]): the merged partials of `hidden`'s rows (p.valid_columns > 0), the
-    forward kernel's per-tile partials merged by `merge_tiles`. `stored`: the kernel's (store_desc, tile_max)
-    arguments (STORE; RAW with `raw`), whose rows are one bounded chunk; without, rows past
+    forward kernel's per-tile partials merged by `merge_tiles`. `stored`: the kernel's (store_desc, tile_max,
+    group_max_desc) arguments (STORE; RAW with `raw`), whose rows are one bounded chunk; without, rows past
     TILE_PARTIALS_BUDGET_BYTES of partials run as further launches, each with its own fastest split layout."""
     from . import triton_kernels as kernels
 
@@ -260,7 +260,7 @@ def forward_partials(
         parts = buffer[: planes * col_tiles * rows].view(planes, col_tiles, rows)
         kernels.forward_statistics_kernel[(row_blocks * splits,)](
             descriptor(hidden[start : start + rows], [c.block_m, c.block_k]), w_desc,
-            label_col[start : start + rows], inv_temp[start : start + rows], parts, *(stored or (None, None)),
+            label_col[start : start + rows], inv_temp[start : start + rows], parts, *(stored or (None, None, None)),
             rows, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             ENTROPY=p.calculate_entropy, STORE=stored is not None, num_warps=c.num_warps, num_stages=c.num_stages,

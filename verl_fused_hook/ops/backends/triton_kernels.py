@@ -65,8 +65,9 @@ def forward_statistics_kernel(
     label_col_ptr,  # int32 [rows]: label's column in this shard, -1 if elsewhere
     inv_temp_ptr,  # fp32 [rows]: 1 / temperature
     parts_ptr,  # fp32 [4 (SQUARES: 5), num_col_tiles, rows]: each column tile's max, sum, dot, label (, squares)
-    store_desc,
-    tile_max_ptr,  # STORE: fp16 [rows, valid_columns] logits - tile max, fp32 [rows, num_col_tiles] (RAW: below)
+    store_desc,  # STORE: fp16 [rows, valid_columns] logits - tile max (RAW: fp32 logits, half-tile blocks)
+    tile_max_ptr,  # STORE: fp32 [rows, num_col_tiles], each tile's row max
+    group_max_desc,  # RAW: fp32 [rows, num_col_tiles x BLOCK_N / GROUP_N], each GROUP_N columns' max
     rows,
     H,
     valid_columns,
@@ -80,8 +81,8 @@ def forward_statistics_kernel(
     ENTROPY: tl.constexpr,
     STORE: tl.constexpr,
     SQUARES: tl.constexpr = False,  # also each tile's sum e^(2(z-m)), parts_ptr's fifth plane
-    RAW: tl.constexpr = False,  # STORE in fp32 as computed (store_desc: fp32 [rows, valid_columns], half-tile blocks)
-    GROUP_N: tl.constexpr = 16,  # RAW: tile_max_ptr, a descriptor, gets each GROUP_N columns' max [rows, groups]
+    RAW: tl.constexpr = False,  # STORE in fp32 as computed, and the group maxima
+    GROUP_N: tl.constexpr = 16,
 ):
     """One program: one row block against one contiguous split of column tiles. Each tile's logits are reduced to
     that tile's partial per row, (max m, sum e^(z-m), sum e^(z-m)(z-m), label logit), written to the tile's slot:
@@ -95,9 +96,9 @@ def forward_statistics_kernel(
     the probability is 0 anyway), and the tile's row max in fp32. With RAW as well, the raw
     logits themselves in fp32, the accumulator's exact values (token_log_probs' top-k and
     ids read them): stored as two [BLOCK_M, BLOCK_N / 2] halves through one staging buffer,
-    since a whole fp32 tile's would not fit beside the pipeline in shared memory; and, in place of
-    the tile max, the max of each group of GROUP_N columns (`top_k_kernel` ranks the groups
-    without reading their logits).
+    since a whole fp32 tile's would not fit beside the pipeline in shared memory; and the max
+    of each group of GROUP_N columns (`top_k_kernel` ranks tiles by their max, then their
+    groups by theirs, before it reads any logit).
 
     The max is taken on the raw dot products a (z = a / T) and exponents in base 2, so each logit costs a max, a
     subtract, a multiply, an ex2 and two adds; a - max is exact for nearby values, so logits far from 0 (all near
@@ -131,12 +132,11 @@ def forward_statistics_kernel(
                 left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
                 store_desc.store([off_m, off_n], left)
                 store_desc.store([off_m, off_n + BLOCK_N // 2], right)
-                # each group's max: top_k_kernel ranks groups before reading any logit
                 group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
-                tile_max_ptr.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
+                group_max_desc.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
-                tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
+            tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
         shifted = (acc - tile_max[:, None]) * scale[:, None]  # exact difference first: no cancellation
         e = tl.exp2(shifted)
         dot = tl.sum(e * shifted, axis=1) * LN2 if ENTROPY else tl.zeros((BLOCK_M,), tl.float32)
@@ -443,8 +443,8 @@ def _first_largest(keys, n):
     largest, then the ones equal to it by lower position. The n-th largest is found one bit at a time from the top,
     the largest t that at least n keys reach."""
     found = tl.max(tl.zeros_like(keys), axis=0)
-    for bit in tl.static_range(31, -1, -1):
-        trial = found | (1 << bit)
+    for bit in range(32):  # a loop, not unrolled: a program's code stays small beside others in the SM
+        trial = found | (tl.full([], 0x80000000, tl.uint32) >> tl.cast(bit, tl.uint32))
         found = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= n, trial, found)
     above = keys > found
     tie = (keys == found).to(tl.int32)
@@ -452,52 +452,67 @@ def _first_largest(keys, n):
     return above | ((tie != 0) & (tl.cumsum(tie, axis=0) - tie < room))
 
 
-@triton.jit(do_not_specialize=["groups", "valid_columns", "wanted", "vocab_start"])
+@triton.jit(do_not_specialize=["tiles", "valid_columns", "wanted", "vocab_start"])
 def top_k_kernel(
     raw_ptr,  # fp32 [rows, raw_stride]: the forward kernel's kept logits (RAW), valid_columns of each row
     raw_stride,
-    group_max_ptr,  # fp32 [rows, group_stride]: each GROUP columns' max, `groups` of each row
+    tile_max_ptr,  # fp32 [rows, tile_stride]: each tile's max, `tiles` a row
+    tile_stride,
+    group_max_ptr,  # fp32 [rows, group_stride]: each GROUP columns' max, PER_TILE groups a tile
     group_stride,
     inv_temp_ptr,  # fp32 [rows]
     scratch_ptr,  # int32 [rows, BLOCK_K]: each row's picks between the steps
     values_ptr,  # fp32 [rows, out_stride]: the row's top `wanted` logits z = raw / T, highest first
     ids_ptr,  # int64 [rows, out_stride]: their ids (column + vocab_start)
     out_stride,
-    groups,
+    tiles,
     valid_columns,
     wanted,
     vocab_start,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    PER_TILE: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # a power of two >= tiles
+    BLOCK_K: tl.constexpr,  # a power of two >= wanted
 ):
     """One program: one row's top `wanted` logits of its shard, exact, equal logits by lower column first (so the set
-    depends on the row alone), ordered as token_math.select_top orders them. Every one of the wanted largest lies
-    in the `wanted` groups of largest max (a group outside holds nothing above those maxima; on equal maxima the
-    lower group holds the lower columns), so only the group maxima and those groups' logits are read: at k = 128
-    of 151936 columns 9504 maxima and 2048 logits a row, instead of a sort of 151936."""
+    depends on the row alone), ordered as token_math.select_top orders them. The wanted largest lie in the `wanted`
+    groups of largest max, and those in the `wanted` tiles of largest max (a tile or group left out holds nothing
+    above the maxima of those picked; on equal maxima the lower one holds the lower columns), so the program ranks
+    the row's tile maxima, then the picked tiles' group maxima, then the picked groups' logits: at k = 128 of
+    151936 columns 594, 2048 and 2048 values, each by a bitwise search (`_first_largest`) in registers, each read
+    in one load."""
     row = tl.program_id(0).to(tl.int64)
-    scratch = scratch_ptr + row * BLOCK_K
-    group = tl.arange(0, BLOCK_G)
-    maxima = tl.load(group_max_ptr + row * group_stride + group, mask=group < groups, other=0.0)
-    picked_groups = tl.minimum(wanted, groups)
-    picked = _first_largest(tl.where(group < groups, _order_keys(maxima), 0), picked_groups)
-    tl.store(scratch + tl.cumsum(picked.to(tl.int32), axis=0) - 1, group, mask=picked)
+    picks = scratch_ptr + row * BLOCK_K
+    tile = tl.arange(0, BLOCK_T)
+    maxima = tl.load(tile_max_ptr + row * tile_stride + tile, mask=tile < tiles)
+    picked_tiles = tl.minimum(wanted, tiles)
+    picked = _first_largest(tl.where(tile < tiles, _order_keys(maxima), 0), picked_tiles)
+    tl.store(picks + tl.cumsum(picked.to(tl.int32), axis=0) - 1, tile, mask=picked)
+    tl.debug_barrier()
+
+    entry = tl.arange(0, BLOCK_K * PER_TILE)  # the picked tiles' groups, in column order
+    in_tile = entry // PER_TILE < picked_tiles
+    group = tl.load(picks + entry // PER_TILE, mask=in_tile, other=0) * PER_TILE + entry % PER_TILE
+    maxima = tl.load(group_max_ptr + row * group_stride + group, mask=in_tile)
+    picked_groups = tl.minimum(wanted, picked_tiles * PER_TILE)
+    picked = _first_largest(tl.where(in_tile, _order_keys(maxima), 0), picked_groups)
+    tl.debug_barrier()  # every thread has read the tiles before they are overwritten
+    tl.store(picks + tl.cumsum(picked.to(tl.int32), axis=0) - 1, group, mask=picked)
     tl.debug_barrier()
 
     entry = tl.arange(0, BLOCK_K * GROUP)  # the picked groups' columns, in column order
     in_group = entry // GROUP < picked_groups
-    columns = tl.load(scratch + entry // GROUP, mask=in_group, other=0) * GROUP + entry % GROUP
+    columns = tl.load(picks + entry // GROUP, mask=in_group, other=0) * GROUP + entry % GROUP
     inside = in_group & (columns < valid_columns)
     raw = tl.load(raw_ptr + row * raw_stride + columns, mask=inside, other=0.0)
     picked = _first_largest(tl.where(inside, _order_keys(raw), 0), wanted)
-    tl.debug_barrier()  # every program thread has read the groups before they are overwritten
-    tl.store(scratch + tl.cumsum(picked.to(tl.int32), axis=0) - 1, columns, mask=picked)
+    tl.debug_barrier()
+    tl.store(picks + tl.cumsum(picked.to(tl.int32), axis=0) - 1, columns, mask=picked)
     tl.debug_barrier()
 
     slot = tl.arange(0, BLOCK_K)
     kept = slot < wanted
-    column = tl.load(scratch + slot, mask=kept, other=0)
+    column = tl.load(picks + slot, mask=kept, other=0)
     inv_temp = tl.load(inv_temp_ptr + row)
     z = tl.load(raw_ptr + row * raw_stride + column, mask=kept, other=0.0) * inv_temp
     order = (_order_keys(z).to(tl.uint64) << 32) | (column.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)

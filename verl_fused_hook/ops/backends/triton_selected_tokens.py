@@ -56,10 +56,12 @@ TOP_K_CHUNK_BYTES = 1024**3
 # Columns per group whose max the forward kernel writes beside the kept logits, for `top_k_kernel` to rank groups
 # before columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
 GROUP_COLUMNS = 16
-# `top_k_kernel`'s limits: a row's group maxima and its picked groups' logits sit in registers (16384 a row at
-# 8 warps compile without spills for sm_90).
-MAX_SELECTION_GROUPS = 16384
-MAX_SELECTION_TOP_K = 1024
+# `top_k_kernel`'s limits: a row's tile maxima (262144 columns of 256-wide tiles) and its picked tiles' group
+# maxima and groups' logits (16 x top_k each) sit in registers (`top_k_warps`; no spills: the sm_90 compile test).
+MAX_SELECTION_TILES = 1024
+MAX_SELECTION_TOP_K = 512
+# `top_k_kernel`'s values ranked at once a warp past one warp (`top_k_warps`).
+SELECTION_VALUES_A_WARP = 512
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
@@ -68,10 +70,12 @@ HIDDEN_BLOCK = 128
 @dataclass(frozen=True)
 class KeptLogits:
     """A chunk's raw logits h . W_j as the forward kernel computed them, fp32 [rows, valid_columns] (row stride a
-    multiple of 8 elements), and each row's max over every `group_columns`-wide group of every `tile_columns`-wide
-    tile, fp32 [rows, column tiles x groups a tile] (the kernel's GROUP_N; -inf-like for groups of padding only)."""
+    multiple of 8 elements), each row's max over every `tile_columns`-wide tile, fp32 [rows, column tiles], and over
+    every `group_columns`-wide group of every tile, fp32 [rows, column tiles x groups a tile] (the kernel's GROUP_N;
+    -inf-like for groups of padding only)."""
 
     raw: Tensor
+    tile_max: Tensor
     group_max: Tensor
     tile_columns: int
     group_columns: int
@@ -84,10 +88,15 @@ class KeptLogits:
         group = _group_columns(width)
         return cls(
             torch.empty(rows, pitch, dtype=torch.float32, device=device)[:, :columns],
+            torch.empty(rows, tiles, dtype=torch.float32, device=device),
             torch.empty(rows, tiles * (width // group), dtype=torch.float32, device=device),
             width,
             group,
         )
+
+    def first_rows(self, count: int) -> KeptLogits:
+        """The buffers of the first `count` rows (a chunk shorter than the allocation)."""
+        return replace(self, raw=self.raw[:count], tile_max=self.tile_max[:count], group_max=self.group_max[:count])
 
 
 def _top_k_chunk_rows(columns: int, top_k: int, chunk_bytes: int) -> int | None:
@@ -97,18 +106,26 @@ def _top_k_chunk_rows(columns: int, top_k: int, chunk_bytes: int) -> int | None:
         return None
     width = backend.FORWARD_CONFIG.block_n
     pitch, tiles = stored_layout(columns, width)
-    per_row = 4 * pitch + 4 * tiles * (width // _group_columns(width))
+    per_row = 4 * pitch + 4 * tiles * (1 + width // _group_columns(width))
     per_row += _selection_bytes(columns, width, min(top_k, columns))
     block_m = backend.FORWARD_CONFIG.block_m
     return max(block_m, chunk_bytes // per_row // block_m * block_m)
 
 
 def _selection_blocks(columns: int, width: int, wanted: int) -> tuple[int, int] | None:
-    """`top_k_kernel`'s (BLOCK_G, BLOCK_K) for a shard of `columns` in `width`-wide tiles, None past its limits
+    """`top_k_kernel`'s (BLOCK_T, BLOCK_K) for a shard of `columns` in `width`-wide tiles, None past its limits
     (then `top_candidates` ranks every column with torch.topk)."""
-    groups = -(-columns // width) * (width // _group_columns(width))
-    blocks = 1 << (groups - 1).bit_length(), 1 << (wanted - 1).bit_length()
-    return blocks if blocks[0] <= MAX_SELECTION_GROUPS and blocks[1] <= MAX_SELECTION_TOP_K else None
+    blocks = 1 << (-(-columns // width) - 1).bit_length(), 1 << (wanted - 1).bit_length()
+    return blocks if blocks[0] <= MAX_SELECTION_TILES and blocks[1] <= MAX_SELECTION_TOP_K else None
+
+
+def top_k_warps(block_t: int, block_k: int, group: int, per_tile: int) -> int:
+    """`top_k_kernel`'s warps: one (its searches then reduce within a warp, no block barrier) up to 32 values a
+    thread, past that one per SELECTION_VALUES_A_WARP of the values it ranks at once (hiding the searches'
+    latency). H100, 1536 rows of 151936 columns: k = 32 and 64 fastest on one warp, k = 128 on four (121 us against
+    133 on two and 182 on one)."""
+    largest = max(block_t, block_k * per_tile, block_k * group)
+    return 1 if largest <= 32 * 32 else min(16, largest // SELECTION_VALUES_A_WARP)
 
 
 def _selection_bytes(columns: int, width: int, wanted: int) -> int:
@@ -143,6 +160,7 @@ def statistics_with_squares(
     if kept is not None:
         stored = (
             descriptor(kept.raw, [c.block_m, c.block_n // 2]),
+            kept.tile_max,
             descriptor(kept.group_max, [c.block_m, c.block_n // kept.group_columns]),
         )
     merged = forward_partials(
@@ -193,7 +211,7 @@ def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: 
     """The shard's top_k (fp32 logits z = raw / T, global ids, highest first; -inf / -1 padding) of the rows whose
     logits `kept` holds, equal logits by lower id first, so the set depends on the row alone: `top_k_kernel`, one
     program a row reading its group maxima and its best groups' logits; past the kernel's limits (a shard over
-    MAX_SELECTION_GROUPS groups, top_k over MAX_SELECTION_TOP_K) torch.topk over every column, said in a log line."""
+    MAX_SELECTION_TILES tiles, top_k over MAX_SELECTION_TOP_K) torch.topk over every column, said in a log line."""
     from . import triton_kernels as kernels
 
     raw, rows, columns = kept.raw, kept.raw.shape[0], kept.raw.shape[1]
@@ -203,7 +221,7 @@ def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: 
         log_once(
             logger,
             f"token_log_probs: top_k={top_k} of {columns} columns is past the top-k kernel's limits (top_k <= "
-            f"{MAX_SELECTION_TOP_K}, {MAX_SELECTION_GROUPS} groups of {kept.group_columns} columns); its rows are "
+            f"{MAX_SELECTION_TOP_K}, {MAX_SELECTION_TILES} tiles of {kept.tile_columns} columns); its rows are "
             "ranked by torch.topk over every column",
         )
         positions = top_positions(raw, torch.arange(columns, device=raw.device), wanted, True)
@@ -212,10 +230,13 @@ def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: 
     values = torch.empty(rows, wanted, dtype=torch.float32, device=raw.device)
     ids = torch.empty(rows, wanted, dtype=torch.int64, device=raw.device)
     if rows:
-        block_g, block_k = blocks
+        block_t, block_k = blocks
+        per_tile = kept.tile_columns // kept.group_columns
         kernels.top_k_kernel[(rows,)](
             raw,
             raw.stride(0),
+            kept.tile_max,
+            kept.tile_max.stride(0),
             kept.group_max,
             kept.group_max.stride(0),
             inv_temp.contiguous(),
@@ -223,14 +244,15 @@ def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: 
             values,
             ids,
             wanted,
-            kept.group_max.shape[1],
+            kept.tile_max.shape[1],
             columns,
             wanted,
             vocab_start,
             GROUP=kept.group_columns,
-            BLOCK_G=block_g,
+            PER_TILE=per_tile,
+            BLOCK_T=block_t,
             BLOCK_K=block_k,
-            num_warps=8 if max(block_g, block_k * kept.group_columns) > 4096 else 4,
+            num_warps=top_k_warps(block_t, block_k, kept.group_columns, per_tile),
         )
     return pad_candidates(values, ids, top_k)
 
@@ -265,7 +287,7 @@ class TritonTokenPasses:
         p, request, count = self.p, self.request, block.rows.numel()
         kept = None
         if self.kept is not None:
-            kept = replace(self.kept, raw=self.kept.raw[:count], group_max=self.kept.group_max[:count])
+            kept = self.kept.first_rows(count)
         partials, squares = statistics_with_squares(
             p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, kept
         )
