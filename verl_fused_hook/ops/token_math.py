@@ -3,9 +3,9 @@
 Per scored row and over this rank's valid columns, a backend's block returns, beside its `Partials`, a
 `TokenPartials`: the logits of the asked ids that fall on this shard (fp32, z = h . W[id] / T, 0 elsewhere), the
 square sum q = sum_j e^(2 (z_j - m)) relative to the shard's row max m (for sum pi^2), and the shard's top
-candidates (their logits and global ids). Across ranks (`merge_token_partials`): the logits are one rank's value
-plus exact zeros, q is rescaled to the global max like the sum-exp and added in rank order, and the candidates are
-gathered and selected again.
+candidates (their logits and global ids, highest first). Across ranks (`merge_token_partials`): the logits are one
+rank's value plus exact zeros, q is rescaled to the global max like the sum-exp and added in rank order, and the
+candidates are gathered and selected again (with one rank they are already in order).
 
 The gradient of sum_j c_j log p(id_j) with respect to the logits is sum_j c_j e_(id_j) - (sum_j c_j) p: a dense
 part, the label gradient's with coefficient sum_j c_j, plus a sparse part at k columns per row
@@ -45,7 +45,8 @@ class TokenPartials(NamedTuple):
 
     token_logits: fp32 [R, k] z of the asked ids on this shard, 0 elsewhere; square_sum: fp32 [R]
     sum e^(2 (z - m)) relative to the shard's row max m (the Partials' row_max); top_logits / top_ids: fp32 / int64
-    [R, top_k] the shard's largest logits and their global ids, -inf / -1 past the shard's valid columns."""
+    [R, top_k] the shard's largest logits and their global ids in select_top's order (highest first, equal logits by
+    lower id), -inf / -1 past the shard's valid columns."""
 
     token_logits: Tensor | None
     square_sum: Tensor | None
@@ -96,12 +97,12 @@ def top_positions(values: Tensor, columns: Tensor | None, wanted: int, distinct:
 
 
 def shard_top_candidates(z: Tensor, top_k: int, vocab_start: int, distinct: bool) -> tuple[Tensor, Tensor]:
-    """The `top_k` largest logits of z [R, C] and their global ids, in no particular order (`merge_token_partials`
-    orders them), padded with -inf / -1 past C columns; equal logits by lower id first with `distinct`
-    (`top_positions`)."""
+    """The `top_k` largest logits of z [R, C] and their global ids in select_top's order, padded with -inf / -1 past
+    C columns; equal logits at the boundary by lower id first with `distinct` (`top_positions`)."""
     columns = torch.arange(z.shape[1], device=z.device)
-    positions = top_positions(z, columns, min(top_k, z.shape[1]), distinct)
-    return pad_candidates(z.gather(1, positions), positions + vocab_start, top_k)
+    wanted = min(top_k, z.shape[1])
+    positions = top_positions(z, columns, wanted, distinct)
+    return pad_candidates(*select_top(z.gather(1, positions), positions + vocab_start, wanted), top_k)
 
 
 def pad_candidates(values: Tensor, ids: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -155,8 +156,8 @@ def merge_token_partials(
     """Merge a shard's extras with the other ranks', given the merged statistics: the global `row_max` M, this
     shard's `local_max` m and the global log sum e^(z - M). Every rank gathers every rank's extras (`gather_ranks`)
     and merges them in rank order: the ids' logits are one rank's value plus exact zeros, the square sums are
-    rescaled to M and added in an order fixed by the TP size (`ordered_sum`), the top candidates are selected
-    again. Every rank returns the same values, and a row's values do not depend on the other rows."""
+    rescaled to M and added in an order fixed by the TP size (`ordered_sum`), the ranks' top candidates are
+    selected again. Every rank returns the same values, and a row's values do not depend on the other rows."""
     token_logits, squares, top_values, top_ids = partials
     if squares is not None:
         has_mass = torch.isfinite(local_max)
@@ -185,7 +186,8 @@ def merge_token_partials(
     token_log_probs = None if token_logits is None else token_logits - log_z
     top_log_probs = None
     if top_values is not None:
-        top_values, top_ids = select_top(top_values, top_ids, partials.top_logits.shape[1])
+        if tp_world_size > 1:  # each rank's candidates in order; the ranks' together not
+            top_values, top_ids = select_top(top_values, top_ids, partials.top_logits.shape[1])
         top_log_probs = top_values - log_z
     return TokenResults(token_log_probs, top_ids, top_log_probs, sum_pi_squared)
 
