@@ -173,11 +173,12 @@ def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_cou
         assert (threads_along_tiles, warps_along_tiles) == ("1", "1"), tiles
 
 
-@pytest.mark.parametrize("top_k", [32, 128, 512], ids=["k=32", "k=128", "the kernel's largest k"])
+@pytest.mark.parametrize("top_k", [32, 128, 512, 1024], ids=["k=32", "k=128", "k=512", "the kernel's largest k"])
 def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     """top_k_kernel holds a row's tile maxima (1024 tiles: V = 262144 at TP 1), then its picked tiles' group maxima
-    and its picked groups' logits in registers at the launch's warps: compiled for sm_90 without spills, at the
-    kernel's limits and at k = 32 and 128."""
+    and its picked groups' logits in registers at the launch's warps: compiled for sm_90 without spills up to
+    k = 512 (distillation's 32-128 among them); at the kernel's largest k (sampling replay's wider pass, 513 by
+    default) 16 warps spill 120 bytes a thread (32 warps 208)."""
     from verl_fused_hook.ops.backends.triton_selected_tokens import (
         MAX_SELECTION_TILES,
         MAX_SELECTION_TOP_K,
@@ -192,7 +193,7 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
         "scratch_ptr": "*i32", "values_ptr": fp32, "ids_ptr": "*i64", "out_stride": i32, "tiles": i32,
         "valid_columns": i32, "wanted": i32, "vocab_start": i32,
     }  # fmt: skip
-    assert top_k <= MAX_SELECTION_TOP_K == 512
+    assert top_k <= MAX_SELECTION_TOP_K == 1024
     width = FORWARD_CONFIG.block_n
     columns = MAX_SELECTION_TILES * width
     assert _selection_blocks(columns, width, MAX_SELECTION_TOP_K) == (MAX_SELECTION_TILES, MAX_SELECTION_TOP_K)
@@ -205,4 +206,4 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     warps = top_k_warps(MAX_SELECTION_TILES, top_k, GROUP_COLUMNS, per_tile)
     compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)
     assert compiled.metadata.shared <= SHARED_LIMIT
-    assert _spilled_bytes(compiled) == 0
+    assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 120)

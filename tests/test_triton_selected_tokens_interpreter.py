@@ -229,7 +229,7 @@ def _top_k_cases() -> list[dict]:
     tile_max = padded.view(rows, tiles, width).amax(2)
     inv_temp = torch.rand(rows, generator=generator) + 0.5
     results = []
-    for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K, torch.topk over every column
+    for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K (1024), torch.topk over every column
         kept = selected.KeptLogits(logits, tile_max, group_max, width, 16)
         values, ids = selected.top_candidates(kept, inv_temp, wanted, start)
         by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]

@@ -57,9 +57,10 @@ TOP_K_CHUNK_BYTES = 1024**3
 # before columns (16 of a 256-wide tile: 16 groups a tile, 16 columns a group).
 GROUP_COLUMNS = 16
 # `top_k_kernel`'s limits: a row's tile maxima (262144 columns of 256-wide tiles) and its picked tiles' group
-# maxima and groups' logits (16 x top_k each) sit in registers (`top_k_warps`; no spills: the sm_90 compile test).
+# maxima and groups' logits (16 x top_k each) sit in registers (`top_k_warps`; the sm_90 compile test: no spills up
+# to k = 512, 120 bytes a thread at 1024).
 MAX_SELECTION_TILES = 1024
-MAX_SELECTION_TOP_K = 512
+MAX_SELECTION_TOP_K = 1024  # sampling replay's wider pass asks max_kept + 1 = 513 by default
 # `top_k_kernel`'s values ranked at once a warp past one warp (`top_k_warps`).
 SELECTION_VALUES_A_WARP = 512
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
