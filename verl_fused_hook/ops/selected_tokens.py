@@ -84,7 +84,9 @@ def token_log_probs(
             the same ids. None: no token_log_probs.
         calculate_log_probs: False: the label's log-prob is neither returned nor differentiated (labels still say
             which rows are computed, through ignore_index).
-        top_k: int in [0, vocab_size]: also return the row's top_k ids and log-probs (no gradient).
+        top_k: int in [0, vocab_size]: also return the row's top_k ids and log-probs (no gradient), highest first,
+            equal logits by lower id (at the top_k boundary too, on Triton always, on the portable backend with
+            batch_invariant).
         calculate_sum_pi_squared: also return sum_j p_j^2 (no gradient).
         backend: "auto", "triton" or "torch"; "verl" has no such kernel (ValueError).
         tile_rows: the portable backend's rows per tile, as log_probs_and_entropy's.
