@@ -299,3 +299,40 @@ def test_ties_at_the_top_k_boundary_take_the_lower_ids_with_batch_invariant():
     for rows in (1, 6):
         out = token_log_probs(hidden[:rows], weight, labels[:rows], top_k=5, backend="torch", batch_invariant=True)
         assert out.top_ids.tolist() == [expected] * rows
+
+
+def test_duplicate_columns_combine_onto_their_first_occurrence():
+    """token_math.combine_duplicate_columns (the sparse gradient's duplicates: the label among the ids, repeated
+    ids) against a sequential per-row sum: a column's first entry holds its entries' sum and the later ones -1 / 0,
+    columns -1 stay -1 / 0. Exact bits for runs of one and two (c + 0 and a + b, the only sums distillation's distinct
+    teacher ids give), 1e-6 relative for longer runs (another fixed order); a row alone gives the same bits."""
+    from verl_fused_hook.ops.token_math import combine_duplicate_columns
+
+    generator = torch.Generator().manual_seed(6)
+    columns = torch.randint(-1, 12, (300, 129), generator=generator)  # runs of up to ~20 equal columns
+    columns[:100] = torch.randperm(5000, generator=generator)[:129].expand(100, -1)  # distinct columns
+    columns[:100, 7] = columns[:100, 90]  # one pair
+    columns[100:110] = -1
+    coefficients = torch.randn(300, 129, generator=generator)
+    coefficients[:, 3] = -0.0
+    combined = combine_duplicate_columns(columns, coefficients)
+    for row in range(300):
+        sums, first = {}, {}
+        for j, (column, c) in enumerate(zip(columns[row].tolist(), coefficients[row].tolist(), strict=True)):
+            if column >= 0:
+                sums[column] = torch.tensor(c, dtype=torch.float32) + sums.get(column, 0.0)
+                first.setdefault(column, j)
+        expected_columns = torch.full((129,), -1)
+        expected = torch.zeros(129)
+        for column, j in first.items():
+            expected_columns[j], expected[j] = column, sums[column]
+        assert torch.equal(combined.columns[row], expected_columns)
+        counts = torch.bincount(columns[row].clamp_min(0), minlength=5000)
+        short = (columns[row] < 0) | (counts[columns[row].clamp_min(0)] <= 2)
+        assert torch.equal(combined.coefficients[row][short] + 0.0, expected[short] + 0.0)
+        assert torch.allclose(combined.coefficients[row], expected, rtol=1e-6, atol=1e-6)
+    alone = combine_duplicate_columns(columns[150:151], coefficients[150:151])
+    assert torch.equal(alone.columns, combined.columns[150:151])
+    assert torch.equal(alone.coefficients, combined.coefficients[150:151])
+    empty = combine_duplicate_columns(columns[:, :0], coefficients[:, :0])
+    assert empty.columns.shape == (300, 0) and empty.coefficients.shape == (300, 0)
