@@ -2,13 +2,14 @@
 
 - `forward_statistics_kernel`: the vocab-tiled GEMM with a softmax-statistics epilogue (forward), optionally
   keeping the logits in fp16 for a gradient pass (the fused loss, and the two-pass op under keep_logits_bytes), or
-  in fp32 as computed (token_log_probs' top-k and ids);
+  in fp32 as computed with each tile's and each 16-column group's max (token_log_probs' top-k and ids);
 - `merge_tiles_kernel`: the forward's per-tile partials merged into one per row, in one launch;
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
 - `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
   gather-dot in a fixed order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel
   wrote;
+- `top_k_kernel`: `token_log_probs`' exact top-k of a row from the kept fp32 logits and their tile and group maxima;
 - `kept_rows_gradient_kernel`, `kept_columns_gradient_kernel`: `replayed_log_probs`' backward (its forward is the
   gather-dot): d_hidden as each row's weighted sum of its kept weight rows, and d_weight as each kept column's
   weighted sum of the hidden rows that kept it (entries sorted by column: one program owns a column's rows).
