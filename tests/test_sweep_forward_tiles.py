@@ -120,12 +120,12 @@ def test_the_default_candidates_fit_hopper():
             "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
             "label_col_ptr": "*i32",
             **dict.fromkeys(["inv_temp_ptr", "parts_ptr"], "*fp32"),
-            **dict.fromkeys(["store_desc", "tile_max_ptr"], "constexpr"),
+            **dict.fromkeys(["store_desc", "tile_max_ptr", "group_max_desc"], "constexpr"),
             **dict.fromkeys(["rows", "H", "valid_columns", "num_col_tiles", "tiles_per_split", "num_splits"], "i32"),
         }
         constants = dict(
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=True, STORE=False,
-            SQUARES=False, RAW=False, GROUP_N=16, store_desc=None, tile_max_ptr=None,
+            SQUARES=False, RAW=False, GROUP_N=16, store_desc=None, tile_max_ptr=None, group_max_desc=None,
         )  # fmt: skip
         compiled = _compile(kernels.forward_statistics_kernel, signature, constants, c.num_warps, c.num_stages)
         shared = compiled.metadata.shared
