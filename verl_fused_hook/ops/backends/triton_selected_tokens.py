@@ -211,8 +211,9 @@ def kept_token_logits(kept: KeptLogits, columns: Tensor, inv_temp: Tensor) -> Te
 def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int) -> tuple[Tensor, Tensor]:
     """The shard's top_k (fp32 logits z = raw / T, global ids, highest first; -inf / -1 padding) of the rows whose
     logits `kept` holds, equal logits by lower id first, so the set depends on the row alone: `top_k_kernel`, one
-    program a row reading its group maxima and its best groups' logits; past the kernel's limits (a shard over
-    MAX_SELECTION_TILES tiles, top_k over MAX_SELECTION_TOP_K) torch.topk over every column, said in a log line."""
+    program a row reading its tile maxima, its best tiles' group maxima and its best groups' logits; past the
+    kernel's limits (a shard over MAX_SELECTION_TILES tiles, top_k over MAX_SELECTION_TOP_K) torch.topk over every
+    column, said in a log line."""
     from . import triton_kernels as kernels
 
     raw, rows, columns = kept.raw, kept.raw.shape[0], kept.raw.shape[1]
