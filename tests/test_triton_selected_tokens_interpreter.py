@@ -202,7 +202,9 @@ def _op_cases() -> list[dict]:
 def _top_k_cases() -> list[dict]:
     """Run in the subprocess: `top_candidates` (top_k_kernel, and torch.topk past its limits) on rows built to break a
     selection that ranks groups before columns, against a full sort: the set is the top `wanted` by (logit, then lower
-    column), ordered as select_top orders it; each row alone gives the same bits."""
+    column), ordered as select_top orders it; each row alone gives the same bits. Each case's log lines are kept."""
+    import logging
+
     import torch
 
     from verl_fused_hook.ops.backends import triton_selected_tokens as selected
@@ -228,8 +230,14 @@ def _top_k_cases() -> list[dict]:
     group_max = padded.view(rows, tiles * width // 16, 16).amax(2)  # as the kernel writes them (GROUP_N = 16)
     tile_max = padded.view(rows, tiles, width).amax(2)
     inv_temp = torch.rand(rows, generator=generator) + 0.5
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    selected.logger.addHandler(handler)
+    selected.logger.setLevel(logging.INFO)
     results = []
     for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K (1024), torch.topk over every column
+        said.clear()
         kept = selected.KeptLogits(logits, tile_max, group_max, width, 16)
         values, ids = selected.top_candidates(kept, inv_temp, wanted, start)
         by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
@@ -256,6 +264,7 @@ def _top_k_cases() -> list[dict]:
                 "same_ids": torch.equal(ids, want_ids),
                 "same_values": torch.equal(values, want_values),
                 "rows_alone": alone,
+                "said": list(said),
             }
         )
     # a shard narrower than k groups and k columns: every group picked, the k padded
@@ -273,6 +282,7 @@ def _top_k_cases() -> list[dict]:
             "same_ids": torch.equal(ids[:, :100], want_ids) and bool((ids[:, 100:] == -1).all()),
             "same_values": torch.equal(values[:, :100], want_values) and bool((values[:, 100:] == float("-inf")).all()),
             "rows_alone": True,
+            "said": [],
         }
     )
     return results
@@ -309,8 +319,11 @@ def test_token_log_probs_triton_path_in_the_interpreter():
 def test_top_k_kernel_against_a_full_sort():
     """Every top-k of the Triton path is the exact top `wanted` by (logit, then lower id), whatever bunches the largest
     logits into a tile or a group, equal values (all, many, signed zeros), magnitudes of 1e4, a shard narrower than
-    k; past the kernel's limits torch.topk gives the same."""
+    k; past the kernel's limits torch.topk gives the same, and a log line says so (the kernel's cases say nothing)."""
     cases = _run_interpreted("_top_k_cases")
     assert [case["kernel"] for case in cases] == [True, True, True, False, True], cases
     for case in cases:
         assert case["same_ids"] and case["same_values"] and case["rows_alone"], case
+        assert len(case["said"]) == (0 if case["kernel"] else 1), case
+    (line,) = cases[3]["said"]
+    assert "top_k=2000" in line and "top_k <= 1024" in line and "torch.topk over every column" in line, line

@@ -4,9 +4,9 @@ Forward: the statistics kernel of `log_probs_and_entropy`, with its SQUARES flag
 running sum, no more GEMM). Without top_k the asked ids' logits come from `token_logits_kernel`, a gather-dot in fp32 in
 a fixed order over H. With top_k the rows go through the statistics kernel in chunks whose raw logits it also keeps in
 fp32 (its STORE and RAW flags: the accumulator's own values, a bounded buffer, `KeptLogits`); the shard's top_k are
-selected on those exact values by `top_k_kernel` (a program a row: its group maxima, then its best groups' logits),
-and the asked ids' logits are read from them too: no second read of W's rows. Beyond the two-pass op's own per-row
-memory (its d_hidden sum), nothing grows with N but the [N, k] inputs and outputs.
+selected on those exact values by `top_k_kernel` (a program a row: its tile maxima, its best tiles' group maxima,
+then its best groups' logits), and the asked ids' logits are read from them too: no second read of W's rows. Beyond
+the two-pass op's own per-row memory (its d_hidden sum), nothing grows with N but the [N, k] inputs and outputs.
 
 Backward: `triton_backend.recomputed_gradients` (the two-pass op's walk over vocabulary chunks and row tiles, row
 groups as there), with the label's spike left out of the gradient kernel (label column -1, dense coefficient
