@@ -1,7 +1,10 @@
-"""Where `token_log_probs`' forward spends its time on the GPU: one call at the teacher's k ids with the row's own
-top-k (the distillation bench's kl_topk forward), its kernels and host ops by device time (torch.profiler).
+"""Where distillation's step spends its time on the GPU: the distillation bench's methods (kl_topk at each k: our
+`token_log_probs` at the teacher's ids with the row's own top-k, verl's loss and overlap metrics; sum_pi_squared:
+the baseline without ids), their forward and, with --backward, their backward, kernels and host ops by device
+time (torch.profiler). Each step is also timed once outside the profile.
 
     python scripts/profile_token_log_probs.py --shape 16384,4096,151936 --topk 128 --out results/profile_kl_topk.json
+    python scripts/profile_token_log_probs.py --shape 65536,4096,151936 --topk 128 --backward --sum-pi-squared
 """
 
 from __future__ import annotations
@@ -12,54 +15,92 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from verl_fused_hook.ops import token_log_probs
+from verl_fused_hook_harness.commands.bench.distill import ours_kl_topk, ours_sum_pi_squared
+
+TEMPERATURE = 0.7  # the bench's default
+
+
+def _timed(step) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop)
+
+
+def _kernels(step, rows: int) -> list[dict]:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:rows]
+    return [
+        {"name": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
+        for e in events
+        if e.self_device_time_total > 0
+    ]
+
+
+def profile_method(name: str, fn, inputs, backward: bool, rows: int) -> dict:
+    """The method's forward (its loss, or the sum of its outputs) and, when asked, the backward of that loss alone:
+    each compiled and run once outside the profile, then timed once, then profiled once."""
+    hidden, weight, labels = inputs
+
+    def forward():
+        out = fn(hidden, weight, labels, TEMPERATURE)
+        return out if getattr(fn, "returns_loss", False) else sum(t.float().sum() for t in out)
+
+    steps = {"forward": forward}
+    if backward:
+        holder = {}
+
+        def backward_step():
+            torch.autograd.grad(holder.pop("loss"), (hidden, weight))
+
+        steps["backward"] = backward_step
+    report = {}
+    for step_name, step in steps.items():
+        with torch.enable_grad() if backward else torch.no_grad():
+            if step_name == "backward":  # the graph rebuilt before each run: warm-up, timed, profiled
+                holder["loss"] = forward()
+                step()
+                holder["loss"] = forward()
+                ms = _timed(step)
+                holder["loss"] = forward()
+                torch.cuda.synchronize()
+                kernels = _kernels(step, rows)
+            else:
+                forward()
+                torch.cuda.synchronize()
+                ms = _timed(forward)
+                kernels = _kernels(forward, rows)
+        report[step_name] = {"ms": ms, "kernels": kernels}
+        print(f"{name} {step_name}: {ms:.2f} ms (one call, timed outside the profile)")
+        for row in kernels:
+            print(f"  {row['self_device_ms']:9.2f} ms  {row['calls']:5d}x  {row['name']}")
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="16384,4096,151936", help="N,H,V (default %(default)s)")
     parser.add_argument("--topk", type=int, nargs="+", default=[128, 32], help="k values (default 128 32)")
-    parser.add_argument("--rows", type=int, default=25, help="table rows printed per k (default %(default)s)")
+    parser.add_argument("--backward", action="store_true", help="also profile each method's backward")
+    parser.add_argument("--sum-pi-squared", action="store_true", help="also profile sum_pi_squared (the baseline)")
+    parser.add_argument("--rows", type=int, default=25, help="table rows printed per step (default %(default)s)")
     parser.add_argument("--out", help="JSON file for the tables")
     args = parser.parse_args()
     n, h, v = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
-    hidden = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16().requires_grad_()
+    hidden = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(args.backward)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).bfloat16().requires_grad_(args.backward)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
-    report = {"shape": [n, h, v], "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tables": {}}
-    for k in args.topk:
-        ids = torch.randint(0, v, (n, k), device="cuda", generator=g)
-
-        def forward(ids=ids, k=k):
-            return token_log_probs(
-                hidden, weight, labels, ids, temperature=0.7, calculate_log_probs=False, calculate_entropy=False,
-                top_k=k,
-            )  # fmt: skip
-
-        forward()  # compile and tune outside the profile
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward()
-        stop.record()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            forward()
-            torch.cuda.synchronize()
-        rows = []
-        for event in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[: args.rows]:
-            rows.append(
-                {
-                    "name": event.key[:90],
-                    "calls": event.count,
-                    "self_device_ms": event.self_device_time_total / 1e3,
-                }
-            )
-        report["tables"][str(k)] = {"forward_ms": start.elapsed_time(stop), "kernels": rows}
-        print(f"k={k}: forward {start.elapsed_time(stop):.2f} ms (one call, timed outside the profile)")
-        for row in rows:
-            print(f"  {row['self_device_ms']:9.2f} ms  {row['calls']:5d}x  {row['name']}")
+    methods = {f"kl_topk k={k}": ours_kl_topk(k) for k in args.topk}
+    if args.sum_pi_squared:
+        methods["sum_pi_squared"] = ours_sum_pi_squared()
+    report = {"shape": [n, h, v], "device": torch.cuda.get_device_name(), "torch": torch.__version__, "methods": {}}
+    for name, fn in methods.items():
+        report["methods"][name] = profile_method(name, fn, (hidden, weight, labels), args.backward, args.rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
