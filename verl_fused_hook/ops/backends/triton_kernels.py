@@ -130,11 +130,13 @@ def forward_statistics_kernel(
         tile_max = tl.max(acc, axis=1)
         if STORE:
             if RAW:
-                left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-                store_desc.store([off_m, off_n], left)
-                store_desc.store([off_m, off_n + BLOCK_N // 2], right)
+                # Each store waits until the TMA has read every staging buffer written before it: the group maxima
+                # and the left half go first (the last tile's stores long done), the right half after the softmax
+                # sums below, which then cover the left half's read instead of a stall.
                 group_max = tl.max(tl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=2)
                 group_max_desc.store([off_m, tile * (BLOCK_N // GROUP_N)], group_max)
+                left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+                store_desc.store([off_m, off_n], left)
             else:
                 store_desc.store([off_m, off_n], tl.maximum(acc - tile_max[:, None], FP16_LOWEST).to(tl.float16))
             tl.store(tile_max_ptr + row_ids * num_col_tiles + tile, tile_max, mask=row_ok)
@@ -148,6 +150,8 @@ def forward_statistics_kernel(
         tl.store(where, tl.reshape(values, [BLOCK_M, 4]), mask=row_ok[:, None])
         if SQUARES:
             tl.store(parts_ptr + 4 * plane + tile * rows + row_ids, tl.sum(e * e, axis=1), mask=row_ok)
+        if STORE and RAW:
+            store_desc.store([off_m, off_n + BLOCK_N // 2], right)
 
 
 @triton.jit(do_not_specialize=["rows", "num_tiles", "tiles_per_program", "out_stride", "out_group_stride"])
