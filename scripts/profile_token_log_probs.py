@@ -16,17 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from verl_fused_hook_harness.commands.bench.distill import ours_kl_topk, ours_sum_pi_squared
+from verl_fused_hook_harness.commands.bench.timing import event_ms
 
 TEMPERATURE = 0.7  # the bench's default
-
-
-def _timed(step) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop)
 
 
 def _kernels(step, rows: int) -> list[dict]:
@@ -65,14 +57,14 @@ def profile_method(name: str, fn, inputs, backward: bool, rows: int) -> dict:
                 holder["loss"] = forward()
                 step()
                 holder["loss"] = forward()
-                ms = _timed(step)
+                ms = event_ms(step)
                 holder["loss"] = forward()
                 torch.cuda.synchronize()
                 kernels = _kernels(step, rows)
             else:
                 forward()
                 torch.cuda.synchronize()
-                ms = _timed(forward)
+                ms = event_ms(forward)
                 kernels = _kernels(forward, rows)
         report[step_name] = {"ms": ms, "kernels": kernels}
         print(f"{name} {step_name}: {ms:.2f} ms (one call, timed outside the profile)")
