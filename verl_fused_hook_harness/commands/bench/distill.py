@@ -31,10 +31,8 @@ LOG_PROB_MIN_CLAMP = -10.0
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=2)
 def teacher_top_k(n: int, vocab: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 ids [n, k], fp32 log-probs [n, k]) of a synthetic teacher: an input of the step (the teacher ran
-    before it), made once per shape rather than inside every timed call."""
+    """(int64 ids [n, k], fp32 log-probs [n, k]) of a synthetic teacher."""
     g = torch.Generator(device=device).manual_seed(n * 31 + k)
     ids = torch.randint(0, vocab, (n, k), device=device, generator=g)
     log_probs = torch.log_softmax(2 * torch.randn(n, k, device=device, generator=g), dim=-1) + math.log(0.9)
