@@ -33,43 +33,35 @@ def _kernels(step, rows: int) -> list[dict]:
     ]
 
 
+def _step_report(label: str, ms: float, kernels: list[dict]) -> dict:
+    print(f"{label}: {ms:.2f} ms (one call, timed outside the profile)")
+    for row in kernels:
+        print(f"  {row['self_device_ms']:9.2f} ms  {row['calls']:5d}x  {row['name']}")
+    return {"ms": ms, "kernels": kernels}
+
+
 def profile_method(name: str, fn, inputs, backward: bool, rows: int) -> dict:
-    """The method's forward (its loss, or the sum of its outputs) and, when asked, the backward of that loss alone:
-    each compiled and run once outside the profile, then timed once, then profiled once."""
+    """The method's forward (its loss, or the sum of its outputs) and, when asked, the backward of that loss alone
+    (each on a graph built just before it): each run once outside the profile, then timed once, then profiled once."""
     hidden, weight, labels = inputs
 
     def forward():
         out = fn(hidden, weight, labels, TEMPERATURE)
         return out if getattr(fn, "returns_loss", False) else sum(t.float().sum() for t in out)
 
-    steps = {"forward": forward}
-    if backward:
-        holder = {}
+    def gradients(loss):
+        return lambda: torch.autograd.grad(loss, (hidden, weight))
 
-        def backward_step():
-            torch.autograd.grad(holder.pop("loss"), (hidden, weight))
-
-        steps["backward"] = backward_step
-    report = {}
-    for step_name, step in steps.items():
-        with torch.enable_grad() if backward else torch.no_grad():
-            if step_name == "backward":  # the graph rebuilt before each run: warm-up, timed, profiled
-                holder["loss"] = forward()
-                step()
-                holder["loss"] = forward()
-                ms = event_ms(step)
-                holder["loss"] = forward()
-                torch.cuda.synchronize()
-                kernels = _kernels(step, rows)
-            else:
-                forward()
-                torch.cuda.synchronize()
-                ms = event_ms(forward)
-                kernels = _kernels(forward, rows)
-        report[step_name] = {"ms": ms, "kernels": kernels}
-        print(f"{name} {step_name}: {ms:.2f} ms (one call, timed outside the profile)")
-        for row in kernels:
-            print(f"  {row['self_device_ms']:9.2f} ms  {row['calls']:5d}x  {row['name']}")
+    with torch.enable_grad() if backward else torch.no_grad():
+        forward()  # compile and tune outside the profile
+        torch.cuda.synchronize()
+        report = {"forward": _step_report(f"{name} forward", event_ms(forward), _kernels(forward, rows))}
+        if backward:
+            gradients(forward())()
+            ms = event_ms(gradients(forward()))  # the stream runs the forward before the start event
+            loss = forward()
+            torch.cuda.synchronize()
+            report["backward"] = _step_report(f"{name} backward", ms, _kernels(gradients(loss), rows))
     return report
 
 
