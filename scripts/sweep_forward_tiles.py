@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         report["profile"] = profile_shape(*args.profile_shape, args.profile_rows)
         torch.cuda.empty_cache()
     meter, report["clocks_not_recorded"] = ClockMeter.open() if args.shapes else (None, "no shapes")
+    report["power_reading"] = meter.power_source if meter is not None else None
     try:
         for n, h, v in args.shapes:
             report["shapes"].append(sweep_shape(n, h, v, args.candidates, args, meter))

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from verl_fused_hook_harness.commands.bench.clocks import ClockMeter, clocks_table, megacycles
+from verl_fused_hook_harness.commands.bench.nvml_readings import AVERAGE, INSTANT, power_reader
 from verl_fused_hook_harness.commands.bench.report import markdown
 
 
@@ -29,11 +30,11 @@ def _hold(meter, name, reading_file, reading, seconds=0.08):
         time.sleep(seconds)
 
 
-def _wait_until_reading(meter, reading_file, seconds=60.0) -> None:
+def _wait_until_reading(meter, reading_file, seconds=60.0, reading="1000,1000") -> None:
     """The spawned process takes a moment to start (longer on a busy machine): wait for its first readings."""
     deadline = time.time() + seconds
     while time.time() < deadline:
-        _hold(meter, "start-up", reading_file, "1000,1000", seconds=0.05)
+        _hold(meter, "start-up", reading_file, reading, seconds=0.05)
         if meter.take("start-up"):
             return
     raise AssertionError(f"the reading process gave no reading within {seconds} s")
@@ -41,11 +42,12 @@ def _wait_until_reading(meter, reading_file, seconds=60.0) -> None:
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):
-    """(a meter whose reading process reads the NVML stand-in, already reading; the stand-in's file)."""
+    """(a meter whose reading process reads the NVML stand-in, already reading; the stand-in's file). The file's
+    two values leave the stand-in without the instantaneous power field: the 1 s average is read."""
     reading_file = tmp_path / "nvml.txt"
     _program(reading_file, "1980,100000")
     monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
-    meter = ClockMeter("GPU-stand-in", nvml_module="nvml_stand_in", interval_s=0.002)
+    meter = ClockMeter("GPU-stand-in", AVERAGE, nvml_module="nvml_stand_in", interval_s=0.002)
     try:
         _wait_until_reading(meter, reading_file)
         yield meter, reading_file
@@ -67,6 +69,32 @@ def test_readings_are_filed_under_the_step_whose_window_holds_them_and_summarize
     assert liger["sm_clock_mhz"] == 1560 and liger["power_w"] == pytest.approx(695.0)
     assert triton["clock_samples"] >= 10 and liger["clock_samples"] >= 5  # ~80 and ~40 at 2 ms on an idle machine
     assert not meter._process.is_alive()
+
+
+def test_power_is_the_instantaneous_field_where_nvml_answers_it_else_the_one_second_average(tmp_path, monkeypatch):
+    import nvml_stand_in
+
+    reading_file = tmp_path / "nvml.txt"
+    monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
+    _program(reading_file, "1470,300000,690000")  # a short step after idle: the average lags, the instant does not
+    read, source = power_reader(nvml_stand_in, "GPU-stand-in")
+    assert source == INSTANT and read() == pytest.approx(690.0)
+    _program(reading_file, "1470,300000")  # no instantaneous field on this driver
+    read, source = power_reader(nvml_stand_in, "GPU-stand-in")
+    assert source == AVERAGE and read() == pytest.approx(300.0)
+
+
+def test_the_reading_process_files_the_instantaneous_power(tmp_path, monkeypatch):
+    reading_file = tmp_path / "nvml.txt"
+    _program(reading_file, "1980,100000,110000")
+    monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
+    meter = ClockMeter("GPU-stand-in", INSTANT, nvml_module="nvml_stand_in", interval_s=0.002)
+    try:
+        _wait_until_reading(meter, reading_file, reading="1000,1000,1000")  # the instant field stays answered
+        _hold(meter, "kl_topk", reading_file, "1770,350000,690000")
+        assert meter.take("kl_topk")["power_w"] == pytest.approx(690.0)
+    finally:
+        meter.close()
 
 
 def test_a_reading_process_that_dies_leaves_the_run_going_without_clocks_and_says_so(stand_in, capsys):
@@ -113,6 +141,8 @@ def test_the_report_gives_each_methods_clock_power_and_cycles_against_the_floors
     }
     table = "\n".join(clocks_table(results))
     assert "SM clock and power during forward+backward on NVIDIA H100 80GB HBM3 (NVML readings" in table
+    assert "power 1 s average)" in table  # a run from before the field was read: its power was the average
+    assert "power instant)" in "\n".join(clocks_table({**results, "power_reading": INSTANT}))
     assert "| N, H, V | floor | triton | liger_sm90 |" in table  # verl recorded no clock: not a column
     floor_cycles = 60.0 * 1500 / 1e3
     assert megacycles(61.2, 1470.0) == pytest.approx(89.964)

@@ -4,8 +4,9 @@ Why: under these workloads the H200 sits at its 700 W cap and lowers its SM cloc
 of 1470 MHz against a 1980 MHz boost in one run). Two methods can then differ in time because one needs
 more cycles, or because the card runs it at a lower clock for the same power: a kernel that moves less data
 per product draws less power and is clocked higher. The clock during a method's steps tells which, and time
-x clock is the cycles it took. NVML's power is the driver's average over a window: it reads right for steps
-of 100 ms and more, low for shorter ones; the clock is read as it is.
+x clock is the cycles it took. Power is NVML's instantaneous reading where the driver gives it, else its 1 s
+average, which reads steps of a few hundred ms low (nvml_readings.power_reader; the report names which); the
+clock is read as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ...support.reports import on_device
-from .nvml_readings import read_until_stopped
+from .nvml_readings import AVERAGE, power_reader, read_until_stopped
 from .timing import event_ms
 
 # Seconds between readings: ~12 per 60 ms step.
@@ -30,7 +31,10 @@ class ClockMeter:
     """A spawned process reads the SM clock (MHz) and power (W) every SAMPLE_INTERVAL_S with timestamps
     (nvml_readings.py); the meter files each reading under the step whose time window holds it."""
 
-    def __init__(self, uuid: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S):
+    def __init__(
+        self, uuid: str, power_source: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S
+    ):
+        self.power_source = power_source  # nvml_readings.INSTANT or AVERAGE
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         self._process = spawn.Process(
@@ -53,11 +57,13 @@ class ClockMeter:
             pynvml.nvmlInit()
             uuid = str(torch.cuda.get_device_properties(device or torch.cuda.current_device()).uuid)
             uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-            pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid), pynvml.NVML_CLOCK_SM)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+            _, power_source = power_reader(pynvml, handle)
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as error:  # fails here, not in the reading process
             return None, f"NVML cannot read this GPU ({error})"
-        return cls(uuid), None
+        return cls(uuid, power_source), None
 
     @contextlib.contextmanager
     def naming(self, name: str):
@@ -130,8 +136,9 @@ def clocks_table(results: dict) -> list[str]:
         return []
     lines = [
         "",
-        f"SM clock and power during forward+backward {on_device(results)} (NVML readings, medians), and the "
-        "cycles it took (time x clock; ratio to the floor's cycles):",
+        f"SM clock and power during forward+backward {on_device(results)} (NVML readings, medians; power "
+        f"{results.get('power_reading', AVERAGE)}), and the cycles it took (time x clock; ratio to the floor's "
+        "cycles):",
         "",
         "| N, H, V | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

@@ -1,5 +1,10 @@
 """A process that reads the GPU's SM clock and power from NVML every few milliseconds, with timestamps.
 
+Power is the instantaneous reading (NVML's field NVML_FI_DEV_POWER_INSTANT) where the driver has it:
+`nvmlDeviceGetPowerUsage` returns an average over the last second on Ampere and newer (GA100 aside), which reads
+a step of 100-200 ms low whenever what ran before it drew less (the H100's kl_topk steps at 16384 tokens read
+244-351 W beside the floor's 693 W that way). Without the field the average is read, and the report says so.
+
 Why a process and not a thread: a thread of the benchmark's own interpreter can read only when the main
 thread lets go of the GIL, so when it reads would depend on what the steps do on the host; a process keeps its
 own schedule. (On the H200, warm-ups left out, a thread reader and this process both read power far below the
@@ -16,6 +21,31 @@ import time
 # Readings kept while the parent asks for none (~2 minutes at 5 ms); past that the oldest are dropped.
 MAX_KEPT = 25_600
 
+INSTANT = "instant"
+AVERAGE = "1 s average"
+
+
+def power_reader(nvml, handle):
+    """(a function returning the board power in W, INSTANT or AVERAGE): the instantaneous field when this driver
+    and GPU answer it, else nvmlDeviceGetPowerUsage's average."""
+    field = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", None)
+    if field is not None:
+
+        def instant() -> float:
+            value = nvml.nvmlDeviceGetFieldValues(handle, [field])[0]
+            if value.nvmlReturn != nvml.NVML_SUCCESS:
+                raise nvml.NVMLError(value.nvmlReturn)
+            if value.valueType != nvml.NVML_VALUE_TYPE_UNSIGNED_INT:  # milliwatts as an unsigned int, or unusable
+                raise nvml.NVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+            return value.value.uiVal / 1000.0
+
+        try:
+            instant()
+            return instant, INSTANT
+        except nvml.NVMLError:
+            pass
+    return lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, AVERAGE
+
 
 def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> None:
     """Run in the spawned process: (time.time(), SM clock MHz, power W) every `interval_s`; on "flush" from the
@@ -24,6 +54,7 @@ def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> 
     nvml = importlib.import_module(nvml_module)
     nvml.nvmlInit()
     handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+    power, _ = power_reader(nvml, handle)
     readings = []
     try:
         while True:
@@ -35,8 +66,7 @@ def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> 
                     return
                 continue
             clock = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-            power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
-            readings.append((time.time(), float(clock), power))
+            readings.append((time.time(), float(clock), power()))
             if len(readings) > MAX_KEPT:
                 del readings[0]
     finally:

@@ -470,6 +470,8 @@ def measure(args, argv: list[str]) -> int:
     if meter is None:
         results["clocks_not_recorded"] = why_not
         print(f"# SM clock and power not recorded: {why_not}", flush=True)
+    else:
+        results["power_reading"] = meter.power_source
     settle_clocks()
     try:
         with ChunkPlans() if args.leave_free_gib is not None else contextlib.nullcontext() as plans:
