@@ -12,7 +12,7 @@ import time
 import pytest
 
 from verl_fused_hook_harness.commands.bench.clocks import ClockMeter, clocks_table, megacycles
-from verl_fused_hook_harness.commands.bench.nvml_readings import AVERAGE, INSTANT, power_reader
+from verl_fused_hook_harness.commands.bench.nvml_readings import AVERAGE, INSTANT, power_source, read_power
 from verl_fused_hook_harness.commands.bench.report import markdown
 
 
@@ -77,11 +77,13 @@ def test_power_is_the_instantaneous_field_where_nvml_answers_it_else_the_one_sec
     reading_file = tmp_path / "nvml.txt"
     monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
     _program(reading_file, "1470,300000,690000")  # a short step after idle: the average lags, the instant does not
-    read, source = power_reader(nvml_stand_in, "GPU-stand-in")
-    assert source == INSTANT and read() == pytest.approx(690.0)
+    assert power_source(nvml_stand_in, "GPU-stand-in") == INSTANT
+    assert read_power(nvml_stand_in, "GPU-stand-in", INSTANT) == pytest.approx(690.0)
+    assert read_power(nvml_stand_in, "GPU-stand-in", AVERAGE) == pytest.approx(300.0)
     _program(reading_file, "1470,300000")  # no instantaneous field on this driver
-    read, source = power_reader(nvml_stand_in, "GPU-stand-in")
-    assert source == AVERAGE and read() == pytest.approx(300.0)
+    assert power_source(nvml_stand_in, "GPU-stand-in") == AVERAGE
+    with pytest.raises(nvml_stand_in.NVMLError):
+        read_power(nvml_stand_in, "GPU-stand-in", INSTANT)
 
 
 def test_the_reading_process_files_the_instantaneous_power(tmp_path, monkeypatch):
@@ -90,7 +92,7 @@ def test_the_reading_process_files_the_instantaneous_power(tmp_path, monkeypatch
     monkeypatch.setenv("NVML_STAND_IN_FILE", str(reading_file))
     meter = ClockMeter("GPU-stand-in", INSTANT, nvml_module="nvml_stand_in", interval_s=0.002)
     try:
-        _wait_until_reading(meter, reading_file, reading="1000,1000,1000")  # the instant field stays answered
+        _wait_until_reading(meter, reading_file, reading="1000,1000,1000")  # the instant field answered throughout
         _hold(meter, "kl_topk", reading_file, "1770,350000,690000")
         assert meter.take("kl_topk")["power_w"] == pytest.approx(690.0)
     finally:

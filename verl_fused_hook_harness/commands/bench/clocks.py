@@ -5,7 +5,7 @@ of 1470 MHz against a 1980 MHz boost in one run). Two methods can then differ in
 more cycles, or because the card runs it at a lower clock for the same power: a kernel that moves less data
 per product draws less power and is clocked higher. The clock during a method's steps tells which, and time
 x clock is the cycles it took. Power is NVML's instantaneous reading where the driver gives it, else its 1 s
-average, which reads steps of a few hundred ms low (nvml_readings.power_reader; the report names which); the
+average, which reads steps of a few hundred ms low (nvml_readings.power_source; the report names which); the
 clock is read as it is.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ...support.reports import on_device
-from .nvml_readings import AVERAGE, power_reader, read_until_stopped
+from .nvml_readings import AVERAGE, power_source, read_until_stopped
 from .timing import event_ms
 
 # Seconds between readings: ~12 per 60 ms step.
@@ -38,7 +38,7 @@ class ClockMeter:
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         self._process = spawn.Process(
-            target=read_until_stopped, args=(nvml_module, uuid, interval_s, child), daemon=True
+            target=read_until_stopped, args=(nvml_module, uuid, power_source, interval_s, child), daemon=True
         )
         self._process.start()
         child.close()
@@ -59,11 +59,11 @@ class ClockMeter:
             uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
             pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
-            _, power_source = power_reader(pynvml, handle)
+            source = power_source(pynvml, handle)
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as error:  # fails here, not in the reading process
             return None, f"NVML cannot read this GPU ({error})"
-        return cls(uuid, power_source), None
+        return cls(uuid, source), None
 
     @contextlib.contextmanager
     def naming(self, name: str):

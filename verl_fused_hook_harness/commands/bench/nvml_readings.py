@@ -25,36 +25,37 @@ INSTANT = "instant"
 AVERAGE = "1 s average"
 
 
-def power_reader(nvml, handle):
-    """(a function returning the board power in W, INSTANT or AVERAGE): the instantaneous field when this driver
-    and GPU answer it, else nvmlDeviceGetPowerUsage's average."""
-    field = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", None)
-    if field is not None:
-
-        def instant() -> float:
-            value = nvml.nvmlDeviceGetFieldValues(handle, [field])[0]
-            if value.nvmlReturn != nvml.NVML_SUCCESS:
-                raise nvml.NVMLError(value.nvmlReturn)
-            if value.valueType != nvml.NVML_VALUE_TYPE_UNSIGNED_INT:  # milliwatts as an unsigned int, or unusable
-                raise nvml.NVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
-            return value.value.uiVal / 1000.0
-
-        try:
-            instant()
-            return instant, INSTANT
-        except nvml.NVMLError:
-            pass
-    return lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, AVERAGE
+def power_source(nvml, handle) -> str:
+    """INSTANT when this driver and GPU answer the instantaneous power field, else AVERAGE (probed once, by the
+    meter, before the reading process starts: the process reads the source the results record)."""
+    if getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", None) is None:
+        return AVERAGE
+    try:
+        read_power(nvml, handle, INSTANT)
+    except nvml.NVMLError:
+        return AVERAGE
+    return INSTANT
 
 
-def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> None:
-    """Run in the spawned process: (time.time(), SM clock MHz, power W) every `interval_s`; on "flush" from the
-    parent, send what was read since the last send; on "stop", send it and return. `nvml_module`: "pynvml", or
-    a stand-in with the same calls where the machine has no NVIDIA driver (tests)."""
+def read_power(nvml, handle, source: str) -> float:
+    """The board power in W from `source` (an NVMLError if the instantaneous field does not answer)."""
+    if source == AVERAGE:
+        return nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+    value = nvml.nvmlDeviceGetFieldValues(handle, [nvml.NVML_FI_DEV_POWER_INSTANT])[0]
+    if value.nvmlReturn != nvml.NVML_SUCCESS:
+        raise nvml.NVMLError(value.nvmlReturn)
+    if value.valueType != nvml.NVML_VALUE_TYPE_UNSIGNED_INT:  # milliwatts as an unsigned int, or unusable
+        raise nvml.NVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+    return value.value.uiVal / 1000.0
+
+
+def read_until_stopped(nvml_module: str, uuid: str, source: str, interval_s: float, conn) -> None:
+    """Run in the spawned process: (time.time(), SM clock MHz, power W from `source`) every `interval_s`; on
+    "flush" from the parent, send what was read since the last send; on "stop", send it and return.
+    `nvml_module`: "pynvml", or a stand-in with the same calls where the machine has no NVIDIA driver (tests)."""
     nvml = importlib.import_module(nvml_module)
     nvml.nvmlInit()
     handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-    power, _ = power_reader(nvml, handle)
     readings = []
     try:
         while True:
@@ -66,7 +67,7 @@ def read_until_stopped(nvml_module: str, uuid: str, interval_s: float, conn) -> 
                     return
                 continue
             clock = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-            readings.append((time.time(), float(clock), power()))
+            readings.append((time.time(), float(clock), read_power(nvml, handle, source)))
             if len(readings) > MAX_KEPT:
                 del readings[0]
     finally:
