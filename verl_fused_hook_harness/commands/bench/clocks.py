@@ -31,14 +31,12 @@ class ClockMeter:
     """A spawned process reads the SM clock (MHz) and power (W) every SAMPLE_INTERVAL_S with timestamps
     (nvml_readings.py); the meter files each reading under the step whose time window holds it."""
 
-    def __init__(
-        self, uuid: str, power_source: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S
-    ):
-        self.power_source = power_source  # nvml_readings.INSTANT or AVERAGE
+    def __init__(self, uuid: str, source: str, nvml_module: str = "pynvml", interval_s: float = SAMPLE_INTERVAL_S):
+        self.power_source = source  # nvml_readings.INSTANT or AVERAGE, as power_source probed it
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         self._process = spawn.Process(
-            target=read_until_stopped, args=(nvml_module, uuid, power_source, interval_s, child), daemon=True
+            target=read_until_stopped, args=(nvml_module, uuid, source, interval_s, child), daemon=True
         )
         self._process.start()
         child.close()
