@@ -207,3 +207,30 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)
     assert compiled.metadata.shared <= SHARED_LIMIT
     assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 120)
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no entropy"])
+def test_gluon_forward_kernel_fits_hopper(entropy):
+    """The warp-specialized forward: its four-stage ring within shared memory, the consumers' 232 registers without
+    spills (a spill there would sit in the epilogue the kernel exists to hide)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from verl_fused_hook.ops.backends import gluon_forward as g
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+    signature = {
+        "h_desc": desc([g.BLOCK_M, g.BLOCK_K]),
+        "w_desc": desc([g.BLOCK_N, g.BLOCK_K]),
+        "label_col_ptr": "*i32",
+        **dict.fromkeys(["inv_temp_ptr", "parts_ptr"], "*fp32"),
+        **dict.fromkeys(["rows", "hidden_size", "valid_columns", "num_col_tiles"], "i32"),
+        "ENTROPY": "constexpr",
+    }
+    source = GluonASTSource(fn=g.tile_partials_kernel, signature=signature, constexprs={"ENTROPY": entropy})
+    compiled = triton.compile(source, target=HOPPER, options={"num_warps": 4, "maxnreg": g.MAX_REGS})
+    assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
+    assert _spilled_bytes(compiled) == 0

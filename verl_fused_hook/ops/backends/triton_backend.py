@@ -1,19 +1,15 @@
 """The Triton backend's host side (CUDA, Hopper first): availability, launches, and the passes both drivers walk.
-Its kernels are triton_kernels.py's. No float atomics anywhere, so two runs give the same bits.
+Its kernels are triton_kernels.py's (and, for the plain forward on Hopper, gluon_forward.py's). No float atomics.
 
 Forward (both ops): one kernel reduces each scored row's logits to one Partial per column tile; logits never reach
-memory. The vocabulary is split across programs when rows are few (the fastest layout for the row count,
-forward_layout.py), and one more kernel merges a row's tiles with softmax_math's formulas in an order fixed by the
-shard's width, so a row's values are the same bits whatever batch computes it (`forward_partials`).
+memory. Another merges a row's tiles with softmax_math's formulas in an order fixed by the shard's width, so a row's
+values are the same bits whatever batch computes it, whatever layout of programs ran (`forward_partials`).
 
-Two-pass op (`RecomputingPasses`): every scored row is one block in the forward; its kernels tile rows and
-vocabulary themselves. The backward recomputes the logits one vocabulary chunk at a time
+Two-pass op (`RecomputingPasses`): the backward recomputes the logits one vocabulary chunk at a time
 (`recomputed_gradients`): per chunk and tile of rows, `grad_logits_kernel` recomputes the logits and writes
 d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of the
-chunk's d_weight rows. Tile height and group size come from fixed budgets, never from the token count, and the
-chunk width from a fixed width, moved by at most a quarter so that the launches fill whole waves of the GPU's SMs
-(`backward_plan.backward_tiling`; its row tiles and row groups from backward_plan.py too), so the time per row does
-not change with N.
+chunk's d_weight rows. Tiles, groups and chunk widths come from fixed budgets and the GPU's SM count, never from
+the token count (backward_plan.py), so the time per row does not change with N.
 
 Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
 (`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
@@ -48,6 +44,7 @@ from ..softmax_math import (
 from ..weight_gradient import WeightGradientSum
 from . import RowBlock, SavedPasses
 from .forward_layout import tile_partial_rows, tiles_per_split
+from .gluon_choice import gluon_forward_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +191,8 @@ def split_layout(row_blocks: int, col_tiles: int, device, config: TileConfig | N
 def _block(p: LogProbProblem, rows: Tensor, span: slice) -> RowBlock:
     """Scored rows compacted (unless they are every row) and TMA-ready, label column as int32."""
     hidden = tma_ready(p.hidden if rows.numel() == p.num_rows else p.hidden.index_select(0, rows))
-    return RowBlock(
-        span, rows, hidden, label_columns(p, rows).to(torch.int32), inverse_temperature(p.temperature, rows)
-    )
+    label_col = label_columns(p, rows).to(torch.int32)
+    return RowBlock(span, rows, hidden, label_col, inverse_temperature(p.temperature, rows))
 
 
 def local_statistics(
@@ -212,15 +208,15 @@ def local_statistics(
 ) -> Partials:
     """This rank's partials per row of `hidden` (the scored rows, compacted), from the forward kernel; with `store`,
     the kernel also writes the logits there. `config` (None: FORWARD_CONFIG, read at the call) and `per_split`
-    (column tiles per split; None: `split_layout`'s) let scripts/sweep_forward_tiles.py time other tiles and
-    layouts; the op passes neither."""
+    (column tiles per split; None: `split_layout`'s) let scripts/sweep_forward_tiles.py time Triton's kernel with
+    other tiles and layouts; the op passes neither."""
     if p.valid_columns == 0 or hidden.shape[0] == 0:
         return no_column_partials(hidden.shape[0], hidden.device)
-    c = FORWARD_CONFIG if config is None else config
     stored = None
     if store is not None:
+        c = FORWARD_CONFIG if config is None else config
         stored = (descriptor(store.shifted, [c.block_m, c.block_n]), store.tile_max, None)
-    merged = forward_partials(p, hidden, weight, label_col, inv_temp, stored=stored, config=c, per_split=per_split)
+    merged = forward_partials(p, hidden, weight, label_col, inv_temp, stored=stored, config=config, per_split=per_split)
     return Partials(*merged.unbind(0))
 
 
@@ -241,32 +237,40 @@ def forward_partials(
     """fp32 [4, rows] (with `squares` [5, rows]): the merged partials of `hidden`'s rows (p.valid_columns > 0), the
     forward kernel's per-tile partials merged by `merge_tiles`. `stored`: the kernel's (store_desc, tile_max,
     group_max_desc) arguments (STORE; RAW with `raw`), whose rows are one bounded chunk; without, rows past
-    TILE_PARTIALS_BUDGET_BYTES of partials run as further launches, each with its own fastest split layout."""
+    TILE_PARTIALS_BUDGET_BYTES of partials run as further launches, each with its own fastest split layout. Plain
+    statistics on Hopper run the warp-specialized Gluon kernel (the same bits per tile; gluon_choice.py says where)."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
+    plain = stored is None and not squares and config is None and per_split is None
+    gluon = gluon_forward_kernel(hidden.device) if plain else None
     c = FORWARD_CONFIG if config is None else config
     col_tiles = -(-p.valid_columns // c.block_n)
     planes = 5 if squares else 4
     group = n if stored is not None else tile_partial_rows(col_tiles, planes, c.block_m)
-    w_desc = descriptor(weight[: p.valid_columns], [c.block_n, c.block_k])
+    valid_weight = weight[: p.valid_columns]
+    w_desc = gluon.weight_descriptor(valid_weight) if gluon else descriptor(valid_weight, [c.block_n, c.block_k])
     merged = torch.empty(planes, n, dtype=torch.float32, device=hidden.device)
     buffer = torch.empty(planes * col_tiles * min(n, group), dtype=torch.float32, device=hidden.device)
     for start in range(0, n, group):
         rows = min(group, n - start)
-        row_blocks = -(-rows // c.block_m)
-        per = split_layout(row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
-        splits = -(-col_tiles // per)
+        span = slice(start, start + rows)
         parts = buffer[: planes * col_tiles * rows].view(planes, col_tiles, rows)
-        kernels.forward_statistics_kernel[(row_blocks * splits,)](
-            descriptor(hidden[start : start + rows], [c.block_m, c.block_k]), w_desc,
-            label_col[start : start + rows], inv_temp[start : start + rows], parts, *(stored or (None, None, None)),
-            rows, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            ENTROPY=p.calculate_entropy, STORE=stored is not None, num_warps=c.num_warps, num_stages=c.num_stages,
-            SQUARES=squares, RAW=raw, GROUP_N=group_columns,
-        )  # fmt: skip
-        merge_tiles(parts, merged[:, start : start + rows])
+        if gluon:
+            gluon.tile_partials(hidden[span], w_desc, p.valid_columns, label_col[span], inv_temp[span], parts,
+                                p.calculate_entropy, num_sms(hidden.device))  # fmt: skip
+        else:
+            row_blocks = -(-rows // c.block_m)
+            per = split_layout(row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
+            splits = -(-col_tiles // per)
+            kernels.forward_statistics_kernel[(row_blocks * splits,)](
+                descriptor(hidden[span], [c.block_m, c.block_k]), w_desc, label_col[span], inv_temp[span], parts,
+                *(stored or (None, None, None)), rows, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                ENTROPY=p.calculate_entropy, STORE=stored is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+                SQUARES=squares, RAW=raw, GROUP_N=group_columns,
+            )  # fmt: skip
+        merge_tiles(parts, merged[:, span])
     return merged
 
 

@@ -1,0 +1,217 @@
+"""Hopper (sm_90) warp-specialized forward in Gluon: each [64, 256] tile of logits reduced to its per-row partials
+(max, sum, shifted dot, label logit), as triton_kernels.forward_statistics_kernel writes them without kept logits or
+square sums (the no-grad and training forwards).
+
+Why: Triton's kernel runs a tile's softmax epilogue (an exponential, a max, two sums per logit, the partials' store)
+after the tile's K loop on the same warps, so the tensor cores idle through it; on an H100 the forward took
+1.09-1.27x one GEMM at N >= 4096 (issue 55), the GEMM's clock included. Here one producer warp issues the TMA loads
+into a ring of stages and two consumer warpgroups take turns at the tensor cores, each on its own tile: one's
+epilogue runs while the other's mainloop does (the design of the ping-pong d_logits kernel of 2026-12-02, whose
+tiles matched cuBLAS on the H200). A consumer's [64, 256] tile puts a row's 256 logits in the same threads and
+registers as the Triton kernel's 8-warp [128, 256] tile (NVMMA v3, warps [4, 1] against [8, 1], instruction
+[16, 256, 16]), and the epilogue is the same formula in the same order, so each tile's partials are the same bits
+(tests/gpu/test_gluon_forward.py) and every other path (kept logits, top-k, sum pi^2: still Triton's) agrees with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+NEG = gl.constexpr(-1.0e30)  # triton_kernels.NEG: the padding columns' logit
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 64
+# 4 stages of a [64, 64] hidden and a [256, 64] weight tile: 160 KiB of the 227 KiB a block may have.
+STAGES = gl.constexpr(4)
+# Programs running together (132 of them, two tiles each) share GROUP_M row blocks of 64 (2048 rows, kept in L2)
+# and take about eight column tiles.
+GROUP_M = gl.constexpr(32)
+# A consumer's [64, 256] fp32 accumulator is 128 registers a thread; 232 leave the epilogue room. The kernel's
+# 12 warps (two consumers and the loader's warpgroup) start at 168 registers each and trade them at the split.
+CONSUMER_REGS, LOADER_REGS = gl.constexpr(232), gl.constexpr(40)
+MAX_REGS = 168
+
+
+@gluon.jit
+def _tile(local, num_pid_m, num_pid_n):
+    """This program's `local`-th tile (programs stride the tiles), grouped: tiles taken together share GROUP_M row
+    blocks."""
+    tile = gl.program_id(0) + local * gl.num_programs(0)
+    width = GROUP_M * num_pid_n
+    first_m = (tile // width) * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % width) % group_size, (tile % width) // group_size
+
+
+@gluon.jit
+def _tile_count(num_pid_m, num_pid_n):
+    return gl.cdiv(num_pid_m * num_pid_n - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _load_partition(h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_size, num_col_tiles):
+    """Producer: every K step's hidden tile [BM, BK] and weight tile [BN, BK] of each of the program's tiles, in
+    order, into the next free stage of the ring."""
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BK: gl.constexpr = h_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(rows, BM)
+    k_steps = gl.cdiv(hidden_size, BK)
+    for local in range(_tile_count(num_pid_m, num_col_tiles)):
+        pid_m, pid_n = _tile(local, num_pid_m, num_col_tiles)
+        for kk in range(k_steps):
+            pos = local * k_steps + kk
+            stage = pos % STAGES
+            mbarrier.wait(empty.index(stage), ((pos // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), nbytes)
+            tma.async_copy_global_to_shared(h_desc, [pid_m * BM, kk * BK], ready.index(stage), a_bufs.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kk * BK], ready.index(stage), b_bufs.index(stage))
+
+
+@gluon.jit
+def _mainloop(a_bufs, b_bufs, ready, empty, turn, acc, local, k_steps, ROLE: gl.constexpr):
+    """acc = hidden tile @ weight tile.T over the tile's K steps, one wgmma in flight, each stage released once read.
+    Mainloops take turns: a ready barrier's parity names one phase only, so a consumer waits on its first stage only
+    after the other consumer has waited on all of its own."""
+    mbarrier.wait(turn.index(ROLE), ((local // 2) & 1) ^ (1 - ROLE))
+    base = local * k_steps
+    previous = base % STAGES
+    for kk in range(k_steps):
+        pos = base + kk
+        stage = pos % STAGES
+        mbarrier.wait(ready.index(stage), (pos // STAGES) & 1)
+        acc = warpgroup_mma(
+            a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, use_acc=kk > 0, is_async=True
+        )
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index(previous), count=1, pred=kk > 0)
+        previous = stage
+    mbarrier.arrive(turn.index(1 - ROLE), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(previous), count=1)
+    return acc
+
+
+@gluon.constexpr_function
+def _mma_layout(BN):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+
+
+@gluon.jit
+def _statistics_consumer(
+    h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr, parts_ptr,
+    rows, hidden_size, valid_columns, num_col_tiles, ENTROPY: gl.constexpr, ROLE: gl.constexpr,
+):  # fmt: skip
+    """Every other tile of the program (ROLE: which): its mainloop, then forward_statistics_kernel's epilogue,
+    operation for operation (see there why each step is as it is)."""
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    layout: gl.constexpr = _mma_layout(BN)
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    num_pid_m = gl.cdiv(rows, BM)
+    k_steps = gl.cdiv(hidden_size, h_desc.block_type.shape[1])
+    plane = num_col_tiles * rows
+    for local in range(ROLE, _tile_count(num_pid_m, num_col_tiles), 2):
+        pid_m, pid_n = _tile(local, num_pid_m, num_col_tiles)
+        acc = gl.zeros((BM, BN), gl.float32, layout)
+        acc = _mainloop(a_bufs, b_bufs, ready, empty, turn, acc, local, k_steps, ROLE)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        row_ids = off_m + gl.arange(0, BM, layout=row_layout)
+        row_ok = row_ids < rows
+        label_col = gl.load(label_col_ptr + row_ids, mask=row_ok, other=-1)
+        inv_temp = gl.load(inv_temp_ptr + row_ids, mask=row_ok, other=1.0)
+        scale = inv_temp * LOG2E
+        cols = gl.expand_dims(off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout)), 0)
+        if off_n + BN > valid_columns:
+            acc = gl.where(cols < valid_columns, acc, NEG)
+        label_raw = gl.zeros((BM,), gl.float32, row_layout)
+        if gl.max(((label_col >= off_n) & (label_col < off_n + BN)).to(gl.int32), axis=0) > 0:
+            label_raw = gl.sum(gl.where(cols == gl.expand_dims(label_col, 1), acc, 0.0), axis=1)
+        tile_max = gl.max(acc, axis=1)
+        shifted = (acc - gl.expand_dims(tile_max, 1)) * gl.expand_dims(scale, 1)
+        e = gl.exp2(shifted)
+        if ENTROPY:
+            dot = gl.sum(e * shifted, axis=1) * LN2
+        else:
+            dot = gl.zeros((BM,), gl.float32, row_layout)
+        where = parts_ptr + pid_n * rows + row_ids
+        gl.store(where, tile_max * inv_temp, mask=row_ok)
+        gl.store(where + plane, gl.sum(e, axis=1), mask=row_ok)
+        gl.store(where + 2 * plane, dot, mask=row_ok)
+        gl.store(where + 3 * plane, label_raw * inv_temp, mask=row_ok)
+
+
+@gluon.jit
+def _barriers():
+    """Per stage: `ready` (its loads landed) and `empty` (its wgmma read it); `turn`: each consumer's go."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
+@gluon.jit
+def tile_partials_kernel(
+    h_desc, w_desc,  # [rows, H], [valid_columns, H] bf16
+    label_col_ptr, inv_temp_ptr,  # int32 [rows] (-1: the label is on another shard), fp32 [rows]
+    parts_ptr,  # fp32 [4, num_col_tiles, rows]: each column tile's max, sum, dot, label logit
+    rows, hidden_size, valid_columns, num_col_tiles,
+    ENTROPY: gl.constexpr,
+):  # fmt: skip
+    """Persistent: each program strides the [BLOCK_M, BLOCK_N] tiles, its two consumers taking every other one."""
+    a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready, empty, turn = _barriers()
+    gl.warp_specialize(
+        [
+            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr,
+                                    parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 0)),
+            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr,
+                                    parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 1)),
+            (_load_partition, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_size, num_col_tiles)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def weight_descriptor(weight: torch.Tensor) -> TensorDescriptor:
+    """The [valid_columns, H] bf16 weight as tile_partials reads it: made once per forward, reused by each launch."""
+    return _descriptor(weight, [BLOCK_N, BLOCK_K])
+
+
+def tile_partials(
+    hidden: torch.Tensor,
+    w_desc: TensorDescriptor,
+    valid_columns: int,
+    label_col: torch.Tensor,
+    inv_temp: torch.Tensor,
+    parts: torch.Tensor,
+    entropy: bool,
+    programs: int,
+) -> None:
+    """parts (fp32 [4, column tiles, rows], contiguous) <- each column tile's partials of `hidden`'s rows (bf16
+    [rows, H], TMA-ready), on at most `programs` persistent programs (one an SM)."""
+    rows, hidden_size = hidden.shape
+    col_tiles = parts.shape[1]
+    grid = (max(1, min(triton.cdiv(rows, BLOCK_M) * col_tiles, programs)),)
+    tile_partials_kernel[grid](
+        _descriptor(hidden, [BLOCK_M, BLOCK_K]), w_desc, label_col, inv_temp, parts,
+        rows, hidden_size, valid_columns, col_tiles, ENTROPY=entropy, num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip
