@@ -1,10 +1,12 @@
-"""Where distillation's step spends its time on the GPU: the distillation bench's methods (kl_topk at each k: our
+"""Where the op's step spends its time on the GPU: the distillation bench's methods (kl_topk at each k: our
 `token_log_probs` at the teacher's ids with the row's own top-k, verl's loss and overlap metrics; sum_pi_squared:
-the baseline without ids), their forward and, with --backward, their backward, kernels and host ops by device
-time (torch.profiler). Each step is also timed once outside the profile.
+the baseline without ids) and, with --log-probs, the plain log-probs and entropy op (the bench's `triton`), their
+forward and, with --backward, their backward, kernels and host ops by device time (torch.profiler). Each step is
+also timed once outside the profile.
 
     python scripts/profile_token_log_probs.py --shape 16384,4096,151936 --topk 128 --out results/profile_kl_topk.json
     python scripts/profile_token_log_probs.py --shape 65536,4096,151936 --topk 128 --backward --sum-pi-squared
+    python scripts/profile_token_log_probs.py --shape 1024,4096,151936 --topk --log-probs --backward
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from verl_fused_hook_harness.commands.bench.distill import ours_kl_topk, ours_sum_pi_squared
+from verl_fused_hook_harness.commands.bench.methods import ours
 from verl_fused_hook_harness.commands.bench.timing import event_ms
 
 TEMPERATURE = 0.7  # the bench's default
@@ -68,9 +71,12 @@ def profile_method(name: str, fn, inputs, backward: bool, rows: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="16384,4096,151936", help="N,H,V (default %(default)s)")
-    parser.add_argument("--topk", type=int, nargs="+", default=[128, 32], help="k values (default 128 32)")
+    parser.add_argument(
+        "--topk", type=int, nargs="*", default=[128, 32], help="k values (default 128 32; none: no kl_topk)"
+    )
     parser.add_argument("--backward", action="store_true", help="also profile each method's backward")
     parser.add_argument("--sum-pi-squared", action="store_true", help="also profile sum_pi_squared (the baseline)")
+    parser.add_argument("--log-probs", action="store_true", help="also profile the plain log-probs and entropy op")
     parser.add_argument("--rows", type=int, default=25, help="table rows printed per step (default %(default)s)")
     parser.add_argument("--out", help="JSON file for the tables")
     args = parser.parse_args()
@@ -82,6 +88,8 @@ def main() -> None:
     methods = {f"kl_topk k={k}": ours_kl_topk(k) for k in args.topk}
     if args.sum_pi_squared:
         methods["sum_pi_squared"] = ours_sum_pi_squared()
+    if args.log_probs:
+        methods["log_probs"] = ours("auto")
     report = {"shape": [n, h, v], "device": torch.cuda.get_device_name(), "torch": torch.__version__, "methods": {}}
     for name, fn in methods.items():
         report["methods"][name] = profile_method(name, fn, (hidden, weight, labels), args.backward, args.rows)
