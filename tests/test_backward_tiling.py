@@ -3,7 +3,8 @@
 The width is the nominal CHUNK_COLUMNS widened by at most MAX_CHUNK_WIDENING (a quarter) so that the gradient kernel's
 launches (a row tile's row blocks x a chunk's column tiles, one program per SM) fill whole waves. These tests
 hold the rule to a brute-force count of waves, the memory budget and the bounds, at the SM counts of the
-H100/H200 (132), H100 PCIe (114) and H20 (78).
+H100/H200 (132), H100 PCIe (114) and H20 (78). Below ~13000 rows the chunks are instead a few equal wide ones
+(SMALL_WALK_TILE_BYTES of d_logits), held to their budgets and to the point where they give way.
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ def _waves(tiling: t.BackwardTiling, rows: int, valid_columns: int, slots: int) 
 
 
 SHAPES = [
-    (2048, 4096, 151936),
-    (8192, 4096, 151936),
     (16384, 3584, 152064),
     (32768, 4096, 151936),
     (65536, 2048, 151936),
     (32768, 8192, 128256),
     (131072, 4096, 151936),
     (65536, 4096, 18992),
-    (1000, 4096, 151936),
-    (3000, 5120, 248320),
+    (12288, 4096, 37984),
+    (16384, 5120, 248320),
 ]
 
 
@@ -56,7 +55,7 @@ def test_width_fills_waves_within_bounds_and_budget(n, h, v, slots):
         assert waves <= _waves(other, n, v, slots)
 
 
-@pytest.mark.parametrize("n", [2048, 8192, 16384, 32768, 65536])
+@pytest.mark.parametrize("n", [16384, 32768, 65536])
 def test_h200_row_counts_take_33_tiles(n):
     """On 132 SMs every row count that is a multiple of 512 fills whole waves with 33 column tiles (132 = 4 x 33):
     8448 columns where 8192 left the last wave of each chunk partly empty (the measured 1.5-4%)."""
@@ -77,3 +76,37 @@ def test_widening_leaves_the_nominal_width_where_it_already_fills_waves():
     and no width in the range takes fewer waves, so the walk stays at the nominal width (the narrowest)."""
     tiling = t.backward_tiling(131072, 4096, 151936, BLOCK_M, BLOCK_N, 132)
     assert tiling.columns == t.CHUNK_COLUMNS
+
+
+@pytest.mark.parametrize("h, v", [(4096, 151936), (3584, 152064), (4096, 128256), (5120, 248320), (8192, 128256)])
+@pytest.mark.parametrize("n", [1, 100, 1024, 2048, 3000, 4096, 8192, 12288])
+def test_few_rows_walk_a_few_wide_equal_chunks_within_budget(n, h, v):
+    tiling = t.backward_tiling(n, h, v, BLOCK_M, BLOCK_N, 132)
+    nominal = t.nominal_chunk_columns(v, BLOCK_N)
+    if t._small_walk_tiles(n, h, v, BLOCK_N) is None:  # no wider than the waves' widening, or too much memory
+        assert nominal <= tiling.columns <= nominal * (1 + t.MAX_CHUNK_WIDENING)
+        return
+    total = -(-v // BLOCK_N)
+    tiles = tiling.columns // BLOCK_N
+    chunks = -(-total // tiles)
+    assert tiling.rows == n and tiling.columns % BLOCK_N == 0
+    assert tiles * BLOCK_N > nominal * (1 + t.MAX_CHUNK_WIDENING)
+    # equal parts: the last chunk is short by less than one tile per chunk
+    assert total - (chunks - 1) * tiles >= tiles - chunks
+    # the d_logits tile within the budget (by at most the one tile each part is rounded up by), the walk within
+    # what an in-place walk may take
+    assert 2 * n * (tiles - 1) * BLOCK_N <= t.SMALL_WALK_TILE_BYTES
+    assert 4 * h * n + 2 * n * tiling.columns <= t.IN_PLACE_WALK_BYTES
+    # no fewer chunks would fit the budget
+    assert chunks == 1 or 2 * n * -(-total // (chunks - 1)) * BLOCK_N > t.SMALL_WALK_TILE_BYTES
+
+
+def test_chunks_widen_as_rows_fall_and_give_way_near_13000_rows():
+    """At 151936 columns: 2 chunks at 1024 rows, 3 at 2048, 5 at 4096, 10 at 8192; the nominal 8448-column walk
+    from 16384 rows, and never more chunks for fewer rows."""
+    chunks = {n: -(-151936 // t.backward_tiling(n, 4096, 151936, BLOCK_M, BLOCK_N, 132).columns) for n in
+              (512, 1024, 2048, 4096, 8192, 12288, 13312, 16384, 32768)}  # fmt: skip
+    assert [chunks[n] for n in (1024, 2048, 4096, 8192)] == [2, 3, 5, 10]
+    assert chunks[16384] == chunks[32768] == 18
+    counts = [chunks[n] for n in sorted(chunks)]
+    assert counts == sorted(counts)

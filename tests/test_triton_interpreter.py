@@ -116,6 +116,7 @@ def _interpreted_two_pass_cases() -> list[dict]:
     cases.append(("row tiles x vocabulary chunks", True, "no entropy"))
     for index, (budget, masked, wants) in enumerate(cases):
         backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = budgets[budget]
+        backward_plan.SMALL_WALK_TILE_BYTES = 1  # the nominal chunks, not one wide one for these few rows
         g = torch.Generator().manual_seed(100 + index)
         hidden = (torch.randn(n, h, generator=g)).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -199,6 +200,7 @@ def _interpreted_keep_logits_cases() -> list[dict]:
         [(b, k, "both") for b in budgets for k in keeps] + [("row tiles x vocabulary chunks", "some rows", "weight")]
     ):
         backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = budgets[budget]
+        backward_plan.SMALL_WALK_TILE_BYTES = 1  # the nominal chunks, not one wide one for these few rows
         g = torch.Generator().manual_seed(200 + index)
         hidden = torch.randn(n, h, generator=g).half()
         weight = (torch.randn(v, h, generator=g) * 0.5).half()
@@ -487,6 +489,7 @@ def _interpreted_row_group_cases() -> list[dict]:
 
     triton_backend = _interpret_on_cpu()
     backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET, backward_plan.ROW_GROUP_ROWS = 32, 1, 32
+    backward_plan.SMALL_WALK_TILE_BYTES = 1  # the nominal chunks, not one wide one for these few rows
     backward_plan.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     n, h, v = 200, 64, 61
     results = []
@@ -786,6 +789,7 @@ def _tp_keep_logits_worker(rank, world_size, hidden, weight, labels, temperature
 
     triton_backend = _interpret_on_cpu()
     backward_plan.CHUNK_COLUMNS, backward_plan.TILE_MEMORY_BUDGET = 64, 1
+    backward_plan.SMALL_WALK_TILE_BYTES = 1  # the nominal chunks, not one wide one for these few rows
     shard = weight.shape[0] // world_size
     h = hidden.clone().requires_grad_()
     w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_()

@@ -314,6 +314,7 @@ def small_backward_budgets(monkeypatch):
 
     monkeypatch.setattr(backward_plan, "CHUNK_COLUMNS", 1024)
     monkeypatch.setattr(backward_plan, "TILE_MEMORY_BUDGET", 1)  # every tile one block of rows
+    monkeypatch.setattr(backward_plan, "SMALL_WALK_TILE_BYTES", 1)  # no wide chunks for these few rows
     tiling = backward_plan.backward_tiling(700, 512, 5003, 128, 128, 132)
     # six tiles of one row block each: every launch is one wave, so the widest chunk (fewest launches) is taken,
     # and the walk's chunks are widened ones with a ragged last
@@ -332,6 +333,7 @@ def _tiled_tp_worker(rank, world_size, hidden, weight, labels, g_lp, g_ent, voca
 
     backward_plan.CHUNK_COLUMNS = 1024
     backward_plan.TILE_MEMORY_BUDGET = 1
+    backward_plan.SMALL_WALK_TILE_BYTES = 1
     backward_plan.ROW_GROUP_ROWS = group_rows
     backward_plan.GROUPS_MIN_SAVING_BYTES = 0  # groups wherever they need less memory at all
     shard = weight.shape[0] // world_size

@@ -1,7 +1,8 @@
 """How the Triton two-pass backward walks [scored rows x vocabulary]: chunk width, row tiles and row groups.
 
-Pure arithmetic from fixed budgets, shapes and the SM count, never from the token count alone, so that the work per
-row does not change with N (triton_backend.recomputed_gradients walks what this plans).
+Pure arithmetic from fixed budgets, shapes and the SM count (triton_backend.recomputed_gradients walks what this
+plans): from ~13000 rows (at 152k columns) the same chunks at every N; below, fewer and wider ones, since there the
+nominal chunks are launches too small to keep the GPU busy.
 
 Why row groups: each gradient is a sum over the other's dimension, and the one summed across the outer loop
 needs an fp32 buffer to be rounded once. With the vocabulary outside (the default), that is d_hidden: 4 H
@@ -32,6 +33,11 @@ CHUNK_COLUMNS = 8192
 # 8448 columns (33 tiles) against 8192, A/B in rounds over three runs: 0.956-0.968x the forward+backward time at
 # 8192 x 4096 x 151936, 0.97-1.00x at 16384-65536 rows, H 2048-8192 (docs/benchmarks.md).
 MAX_CHUNK_WIDENING = 0.25
+# Below ~13000 rows (at 152k columns) the nominal chunks are small launches: at 1024 rows 18 chunks of 8 row blocks
+# x 33 column tiles (two waves of 132 programs), each followed by its two GEMMs and a pass over the fp32 d_hidden.
+# There the chunks widen, in equal parts of whole column tiles, to a d_logits tile of about this many bytes (2 chunks
+# of 76032 columns at 1024 rows, 5 at 4096), as long as the walk stays within IN_PLACE_WALK_BYTES.
+SMALL_WALK_TILE_BYTES = 256 * 1024**2
 # Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
 # 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
 # byte at 32768 rows, against Hopper's balance of ~165).
@@ -74,6 +80,19 @@ def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
     return min(nominal, total), min(nominal + int(nominal * MAX_CHUNK_WIDENING), total)
 
 
+def _small_walk_tiles(rows: int, hidden_size: int, valid_columns: int, block_n: int) -> int | None:
+    """Column tiles per chunk for few rows (SMALL_WALK_TILE_BYTES), or None where that is no wider than the waves'
+    widening of the nominal chunk or the walk would pass IN_PLACE_WALK_BYTES."""
+    total = -(-valid_columns // block_n)
+    chunks = -(-2 * max(rows, 1) * total * block_n // SMALL_WALK_TILE_BYTES)
+    tiles = -(-total // chunks)
+    if tiles <= _chunk_tile_range(valid_columns, block_n)[1]:
+        return None
+    if 4 * hidden_size * rows + 2 * rows * tiles * block_n > IN_PLACE_WALK_BYTES:
+        return None
+    return tiles
+
+
 def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
     """CHUNK_COLUMNS, or the shard's width when narrower: the width the memory models of `row_groups` assume (the
     walk may widen it to fill waves, by at most MAX_CHUNK_WIDENING of its d_logits tile)."""
@@ -83,11 +102,14 @@ def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
 def backward_tiling(
     rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int, slots: int
 ) -> BackwardTiling:
-    """Chunk width and row tiles of the backward's walk. Of the widths in `_chunk_tile_range`, the one whose
-    gradient-kernel launches (a row tile's blocks x a chunk's column tiles, `slots` programs at a time) take the
-    fewest waves over the whole walk, then the narrowest. 32 tiles over 64 row blocks leave the last of 16 waves
-    half empty on 132 SMs; 33 fill them. Nothing depends on anything but budgets, shapes and the SM count, so the
-    work per row is the same at every N."""
+    """Chunk width and row tiles of the backward's walk. For few rows, the wide equal chunks of `_small_walk_tiles`;
+    else, of the widths in `_chunk_tile_range`, the one whose gradient-kernel launches (a row tile's blocks x a
+    chunk's column tiles, `slots` programs at a time) take the fewest waves over the whole walk, then the narrowest.
+    32 tiles over 64 row blocks leave the last of 16 waves half empty on 132 SMs; 33 fill them. Nothing depends on
+    anything but budgets, shapes and the SM count."""
+    wide = _small_walk_tiles(rows, hidden_size, valid_columns, block_n)
+    if wide is not None:
+        return BackwardTiling(wide * block_n, max(rows, 1))
     total = -(-valid_columns // block_n)
     nominal, most = _chunk_tile_range(valid_columns, block_n)
     best, best_waves = None, None
