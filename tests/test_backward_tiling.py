@@ -80,33 +80,39 @@ def test_widening_leaves_the_nominal_width_where_it_already_fills_waves():
 
 @pytest.mark.parametrize("h, v", [(4096, 151936), (3584, 152064), (4096, 128256), (5120, 248320), (8192, 128256)])
 @pytest.mark.parametrize("n", [1, 100, 1024, 2048, 3000, 4096, 8192, 12288])
-def test_few_rows_walk_a_few_wide_equal_chunks_within_budget(n, h, v):
-    tiling = t.backward_tiling(n, h, v, BLOCK_M, BLOCK_N, 132)
+@pytest.mark.parametrize("slots", [132, 114, 78])
+def test_few_rows_walk_wide_chunks_within_budget_and_fewest_waves(n, h, v, slots):
+    tiling = t.backward_tiling(n, h, v, BLOCK_M, BLOCK_N, slots)
     nominal = t.nominal_chunk_columns(v, BLOCK_N)
-    if t._small_walk_tiles(n, h, v, BLOCK_N) is None:  # no wider than the waves' widening, or too much memory
+    widest = t._small_walk_tiles(n, h, v, BLOCK_N)
+    if widest is None:  # no wider than the waves' widening, or too much memory: the nominal rule
         assert nominal <= tiling.columns <= nominal * (1 + t.MAX_CHUNK_WIDENING)
         return
     total = -(-v // BLOCK_N)
     tiles = tiling.columns // BLOCK_N
-    chunks = -(-total // tiles)
-    assert tiling.rows == n and tiling.columns % BLOCK_N == 0
-    assert tiles * BLOCK_N > nominal * (1 + t.MAX_CHUNK_WIDENING)
-    # equal parts: the last chunk is short by less than one tile per chunk
-    assert total - (chunks - 1) * tiles >= tiles - chunks
-    # the d_logits tile within the budget (by at most the one tile each part is rounded up by), the walk within
-    # what an in-place walk may take
+    assert tiling.rows == n and tiling.columns % BLOCK_N == 0 and nominal <= tiling.columns
+    # the d_logits tile within the budget (by at most the one tile each equal part is rounded up by), the walk
+    # within what an in-place walk may take
     assert 2 * n * (tiles - 1) * BLOCK_N <= t.SMALL_WALK_TILE_BYTES
     assert 4 * h * n + 2 * n * tiling.columns <= t.IN_PLACE_WALK_BYTES
-    # no fewer chunks would fit the budget
-    assert chunks == 1 or 2 * n * -(-total // (chunks - 1)) * BLOCK_N > t.SMALL_WALK_TILE_BYTES
+
+    def cost(width_tiles):  # waves launch by launch, plus the modelled cost of each chunk
+        other = t.BackwardTiling(width_tiles * BLOCK_N, n)
+        return _waves(other, n, v, slots) + t.SMALL_WALK_CHUNK_WAVES * -(-total // width_tiles)
+
+    # no width of the widened nominal range and no equal part of the vocabulary up to the widest costs less
+    most = int(nominal * (1 + t.MAX_CHUNK_WIDENING)) // BLOCK_N
+    equal_parts = {-(-total // chunks) for chunks in range(1, total + 1)}
+    others = [w for w in range(nominal // BLOCK_N, widest + 1) if w <= most or w in equal_parts]
+    assert all(cost(tiles) <= cost(other) for other in others)
 
 
-def test_chunks_widen_as_rows_fall_and_give_way_near_13000_rows():
-    """At 151936 columns: 2 chunks at 1024 rows, 3 at 2048, 5 at 4096, 10 at 8192; the nominal 8448-column walk
-    from 16384 rows, and never more chunks for fewer rows."""
+def test_chunks_widen_as_rows_fall_and_give_way_near_12000_rows():
+    """At 151936 columns on 132 SMs: 2 chunks at 1024 rows, 3 at 2048, 5 at 4096, 14 at 8192; the nominal
+    8448-column walk (18 chunks) from 12288 rows, and never fewer chunks for more rows."""
     chunks = {n: -(-151936 // t.backward_tiling(n, 4096, 151936, BLOCK_M, BLOCK_N, 132).columns) for n in
               (512, 1024, 2048, 4096, 8192, 12288, 13312, 16384, 32768)}  # fmt: skip
-    assert [chunks[n] for n in (1024, 2048, 4096, 8192)] == [2, 3, 5, 10]
-    assert chunks[16384] == chunks[32768] == 18
+    assert [chunks[n] for n in (1024, 2048, 4096, 8192)] == [2, 3, 5, 14]
+    assert chunks[12288] == chunks[16384] == chunks[32768] == 18
     counts = [chunks[n] for n in sorted(chunks)]
     assert counts == sorted(counts)

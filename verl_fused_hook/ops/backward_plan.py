@@ -38,6 +38,10 @@ MAX_CHUNK_WIDENING = 0.25
 # There the chunks widen, in equal parts of whole column tiles, to a d_logits tile of about this many bytes (2 chunks
 # of 76032 columns at 1024 rows, 5 at 4096), as long as the walk stays within IN_PLACE_WALK_BYTES.
 SMALL_WALK_TILE_BYTES = 256 * 1024**2
+# What one more chunk costs there, in waves of the gradient kernel: at 1024 x 4096 x 151936 on an H100, 2 chunks of
+# 297 tiles against 18 of 33 (36 waves each way) took 0.92x the forward+backward time, ~44 us a chunk saved, about
+# one wave (132 tiles of 128 x 256 x 4096: ~36 us).
+SMALL_WALK_CHUNK_WAVES = 1
 # Rows per group when the rows go outside. Each group reads and writes the fp32 d_weight sum once per chunk:
 # 8 bytes per shard column and hidden unit against 6 * ROW_GROUP_ROWS flops of its three GEMMs (24576 flops a
 # byte at 32768 rows, against Hopper's balance of ~165).
@@ -81,8 +85,9 @@ def _chunk_tile_range(valid_columns: int, block_n: int) -> tuple[int, int]:
 
 
 def _small_walk_tiles(rows: int, hidden_size: int, valid_columns: int, block_n: int) -> int | None:
-    """Column tiles per chunk for few rows (SMALL_WALK_TILE_BYTES), or None where that is no wider than the waves'
-    widening of the nominal chunk or the walk would pass IN_PLACE_WALK_BYTES."""
+    """The widest chunk for few rows, in column tiles: equal parts of d_logits tiles within SMALL_WALK_TILE_BYTES;
+    None where that is no wider than the waves' widening of the nominal chunk or the walk would pass
+    IN_PLACE_WALK_BYTES."""
     total = -(-valid_columns // block_n)
     chunks = -(-2 * max(rows, 1) * total * block_n // SMALL_WALK_TILE_BYTES)
     tiles = -(-total // chunks)
@@ -102,26 +107,32 @@ def nominal_chunk_columns(valid_columns: int, block_n: int) -> int:
 def backward_tiling(
     rows: int, hidden_size: int, valid_columns: int, block_m: int, block_n: int, slots: int
 ) -> BackwardTiling:
-    """Chunk width and row tiles of the backward's walk. For few rows, the wide equal chunks of `_small_walk_tiles`;
-    else, of the widths in `_chunk_tile_range`, the one whose gradient-kernel launches (a row tile's blocks x a
-    chunk's column tiles, `slots` programs at a time) take the fewest waves over the whole walk, then the narrowest.
-    32 tiles over 64 row blocks leave the last of 16 waves half empty on 132 SMs; 33 fill them. Nothing depends on
-    anything but budgets, shapes and the SM count."""
-    wide = _small_walk_tiles(rows, hidden_size, valid_columns, block_n)
-    if wide is not None:
-        return BackwardTiling(wide * block_n, max(rows, 1))
+    """Chunk width and row tiles of the backward's walk: of the widths in `_chunk_tile_range`, and for few rows the
+    equal parts up to `_small_walk_tiles`' widest, the one whose gradient-kernel launches (a row tile's blocks x a
+    chunk's column tiles, `slots` programs at a time) take the fewest waves over the whole walk, then the narrowest;
+    for few rows, the fewest waves plus SMALL_WALK_CHUNK_WAVES a chunk, then the widest. 32 tiles over 64 row blocks
+    leave the last of 16 waves half empty on 132 SMs; 33 fill them. At 12288 rows, 43-tile chunks gave that fill up
+    and took 1.08x the time of 33-tile ones (H100), so waves decide the small walk too. Nothing depends on anything
+    but budgets, shapes and the SM count."""
     total = -(-valid_columns // block_n)
     nominal, most = _chunk_tile_range(valid_columns, block_n)
-    best, best_waves = None, None
-    for tiles in range(nominal, most + 1):
+    candidates = list(range(nominal, most + 1))
+    wide = _small_walk_tiles(rows, hidden_size, valid_columns, block_n)
+    if wide is not None:  # equal parts from the widest down to the widened nominal width
+        candidates += sorted({-(-total // chunks) for chunks in range(-(-total // wide), -(-total // most) + 1)})
+    best, best_key = None, None
+    for tiles in candidates:
+        if tiles > most and tiles > (wide or 0):
+            continue
         tiling = _row_tiling(rows, hidden_size, tiles * block_n, block_m)
         full, last = divmod(total, tiles)
         waves = 0
         for _, count in tiling.tiles(max(rows, 1)):
             blocks = -(-count // block_m)
             waves += full * -(-blocks * tiles // slots) + -(-blocks * last // slots)
-        if best_waves is None or waves < best_waves:
-            best, best_waves = tiling, waves
+        key = (waves, tiles) if wide is None else (waves + SMALL_WALK_CHUNK_WAVES * -(-total // tiles), -tiles)
+        if best_key is None or key < best_key:
+            best, best_key = tiling, key
     return best
 
 

@@ -187,13 +187,14 @@ def tile_partials_kernel(
     )  # fmt: skip
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+# The tiles' shared-memory layouts, made once: host time before the launch is GPU idle time at small N.
+_HIDDEN_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+_WEIGHT_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
 
 
 def weight_descriptor(weight: torch.Tensor) -> TensorDescriptor:
     """The [valid_columns, H] bf16 weight as tile_partials reads it: made once per forward, reused by each launch."""
-    return _descriptor(weight, [BLOCK_N, BLOCK_K])
+    return TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], _WEIGHT_LAYOUT)
 
 
 def tile_partials(
@@ -212,6 +213,6 @@ def tile_partials(
     col_tiles = parts.shape[1]
     grid = (max(1, min(triton.cdiv(rows, BLOCK_M) * col_tiles, programs)),)
     tile_partials_kernel[grid](
-        _descriptor(hidden, [BLOCK_M, BLOCK_K]), w_desc, label_col, inv_temp, parts,
+        TensorDescriptor.from_tensor(hidden, [BLOCK_M, BLOCK_K], _HIDDEN_LAYOUT), w_desc, label_col, inv_temp, parts,
         rows, hidden_size, valid_columns, col_tiles, ENTROPY=entropy, num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
