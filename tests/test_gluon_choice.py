@@ -17,8 +17,10 @@ from verl_fused_hook.ops.backends import gluon_choice  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_choice():
     gluon_choice._for_cuda_device.cache_clear()
+    gluon_choice.why_not_gluon.cache_clear()
     yield
     gluon_choice._for_cuda_device.cache_clear()
+    gluon_choice.why_not_gluon.cache_clear()
 
 
 def test_off_cuda_there_is_no_gluon_kernel_and_no_log_line(caplog):
@@ -44,3 +46,11 @@ def test_hopper_with_this_triton_gets_the_gluon_kernel(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))  # the faked GPU
     assert gluon_choice._for_cuda_device(0) is gluon_forward
+
+
+def test_doctor_names_the_forward_kernel_and_why(monkeypatch):
+    from verl_fused_hook_harness.commands.doctor import forward_kernel_finding
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))  # the faked GPU
+    finding = forward_kernel_finding(torch.device("cuda", 0))
+    assert "Triton's forward_statistics_kernel" in finding.line() and "compute capability 8.0" in finding.line()

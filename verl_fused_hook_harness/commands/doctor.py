@@ -47,6 +47,7 @@ from packaging.version import Version
 
 from verl_fused_hook import log_probs_and_entropy
 from verl_fused_hook.ops import describe_backends
+from verl_fused_hook.ops.backends.gluon_choice import why_not_gluon
 from verl_fused_hook.switch import CONFIG_BATCH_INVARIANT_KEY, CONFIG_PREFIX, CONFIG_REPLAY_KEY, ENV_VAR, resolve_plan
 
 from ..support.arguments import DTYPES
@@ -193,7 +194,7 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
     )
     picked = reasons.pop("auto")
     others = "; ".join(f"{name}: {'runs' if reason is None else reason}" for name, reason in reasons.items())
-    return [
+    findings = [
         Finding("device", OK, where),
         Finding(
             "backends",
@@ -201,6 +202,20 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
             f"auto picks {picked} for {str(dtype).removeprefix('torch.')} H={hidden_size} on {device.type}; {others}",
         ),
     ]
+    if picked == "triton":
+        findings.append(forward_kernel_finding(device))
+    return findings
+
+
+def forward_kernel_finding(device: torch.device) -> Finding:
+    """Which kernel computes the triton backend's plain forward here: the warp-specialized Gluon one (Hopper) or
+    Triton's, and why (the same bits per tile either way)."""
+    reason = why_not_gluon(device.index if device.index is not None else torch.cuda.current_device())
+    if reason is None:
+        return Finding(
+            "forward kernel", OK, "the warp-specialized Gluon kernel (Hopper): a tile's softmax under the next GEMM"
+        )
+    return Finding("forward kernel", OK, f"Triton's forward_statistics_kernel, not the Gluon one: {reason}")
 
 
 def layer_spec_findings(te: Presence, cuda: bool) -> list[Finding]:

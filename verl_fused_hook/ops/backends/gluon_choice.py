@@ -27,22 +27,30 @@ def gluon_forward_kernel(device: torch.device):
 
 
 @functools.cache
-def _for_cuda_device(index: int):
+def why_not_gluon(index: int) -> str | None:
+    """None where the Gluon forward runs on cuda:`index`, else why not (`doctor` shows it)."""
     import triton
 
     capability = torch.cuda.get_device_capability(index)
     version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
     if capability != (9, 0):
-        reason = f"compute capability {capability[0]}.{capability[1]} (it is written for Hopper's wgmma)"
-    elif version < MIN_TRITON:
-        reason = f"Triton {triton.__version__} (it needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]}'s Gluon API)"
-    else:
-        try:
-            from . import gluon_forward
-        except ImportError as error:
-            reason = f"Gluon cannot be imported ({error})"
-        else:
-            return gluon_forward
+        return f"compute capability {capability[0]}.{capability[1]} (it is written for Hopper's wgmma)"
+    if version < MIN_TRITON:
+        return f"Triton {triton.__version__} (it needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]}'s Gluon API)"
+    try:
+        from . import gluon_forward  # noqa: F401
+    except ImportError as error:
+        return f"Gluon cannot be imported ({error})"
+    return None
+
+
+@functools.cache
+def _for_cuda_device(index: int):
+    reason = why_not_gluon(index)
+    if reason is None:
+        from . import gluon_forward
+
+        return gluon_forward
     logger.info(
         "triton backend on cuda:%d: the forward's partials run Triton's kernel, not the warp-specialized Gluon "
         "kernel: %s",
