@@ -234,3 +234,11 @@ def test_gluon_forward_kernel_fits_hopper(entropy):
     compiled = triton.compile(source, target=HOPPER, options={"num_warps": 4, "maxnreg": g.MAX_REGS})
     assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
     assert _spilled_bytes(compiled) == 0
+
+
+def test_gluon_forward_tiles_are_the_triton_kernels_columns():
+    """forward_partials sizes the partials' planes by FORWARD_CONFIG's tile width for either kernel: a Gluon tile of
+    another width would write its partials into the wrong slots."""
+    from verl_fused_hook.ops.backends import gluon_forward
+
+    assert gluon_forward.BLOCK_N == FORWARD_CONFIG.block_n == 256

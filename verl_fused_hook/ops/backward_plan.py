@@ -119,11 +119,9 @@ def backward_tiling(
     candidates = list(range(nominal, most + 1))
     wide = _small_walk_tiles(rows, hidden_size, valid_columns, block_n)
     if wide is not None:  # equal parts from the widest down to the widened nominal width
-        candidates += sorted({-(-total // chunks) for chunks in range(-(-total // wide), -(-total // most) + 1)})
+        candidates += {-(-total // chunks) for chunks in range(-(-total // wide), -(-total // most) + 1)}
     best, best_key = None, None
     for tiles in candidates:
-        if tiles > most and tiles > (wide or 0):
-            continue
         tiling = _row_tiling(rows, hidden_size, tiles * block_n, block_m)
         full, last = divmod(total, tiles)
         waves = 0

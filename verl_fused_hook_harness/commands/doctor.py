@@ -210,7 +210,7 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
 def forward_kernel_finding(device: torch.device) -> Finding:
     """Which kernel computes the triton backend's plain forward here: the warp-specialized Gluon one (Hopper) or
     Triton's, and why (the same bits per tile either way)."""
-    reason = why_not_gluon(device.index if device.index is not None else torch.cuda.current_device())
+    reason = why_not_gluon(device.index)  # check_device_and_backends names the device's index
     if reason is None:
         return Finding(
             "forward kernel", OK, "the warp-specialized Gluon kernel (Hopper): a tile's softmax under the next GEMM"

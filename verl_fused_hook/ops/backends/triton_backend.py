@@ -8,8 +8,8 @@ values are the same bits whatever batch computes it, whatever layout of programs
 Two-pass op (`RecomputingPasses`): the backward recomputes the logits one vocabulary chunk at a time
 (`recomputed_gradients`): per chunk and tile of rows, `grad_logits_kernel` recomputes the logits and writes
 d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an fp32 accumulator and of the
-chunk's d_weight rows. Tiles, groups and chunk widths come from fixed budgets and the GPU's SM count, never from
-the token count (backward_plan.py), so the time per row does not change with N.
+chunk's d_weight rows. Tiles, groups and chunk widths come from fixed budgets, shapes and the GPU's SM count
+(backward_plan.py): the same chunks at every N from ~12000 rows, fewer and wider ones below.
 
 Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
 (`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
