@@ -1,5 +1,7 @@
 """The op on one rank against an independent fp64 reference (CPU, torch backend)."""
 
+import logging
+
 import pytest
 import torch
 from saved_tensors import SavedTensorBytes
@@ -110,6 +112,39 @@ def test_bad_label_values_among_ignored_rows_and_bad_row_temperatures_name_the_f
         temperature[3] = value
         with pytest.raises(ValueError, match="temperature: every value must be finite and > 0"):
             log_probs_and_entropy(hidden, weight, labels, temperature=temperature)
+
+
+def test_without_gradients_the_labels_are_checked_after_the_kernels(caplog):
+    """No graph: the op launches before it reads the labels (arguments.PendingLabelCheck). Rows labelled ignore_index
+    are then computed and zeroed, with a log line; the rows scored keep the bits of the path that reads first (the
+    torch backend on the CPU is batch invariant); a host score_mask picks rows without a read; a bad id (past the
+    vocabulary too, where a gather would fault) still names the field."""
+    caplog.set_level(logging.DEBUG, logger="verl_fused_hook")
+    hidden, weight, labels, _ = make_inputs()
+    labels[[0, 5, 9]] = -100
+    labels[40:45] = (hidden[40:45] @ weight.t()).argmax(dim=1)  # scored rows whose label is the maximum
+    score_mask = torch.ones_like(labels, dtype=torch.bool)
+    score_mask[10:30] = False
+    active = (labels != -100) & score_mask
+    checked_first = log_probs_and_entropy(
+        hidden, weight, labels, backend="torch", score_mask=score_mask, return_label_is_max=True
+    )
+    with torch.no_grad():
+        checked_after = log_probs_and_entropy(
+            hidden, weight, labels, backend="torch", score_mask=score_mask, return_label_is_max=True
+        )
+    assert "rows labelled ignore_index=-100 were computed too, then zeroed" in caplog.text
+    for first, after in zip(checked_first, checked_after, strict=True):
+        assert torch.equal(first.detach(), after), "a scored row's bits changed with the check's place"
+    assert torch.all(checked_after[0][~active] == 0) and torch.all(checked_after[1][~active] == 0)
+    assert not checked_after[2][~active].any() and checked_after[2][40:45].all()
+    want = reference_log_probs_entropy(hidden, weight, labels, active=active)
+    assert compare.max_abs(checked_after[0], want[0]) <= FP32_ATOL
+    for bad_id in (1000, 10**9, -5):
+        bad = labels.clone()
+        bad[20] = bad_id  # a masked row: the check covers every label, as the one before the kernels does
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"labels: ids must lie in \[0, 1000\) .*found {bad_id}"):
+            log_probs_and_entropy(hidden, weight, bad, backend="torch", score_mask=score_mask)
 
 
 def test_no_rows_gives_empty_outputs():

@@ -196,7 +196,8 @@ def fused_output_processor(
         temperature=temperature,
         tp_group=tp.group,
         tp_hidden=tp.tp_hidden,
-        score_mask=None if context.score_mask is None else context.score_mask.to(labels.device).t(),
+        # a mask on the host stays there: the op finds its rows without waiting for the GPU
+        score_mask=None if context.score_mask is None else context.score_mask.t(),
         vocab_size=context.vocab_size,
         calculate_entropy=context.calculate_entropy,
         backend=context.backend,

@@ -229,6 +229,34 @@ def test_no_grad_matches_grad_path():
     assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
 
 
+@pytest.mark.parametrize("mask", ["none", "host", "ignored"])
+def test_no_grad_forward_never_waits_for_the_gpu_before_its_kernel(mask):
+    """Without gradients the op reads nothing from the GPU before it has queued its kernels (the labels' check is
+    read after them, a host score_mask picks rows on the host): torch's sync debug mode raises on any read that
+    waits for the stream. The values match the grad path, which reads first, bit for bit; rows labelled
+    ignore_index (the one case that reads again, after the kernels) hold 0."""
+    hidden, weight, g = _inputs(1000, 512, 32003, seed=29)
+    labels = torch.randint(0, 32003, (1000,), device="cuda", generator=g)
+    score_mask = None
+    if mask == "host":
+        score_mask = (torch.rand(1000, device="cuda", generator=g) > 0.3).cpu()
+    elif mask == "ignored":
+        labels[::9] = -100
+    call = dict(temperature=0.7, backend="triton", score_mask=score_mask)
+    want = log_probs_and_entropy(hidden.clone().requires_grad_(), weight, labels, **call)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        try:
+            torch.cuda.set_sync_debug_mode("error" if mask != "ignored" else "default")
+            got = log_probs_and_entropy(hidden, weight, labels, **call)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b.detach())
+    if mask == "ignored":
+        assert torch.all(got[0][::9] == 0) and torch.all(got[1][::9] == 0)
+
+
 def test_bitwise_deterministic():
     hidden, weight, g = _inputs(1000, 1024, 32003, seed=23)
     labels = torch.randint(0, 32003, (1000,), device="cuda", generator=g)

@@ -45,7 +45,9 @@ class LogProbProblem:
     dtype of `weight.main_grad`, which the two-pass op's backward adds d_weight into (weight_gradient.py);
     batch_invariant: a row's forward values must not depend on the rest of the batch (the portable backend refuses
     it on CUDA, its top-k then takes the lower ids among ties; the Triton forward is invariant either way, its
-    top-k takes the lower ids always).
+    top-k takes the lower ids always); label_check: None when the labels were checked before the problem was
+    made, else the check still under way (`PendingLabelCheck`): active_rows then ignore no label, and the labels,
+    not yet known to lie in range, must only be compared with column ids until the caller's `finish()`.
     """
 
     hidden: torch.Tensor
@@ -64,6 +66,7 @@ class LogProbProblem:
     keep_logits_bytes: int = 0
     main_grad_dtype: torch.dtype | None = None
     batch_invariant: bool = False
+    label_check: PendingLabelCheck | None = None
 
     @property
     def num_rows(self) -> int:
@@ -152,6 +155,11 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def row_counts_checked(tp_group) -> bool:
+    """Whether `check_row_counts_agree` would skip `tp_group` now (counting the scored rows reads the GPU)."""
+    return tp_group in _row_counts_checked and not logger.isEnabledFor(logging.DEBUG)
+
+
 def check_row_counts_agree(tp_group, device: torch.device, num_rows: int, scored_rows: int) -> None:
     """ValueError naming every rank's row counts when the ranks of `tp_group` disagree.
 
@@ -159,7 +167,7 @@ def check_row_counts_agree(tp_group, device: torch.device, num_rows: int, scored
     statistics); otherwise the first collective waits forever. One small
     all-gather on a group's first call, and on every call at DEBUG level.
     """
-    if tp_group in _row_counts_checked and not logger.isEnabledFor(logging.DEBUG):
+    if row_counts_checked(tp_group):
         return
     mine = torch.tensor([num_rows, scored_rows], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
@@ -191,11 +199,14 @@ def build_problem(
     keep_logits_bytes: int = 0,
     gradient_accumulation_fusion: bool = False,
     batch_invariant: bool = False,
+    defer_label_check: bool = False,
 ) -> LogProbProblem:
     """The checked, flattened problem of `log_probs_and_entropy`'s arguments (every op entry point shares it).
 
     Under tensor parallelism its `hidden` holds every row, wired per `tp_hidden` (tensor_parallel.py) so
-    that the op's backward completes d_hidden; the gather of "sequence_sharded" runs after every check."""
+    that the op's backward completes d_hidden; the gather of "sequence_sharded" runs after every check.
+    defer_label_check: the labels' values are checked after the caller's kernels (`PendingLabelCheck`), not here;
+    a score_mask on the host then picks the rows without reading the GPU either."""
     check_tp_hidden(tp_hidden)
     for field, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         _check_tensor(field, value)
@@ -250,16 +261,35 @@ def build_problem(
             f"{tuple(score_mask.shape)}"
         )
     row_temperature = _check_temperature(temperature, labels, hidden.device)
-    # None: every row scored
-    scored = _labelled_rows(flat_labels, row_temperature, ignore_index, vocab_size)
+    label_check = None
+    if defer_label_check and flat_labels.numel():
+        label_check = PendingLabelCheck(flat_labels, row_temperature, ignore_index, vocab_size)
+        scored = None  # a row whose label is ignore_index is computed, then zeroed by the caller after finish()
+    else:
+        scored = _labelled_rows(flat_labels, row_temperature, ignore_index, vocab_size)  # None: every row scored
+    mask_rows = None
     if score_mask is not None:
-        mask = score_mask.reshape(-1).to(flat_labels.device)
-        scored = mask if scored is None else scored & mask
+        if scored is None and score_mask.device.type == "cpu":
+            # the rows found on the host: no wait for the GPU (an asynchronous copy from pageable memory waits for
+            # nothing queued before it)
+            mask_rows = score_mask.reshape(-1).nonzero().squeeze(1).to(flat_labels.device, non_blocking=True)
+        else:
+            mask = score_mask.reshape(-1).to(flat_labels.device)
+            scored = mask if scored is None else scored & mask
 
-    if tp_world_size > 1:  # the collectives come after every check
-        scored_rows = flat_labels.numel() if scored is None else int(scored.sum())
+    if tp_world_size > 1 and not row_counts_checked(tp_group):  # the collectives come after every check
+        if mask_rows is not None:
+            scored_rows = mask_rows.numel()
+        else:
+            scored_rows = flat_labels.numel() if scored is None else int(scored.sum())
         check_row_counts_agree(tp_group, hidden.device, flat_labels.numel(), scored_rows)
 
+    if mask_rows is not None:
+        active_rows = mask_rows
+    elif scored is None:  # every row scored: no nonzero(), which would wait for the GPU again
+        active_rows = torch.arange(flat_labels.numel(), device=flat_labels.device)
+    else:
+        active_rows = scored.nonzero().squeeze(1)
     vocab_start = tp_rank * local_vocab
     hidden = full_hidden(hidden, tp_hidden, tp_group, tp_world_size)
     problem = LogProbProblem(
@@ -267,12 +297,7 @@ def build_problem(
         weight=weight,
         labels=flat_labels,
         temperature=row_temperature,
-        # every row scored: no nonzero(), which would wait for the GPU again
-        active_rows=(
-            torch.arange(flat_labels.numel(), device=flat_labels.device)
-            if scored is None
-            else scored.nonzero().squeeze(1)
-        ),
+        active_rows=active_rows,
         vocab_start=vocab_start,
         valid_columns=max(0, min(local_vocab, vocab_size - vocab_start)),
         tp_group=tp_group if tp_world_size > 1 else None,
@@ -286,31 +311,30 @@ def build_problem(
         keep_logits_bytes=keep_logits_bytes,
         main_grad_dtype=main_grad_dtype,
         batch_invariant=batch_invariant,
+        label_check=label_check,
     )
     return problem
 
 
-def _labelled_rows(
-    flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int
+def _label_extremes(flat_labels: torch.Tensor, row_temperature) -> torch.Tensor:
+    """int64 [2] or [3] on the labels' device, not read here: the labels' min and max (and 1 where some per-row
+    temperature is not finite and > 0). Every launch here is host time the GPU waits for before the op's kernel
+    (~15 us each), so the common case (every label in range, none ignored) costs one reduction and one read."""
+    values = [*torch.aminmax(flat_labels)]
+    if isinstance(row_temperature, torch.Tensor):
+        values.append(bad_temperatures(row_temperature).long())
+    return torch.stack(values)
+
+
+def _labelled_from_extremes(
+    extremes: list[int], flat_labels: torch.Tensor, ignore_index: int, vocab_size: int
 ) -> torch.Tensor | None:
     """bool [N]: the rows whose label is not ignore_index, None when that is every row; a ValueError for a label
-    neither in [0, vocab_size) nor ignore_index, or a per-row temperature that is not finite and > 0. The values
-    are read once (on CUDA one wait for the GPU), from the labels' min and max: every launch here is host time the
-    GPU waits for before the op's kernel (~15 us each), so the common case (every label in range, none ignored)
-    costs one reduction; a label outside [0, vocab_size) (ignored rows, say) costs a second read that tells the
-    two apart."""
-    if flat_labels.numel() == 0:
-        low = high = 0
-        temperatures_bad = False
-        if isinstance(row_temperature, torch.Tensor):
-            temperatures_bad = bool(bad_temperatures(row_temperature))
-    else:
-        values = [*torch.aminmax(flat_labels)]
-        if isinstance(row_temperature, torch.Tensor):
-            values.append(bad_temperatures(row_temperature).long())
-        low, high, *flags = torch.stack(values).tolist()
-        temperatures_bad = any(flags)
-    if temperatures_bad:
+    neither in [0, vocab_size) nor ignore_index, or a per-row temperature that is not finite and > 0. `extremes`:
+    `_label_extremes`' values, read; a label outside [0, vocab_size) (ignored rows, say) costs a second read that
+    tells the two apart."""
+    low, high, *flags = extremes
+    if any(flags):
         raise ValueError("temperature: every value must be finite and > 0")
     if 0 <= low and high < vocab_size and not low <= ignore_index <= high:
         return None
@@ -321,6 +345,43 @@ def _labelled_rows(
         bad = flat_labels[out_of_range][0].item()
         raise ValueError(f"labels: ids must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}, found {bad}")
     return labelled if some_ignored else None
+
+
+def _labelled_rows(
+    flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int
+) -> torch.Tensor | None:
+    """`_labelled_from_extremes` of the labels, read now (on CUDA one wait for the GPU)."""
+    if flat_labels.numel() == 0:
+        if isinstance(row_temperature, torch.Tensor) and bool(bad_temperatures(row_temperature)):
+            raise ValueError("temperature: every value must be finite and > 0")
+        return None
+    extremes = _label_extremes(flat_labels, row_temperature).tolist()
+    return _labelled_from_extremes(extremes, flat_labels, ignore_index, vocab_size)
+
+
+class PendingLabelCheck:
+    """`_labelled_rows`' check, started before the op's kernels and read after them, so that at small N the GPU
+    does not wait for the host between the read and the kernel's launch. On CUDA the extremes travel to pinned
+    host memory by an asynchronous copy queued before the kernels: `finish()` waits for that copy alone."""
+
+    def __init__(self, flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int):
+        self._labels, self._ignore_index, self._vocab_size = flat_labels, ignore_index, vocab_size
+        extremes = _label_extremes(flat_labels, row_temperature)
+        self._ready = None
+        if extremes.is_cuda:
+            self._extremes = torch.empty(extremes.shape, dtype=extremes.dtype, pin_memory=True)
+            self._extremes.copy_(extremes, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._extremes = extremes
+
+    def finish(self) -> torch.Tensor | None:
+        """bool [N]: the rows whose label is not ignore_index (the caller zeroes the others' outputs), None when
+        that is every row; the ValueError of a label out of range or a bad temperature."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return _labelled_from_extremes(self._extremes.tolist(), self._labels, self._ignore_index, self._vocab_size)
 
 
 def _check_labels_shape(hidden: torch.Tensor, labels: torch.Tensor, tp_hidden: str, tp_world_size: int) -> None:

@@ -58,8 +58,9 @@ class RowStatistics(NamedTuple):
 def label_columns(p: LogProbProblem, rows: Tensor) -> Tensor:
     """int64 [R]: each row's label column in this rank's shard, -1 where another rank (or no column) holds it."""
     if rows.numel() == p.num_rows and p.vocab_start == 0 and p.valid_columns == p.vocab_size:
-        # every row scored (no ignored label) and one shard holding the vocabulary: build_problem checked each
-        # label to lie in [0, vocab_size), so the labels are the columns (six fewer launches before the kernel)
+        # every row scored and one shard holding the vocabulary: the labels are the columns (six fewer launches
+        # before the kernel); build_problem checked each to lie in [0, vocab_size), or its pending check will, the
+        # backends meanwhile finding no column for an id outside (ignore_index, say)
         return p.labels
     local = p.labels.index_select(0, rows) - p.vocab_start
     return torch.where((local >= 0) & (local < p.valid_columns), local, -1)
@@ -82,8 +83,9 @@ def partial_statistics(raw: Tensor, label_col: Tensor, inv_temp: Tensor, *, entr
     """The partial of fp32 raw logits [R, C]. keep_raw=False works in place over `raw` (no second
     [R, C] temporary beyond e^(z - m)); the shifted dot is 0 unless `entropy`."""
     z = raw * inv_temp.unsqueeze(1) if keep_raw else raw.mul_(inv_temp.unsqueeze(1))
-    picked = z.gather(1, label_col.clamp_min(0).unsqueeze(1)).squeeze(1)
-    label_logit = torch.where(label_col >= 0, picked, torch.zeros_like(picked))
+    # a column past the shard only comes from labels whose check is still pending (arguments.PendingLabelCheck)
+    picked = z.gather(1, label_col.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    label_logit = torch.where((label_col >= 0) & (label_col < z.shape[1]), picked, torch.zeros_like(picked))
     row_max = z.amax(dim=1)
     shifted = z.sub_(row_max.unsqueeze(1))
     exp_shifted = shifted.exp()

@@ -137,6 +137,8 @@ def log_probs_and_entropy(
         keep_logits_bytes=keep_logits_bytes,
         gradient_accumulation_fusion=gradient_accumulation_fusion,
         batch_invariant=batch_invariant,
+        # no gradient: the labels are read after the kernels (verl's kernel gathers by label: read before it)
+        defer_label_check=backend != "verl" and not _wants_grad(hidden, weight),
     )
     # fp32 whatever the caller's autocast says: a bf16 forward would leave the backward (which
     # recomputes in fp32, see fp32_backward) working against bf16 statistics.
@@ -161,11 +163,33 @@ def log_probs_and_entropy(
             log_probs, entropy = module.run(problem)
         else:
             log_probs, entropy = run_passes(problem, module)
+    label_is_max = problem.label_is_max
+    if problem.label_check is not None:
+        labelled = problem.label_check.finish()
+        if labelled is not None:
+            log_once(
+                logger,
+                f"log_probs_and_entropy: rows labelled ignore_index={ignore_index} were computed too, then zeroed: "
+                "without gradients the op launches its kernels before it reads the labels; pass "
+                "score_mask=(labels != ignore_index) to skip them",
+                key="ignored rows computed",
+                later=logging.DEBUG,
+            )
+            unlabelled = ~labelled
+            log_probs, entropy, label_is_max = (
+                None if t is None else t.masked_fill(unlabelled, 0) for t in (log_probs, entropy, label_is_max)
+            )
     log_probs = log_probs.view(labels.shape)
     entropy = entropy.view(labels.shape) if entropy is not None else None
     if return_label_is_max:
-        return log_probs, entropy, problem.label_is_max.view(labels.shape)
+        return log_probs, entropy, label_is_max.view(labels.shape)
     return log_probs, entropy
+
+
+def _wants_grad(hidden, weight) -> bool:
+    """Whether the op will build a graph (LogProbProblem.needs_grad, before the problem is built)."""
+    requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight))
+    return torch.is_grad_enabled() and requires_grad
 
 
 def run_passes(problem: LogProbProblem, module: BlockBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
