@@ -211,8 +211,8 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no entropy"])
 def test_gluon_forward_kernel_fits_hopper(entropy):
-    """The warp-specialized forward: its four-stage ring within shared memory, the consumers' 232 registers without
-    spills (a spill there would sit in the epilogue the kernel exists to hide)."""
+    """The warp-specialized forward: its four-stage ring (two hidden tiles and one weight tile a stage, 192 KiB) within
+    shared memory, the consumers' 232 registers without spills (a spill there would sit in the epilogue)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 

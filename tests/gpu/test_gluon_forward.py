@@ -1,8 +1,9 @@
 """The warp-specialized Gluon forward (Hopper only) against Triton's forward kernel it replaces for plain
 statistics: the same formula, operation for operation, in the same threads and registers, so the same bits for every
-tile's partials. Shapes cover partial tiles in every dimension (rows not a multiple of 64, H not a multiple of the K
-step, a vocabulary with a padded last tile), labels inside and outside the shard, temperatures other than 1, and
-enough tiles that each program runs both consumers many times (the ping-pong hand-over)."""
+tile's partials. Shapes cover partial tiles in every dimension (rows not a multiple of 64 or of the consumers' 128,
+whose second half may hold no row at all; H not a multiple of the K step, and one or two K steps, fewer than the
+second consumer's stagger; a vocabulary with a padded last tile), labels inside and outside the shard, temperatures
+other than 1, and enough tiles that each program walks many of them (the ring's stages reused across tiles)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,15 @@ def _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, entropy):
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no entropy"])
 @pytest.mark.parametrize(
     "rows, hidden_size, vocab",
-    [(777, 520, 1500), (64, 4096, 9000), (300, 4104, 9000), (4096, 2048, 16384), (1031, 3584, 152064)],
+    [
+        (777, 520, 1500),
+        (64, 4096, 9000),
+        (300, 4104, 9000),
+        (4096, 2048, 16384),
+        (1031, 3584, 152064),
+        (200, 64, 3000),
+        (130, 128, 3000),
+    ],  # fmt: skip
 )
 def test_tile_partials_match_the_triton_kernel_bit_for_bit(rows, hidden_size, vocab, entropy):
     gluon = _gluon()
@@ -65,7 +74,7 @@ def test_tile_partials_match_the_triton_kernel_bit_for_bit(rows, hidden_size, vo
 
 
 def test_few_programs_walk_every_tile():
-    """Two programs for 16 x 36 tiles: each consumer takes over a hundred turns; the result must not change."""
+    """Two programs for 8 x 36 tiles of 128 rows: each walks over a hundred; the result must not change."""
     gluon = _gluon()
     g = torch.Generator(device="cuda").manual_seed(5)
     rows, hidden_size, vocab = 1000, 1024, 9000

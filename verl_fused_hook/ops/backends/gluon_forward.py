@@ -5,12 +5,15 @@ square sums (the no-grad and training forwards).
 Why: Triton's kernel runs a tile's softmax epilogue (an exponential, a max, two sums per logit, the partials' store)
 after the tile's K loop on the same warps, so the tensor cores idle through it; on an H100 the forward took
 1.09-1.27x one GEMM at N >= 4096 (issue 55), the GEMM's clock included. Here one producer warp issues the TMA loads
-into a ring of stages and two consumer warpgroups take turns at the tensor cores, each on its own tile: one's
-epilogue runs while the other's mainloop does (the design of the ping-pong d_logits kernel of 2026-12-02, whose
-tiles matched cuBLAS on the H200). A consumer's [64, 256] tile puts a row's 256 logits in the same threads and
-registers as the Triton kernel's 8-warp [128, 256] tile (NVMMA v3, warps [4, 1] against [8, 1], instruction
-[16, 256, 16]), and the epilogue is the same formula in the same order, so each tile's partials are the same bits
-(tests/gpu/test_gluon_forward.py) and every other path (kept logits, top-k, sum pi^2: still Triton's) agrees with it.
+into a ring of stages and two consumer warpgroups share each [128, 256] tile, one [64, 256] half each: both read the
+stage's one weight tile, so a multiply-add costs the L2 2/3 of the bytes it cost when each consumer took a tile of
+its own (the kernel's first form, ping-pong: 3-6% slower at 12288-24576 rows on an H100). The second consumer starts
+two K steps behind the first, so that their epilogues meet the other's wgmmas rather than each other (the ring, four
+steps deep, bounds how far apart they can drift). A consumer's [64, 256] half puts a row's 256 logits in the same
+threads and registers as the Triton kernel's 8-warp [128, 256] tile (NVMMA v3, warps [4, 1] against [8, 1],
+instruction [16, 256, 16]), and the epilogue is the same formula in the same order, so each tile's partials are the
+same bits (tests/gpu/test_gluon_forward.py) and every other path (kept logits, top-k, sum pi^2: still Triton's)
+agrees with it.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ NEG = gl.constexpr(-1.0e30)  # triton_kernels.NEG: the padding columns' logit
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 64
-# 4 stages of a [64, 64] hidden and a [256, 64] weight tile: 160 KiB of the 227 KiB a block may have.
+# 4 stages of two [64, 64] hidden tiles and a [256, 64] weight tile: 192 KiB of the 227 KiB a block may have.
 STAGES = gl.constexpr(4)
-# Programs running together (132 of them, two tiles each) share GROUP_M row blocks of 64 (2048 rows, kept in L2)
-# and take about eight column tiles.
+# K steps the second consumer starts behind the first (1 and 3 timed the same on an H100, within the A/B's noise)
+STAGGER = gl.constexpr(2)
+# Programs running together (132 of them) share GROUP_M row blocks of 128 and take about four column tiles (16 blocks
+# timed the same on an H100).
 GROUP_M = gl.constexpr(32)
 # A consumer's [64, 256] fp32 accumulator is 128 registers a thread; 232 leave the epilogue room. The kernel's
 # 12 warps (two consumers and the loader's warpgroup) start at 168 registers each and trade them at the split.
@@ -55,13 +60,13 @@ def _tile_count(num_pid_m, num_pid_n):
 
 @gluon.jit
 def _load_partition(h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_size, num_col_tiles):
-    """Producer: every K step's hidden tile [BM, BK] and weight tile [BN, BK] of each of the program's tiles, in
-    order, into the next free stage of the ring."""
+    """Producer: every K step of each of the program's tiles, in order, into the next free stage of the ring: the
+    tile's two [BM, BK] hidden tiles (one a consumer) and the [BN, BK] weight tile both consumers read."""
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
-    num_pid_m = gl.cdiv(rows, BM)
+    nbytes: gl.constexpr = 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(rows, 2 * BM)
     k_steps = gl.cdiv(hidden_size, BK)
     for local in range(_tile_count(num_pid_m, num_col_tiles)):
         pid_m, pid_n = _tile(local, num_pid_m, num_col_tiles)
@@ -70,29 +75,39 @@ def _load_partition(h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_s
             stage = pos % STAGES
             mbarrier.wait(empty.index(stage), ((pos // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), nbytes)
-            tma.async_copy_global_to_shared(h_desc, [pid_m * BM, kk * BK], ready.index(stage), a_bufs.index(stage))
+            tma.async_copy_global_to_shared(
+                h_desc, [pid_m * 2 * BM, kk * BK], ready.index(stage), a_bufs.index(2 * stage)
+            )
+            tma.async_copy_global_to_shared(
+                h_desc, [pid_m * 2 * BM + BM, kk * BK], ready.index(stage), a_bufs.index(2 * stage + 1)
+            )
             tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kk * BK], ready.index(stage), b_bufs.index(stage))
 
 
 @gluon.jit
-def _mainloop(a_bufs, b_bufs, ready, empty, turn, acc, local, k_steps, ROLE: gl.constexpr):
-    """acc = hidden tile @ weight tile.T over the tile's K steps, one wgmma in flight, each stage released once read.
-    Mainloops take turns: a ready barrier's parity names one phase only, so a consumer waits on its first stage only
-    after the other consumer has waited on all of its own."""
-    mbarrier.wait(turn.index(ROLE), ((local // 2) & 1) ^ (1 - ROLE))
+def _mainloop(a_bufs, b_bufs, ready, empty, start, acc, local, k_steps, ROLE: gl.constexpr):
+    """acc = this consumer's hidden tile @ the weight tile.T over the tile's K steps, one wgmma in flight, each stage
+    released once read (a stage is free again when both consumers have released it). The second consumer starts
+    STAGGER steps after the first, so that one's epilogue meets the other's wgmmas, not its epilogue."""
+    if ROLE == 1:
+        if local == 0:
+            mbarrier.wait(start.index(0), 0)
     base = local * k_steps
     previous = base % STAGES
     for kk in range(k_steps):
+        if ROLE == 0:
+            if local == 0:
+                if kk == gl.minimum(STAGGER, k_steps - 1):
+                    mbarrier.arrive(start.index(0), count=1)
         pos = base + kk
         stage = pos % STAGES
         mbarrier.wait(ready.index(stage), (pos // STAGES) & 1)
         acc = warpgroup_mma(
-            a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, use_acc=kk > 0, is_async=True
+            a_bufs.index(2 * stage + ROLE), b_bufs.index(stage).permute((1, 0)), acc, use_acc=kk > 0, is_async=True
         )
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index(previous), count=1, pred=kk > 0)
         previous = stage
-    mbarrier.arrive(turn.index(1 - ROLE), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(previous), count=1)
     return acc
@@ -105,23 +120,23 @@ def _mma_layout(BN):
 
 @gluon.jit
 def _statistics_consumer(
-    h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr, parts_ptr,
+    h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr, parts_ptr,
     rows, hidden_size, valid_columns, num_col_tiles, ENTROPY: gl.constexpr, ROLE: gl.constexpr,
 ):  # fmt: skip
-    """Every other tile of the program (ROLE: which): its mainloop, then forward_statistics_kernel's epilogue,
-    operation for operation (see there why each step is as it is)."""
+    """One half of each of the program's tiles (ROLE: which 64 rows): its mainloop, then
+    forward_statistics_kernel's epilogue, operation for operation (see there why each step is as it is)."""
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     layout: gl.constexpr = _mma_layout(BN)
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    num_pid_m = gl.cdiv(rows, BM)
+    num_pid_m = gl.cdiv(rows, 2 * BM)
     k_steps = gl.cdiv(hidden_size, h_desc.block_type.shape[1])
     plane = num_col_tiles * rows
-    for local in range(ROLE, _tile_count(num_pid_m, num_col_tiles), 2):
+    for local in range(_tile_count(num_pid_m, num_col_tiles)):
         pid_m, pid_n = _tile(local, num_pid_m, num_col_tiles)
         acc = gl.zeros((BM, BN), gl.float32, layout)
-        acc = _mainloop(a_bufs, b_bufs, ready, empty, turn, acc, local, k_steps, ROLE)
-        off_m = pid_m * BM
+        acc = _mainloop(a_bufs, b_bufs, ready, empty, start, acc, local, k_steps, ROLE)
+        off_m = (2 * pid_m + ROLE) * BM
         off_n = pid_n * BN
         row_ids = off_m + gl.arange(0, BM, layout=row_layout)
         row_ok = row_ids < rows
@@ -150,16 +165,16 @@ def _statistics_consumer(
 
 @gluon.jit
 def _barriers():
-    """Per stage: `ready` (its loads landed) and `empty` (its wgmma read it); `turn`: each consumer's go."""
+    """Per stage: `ready` (its loads landed) and `empty` (both consumers' wgmmas read it); `start`: the second
+    consumer's go."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    start = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    return ready, empty, turn
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(start.index(0), count=1)
+    return ready, empty, start
 
 
 @gluon.jit
@@ -170,15 +185,15 @@ def tile_partials_kernel(
     rows, hidden_size, valid_columns, num_col_tiles,
     ENTROPY: gl.constexpr,
 ):  # fmt: skip
-    """Persistent: each program strides the [BLOCK_M, BLOCK_N] tiles, its two consumers taking every other one."""
-    a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
+    """Persistent: each program strides the [2 BLOCK_M, BLOCK_N] tiles, each consumer taking one half of every tile."""
+    a_bufs = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready, empty, turn = _barriers()
+    ready, empty, start = _barriers()
     gl.warp_specialize(
         [
-            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr,
+            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr,
                                     parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 0)),
-            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, label_col_ptr, inv_temp_ptr,
+            (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr,
                                     parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 1)),
             (_load_partition, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_size, num_col_tiles)),
         ],
@@ -211,7 +226,7 @@ def tile_partials(
     [rows, H], TMA-ready), on at most `programs` persistent programs (one an SM)."""
     rows, hidden_size = hidden.shape
     col_tiles = parts.shape[1]
-    grid = (max(1, min(triton.cdiv(rows, BLOCK_M) * col_tiles, programs)),)
+    grid = (max(1, min(triton.cdiv(rows, 2 * BLOCK_M) * col_tiles, programs)),)
     tile_partials_kernel[grid](
         TensorDescriptor.from_tensor(hidden, [BLOCK_M, BLOCK_K], _HIDDEN_LAYOUT), w_desc, label_col, inv_temp, parts,
         rows, hidden_size, valid_columns, col_tiles, ENTROPY=entropy, num_warps=4, maxnreg=MAX_REGS,
