@@ -49,7 +49,8 @@ class FusedOutputProcessorContext:
     temperature: float > 0, or a tensor: 0-d, per sample [b], or per token [b, s].
     calculate_entropy: compute the entropy too (False returns entropy None).
     score_mask: bool [b, s]; False positions are never multiplied by the output
-        weight (prompt, padding) and get log-prob 0, entropy 0.
+        weight (prompt, padding) and get log-prob 0, entropy 0. A mask on the host stays there:
+        the op finds its rows without waiting for the GPU.
     backend: the op backend (`verl_fused_hook.ops.BACKEND_CHOICES`): "auto", "torch", GPU
         kernels, or "verl" for verl's own Triton kernel (scalar temperature, every row and column).
     tile_rows: rows per tile (None: the op's default).
