@@ -41,6 +41,7 @@ def all_cases_worker(rank, world_size):
     """Every case in one spawn (process start-up dominates the cost)."""
     results = {case: shard_worker(rank, world_size, case, False) for case in CASES}
     results["masked"] = shard_worker(rank, world_size, "padded_32003", True)
+    results["no_grad"] = no_grad_worker(rank, world_size)
     return results
 
 
@@ -69,6 +70,41 @@ def shard_worker(rank, world_size, case, mask_everything):
     )
     (log_probs * grads[0] + entropy * grads[1]).sum().backward()
     return log_probs, entropy, hidden.grad, shard.grad
+
+
+def _labels_some_ignored(world_size):
+    labels = case_inputs("padded_32003", world_size)[2].clone()
+    labels[::5] = -100
+    return labels
+
+
+def no_grad_worker(rank, world_size):
+    """Without gradients the op reads the labels after its kernels and takes a host mask's rows on the host; rows
+    labelled ignore_index are then computed and zeroed: (that call's outputs, the same call with gradients)."""
+    hidden, weight, _, vocab, temperature, score_mask, _ = case_inputs("padded_32003", world_size)
+    labels = _labels_some_ignored(world_size)
+    shard = weight.chunk(world_size)[rank]
+    call = dict(
+        temperature=temperature, tp_group=dist.group.WORLD, tp_hidden="partial", score_mask=score_mask,
+        vocab_size=vocab, backend="torch", tile_rows=8,
+    )  # fmt: skip
+    with torch.no_grad():
+        checked_after = log_probs_and_entropy(hidden, shard, labels, **call)
+    checked_first = log_probs_and_entropy(hidden.clone().requires_grad_(True), shard, labels, **call)
+    return checked_after, tuple(t.detach() for t in checked_first)
+
+
+def test_ranks_without_gradients_read_the_labels_after_the_kernels(rank_results):
+    """The same bits on every rank and as the call that checks the labels first (the torch backend on the CPU is
+    batch invariant, the ranks' partials merge in rank order); 0 at rows labelled ignore_index."""
+    world_size, results = rank_results
+    ignored = _labels_some_ignored(world_size) == -100
+    rank0_after = results[0]["no_grad"][0]
+    for per_rank in results:
+        checked_after, checked_first = per_rank["no_grad"]
+        for after, first, rank0 in zip(checked_after, checked_first, rank0_after, strict=True):
+            assert torch.equal(after, first) and torch.equal(after, rank0)
+            assert torch.all(after[ignored] == 0)
 
 
 @pytest.mark.parametrize("case", CASES)
