@@ -351,11 +351,11 @@ def _labelled_rows(
     flat_labels: torch.Tensor, row_temperature, ignore_index: int, vocab_size: int
 ) -> torch.Tensor | None:
     """`_labelled_from_extremes` of the labels, read now (on CUDA one wait for the GPU)."""
-    if flat_labels.numel() == 0:
-        if isinstance(row_temperature, torch.Tensor) and bool(bad_temperatures(row_temperature)):
-            raise ValueError("temperature: every value must be finite and > 0")
-        return None
-    extremes = _label_extremes(flat_labels, row_temperature).tolist()
+    if flat_labels.numel() == 0:  # no min or max: the extremes of no label out of range
+        flags = [int(bad_temperatures(row_temperature))] if isinstance(row_temperature, torch.Tensor) else []
+        extremes = [0, 0, *flags]
+    else:
+        extremes = _label_extremes(flat_labels, row_temperature).tolist()
     return _labelled_from_extremes(extremes, flat_labels, ignore_index, vocab_size)
 
 
