@@ -209,36 +209,52 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 120)
 
 
-@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no entropy"])
-def test_gluon_forward_kernel_fits_hopper(entropy):
-    """The warp-specialized forward: its four-stage ring (two hidden tiles and one weight tile a stage, 192 KiB) within
-    shared memory, the consumers' 232 registers without spills (a spill there would sit in the epilogue)."""
+@pytest.mark.parametrize(
+    "entropy, squares, raw",
+    [(True, False, False), (False, False, False), (True, True, False), (True, True, True), (False, False, True)],
+    ids=["entropy", "no entropy", "sum pi^2", "sum pi^2, keeping fp32 logits (top-k)", "keeping fp32 logits"],
+)
+def test_gluon_forward_kernel_fits_hopper(entropy, squares, raw):
+    """The warp-specialized forward: its four-stage ring (two hidden tiles and one weight tile a stage, 192 KiB) and,
+    keeping fp32 logits, the consumers' staging buffers (24 KiB) within shared memory, the consumers' 232 registers
+    without spills (a spill there would sit in the epilogue)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from verl_fused_hook.ops.backends import gluon_forward as g
 
-    def desc(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+    def desc(block, dtype=gl.bfloat16, name="bf16"):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
     signature = {
         "h_desc": desc([g.BLOCK_M, g.BLOCK_K]),
         "w_desc": desc([g.BLOCK_N, g.BLOCK_K]),
         "label_col_ptr": "*i32",
         **dict.fromkeys(["inv_temp_ptr", "parts_ptr"], "*fp32"),
+        "raw_desc": desc([g.BLOCK_M, g.RAW_COLUMNS], gl.float32, "fp32") if raw else "constexpr",
+        "tile_max_ptr": "*fp32" if raw else "constexpr",
+        "group_max_desc": desc([g.BLOCK_M, g.BLOCK_N // g.GROUP_COLUMNS], gl.float32, "fp32") if raw else "constexpr",
         **dict.fromkeys(["rows", "hidden_size", "valid_columns", "num_col_tiles"], "i32"),
-        "ENTROPY": "constexpr",
+        **dict.fromkeys(["ENTROPY", "SQUARES", "RAW"], "constexpr"),
     }
-    source = GluonASTSource(fn=g.tile_partials_kernel, signature=signature, constexprs={"ENTROPY": entropy})
+    constants = {"ENTROPY": entropy, "SQUARES": squares, "RAW": raw}
+    if not raw:
+        constants |= dict.fromkeys(["raw_desc", "tile_max_ptr", "group_max_desc"])
+    source = GluonASTSource(fn=g.tile_partials_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(source, target=HOPPER, options={"num_warps": 4, "maxnreg": g.MAX_REGS})
     assert 0 < compiled.metadata.shared <= SHARED_LIMIT, compiled.metadata.shared
-    assert _spilled_bytes(compiled) == 0
+    # Triton 3.6 (torch 2.11's) spills ~412 bytes keeping fp32 logits: loop invariants (the staging stores' shared
+    # addresses), stored once before the tile loop and reloaded after each tile's K loop (its SASS: every STL in the
+    # prologue), not the accumulator. 3.8 spills nothing.
+    old_triton = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
+    assert _spilled_bytes(compiled) <= (416 if raw and old_triton else 0)
 
 
 def test_gluon_forward_tiles_are_the_triton_kernels_columns():
-    """forward_partials sizes the partials' planes by FORWARD_CONFIG's tile width for either kernel: a Gluon tile of
-    another width would write its partials into the wrong slots."""
+    """forward_partials sizes the partials' planes by FORWARD_CONFIG's tile width for either kernel, and KeptLogits
+    its group maxima by GROUP_COLUMNS: a Gluon tile or group of another width would write into the wrong slots."""
     from verl_fused_hook.ops.backends import gluon_forward
 
     assert gluon_forward.BLOCK_N == FORWARD_CONFIG.block_n == 256
+    assert gluon_forward.GROUP_COLUMNS == GROUP_COLUMNS  # the kept group maxima's width, as KeptLogits allocates it

@@ -1,9 +1,10 @@
 """The warp-specialized Gluon forward (Hopper only) against Triton's forward kernel it replaces for plain
-statistics: the same formula, operation for operation, in the same threads and registers, so the same bits for every
-tile's partials. Shapes cover partial tiles in every dimension (rows not a multiple of 64 or of the consumers' 128,
-whose second half may hold no row at all; H not a multiple of the K step, and one or two K steps, fewer than the
-second consumer's stagger; a vocabulary with a padded last tile), labels inside and outside the shard, temperatures
-other than 1, and enough tiles that each program walks many of them (the ring's stages reused across tiles)."""
+statistics, square sums and kept fp32 logits: the same formula, operation for operation, in the same threads and
+registers, so the same bits for every tile's partials, and the same kept logits, tile and group maxima. Shapes cover
+partial tiles in every dimension (rows not a multiple of 64 or of the consumers' 128, whose second half may hold no
+row at all; H not a multiple of the K step, and one or two K steps, fewer than the second consumer's stagger; a
+vocabulary with a padded last tile), labels inside and outside the shard, temperatures other than 1, and enough
+tiles that each program walks many of them (the ring's stages reused across tiles)."""
 
 from __future__ import annotations
 
@@ -27,22 +28,48 @@ def _gluon():
     return module
 
 
-def _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, entropy):
+def _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, entropy, squares=False, kept=None):
+    """Triton's forward kernel's per-tile partials (and, with `kept` = (raw, tile maxima, group maxima), the kept
+    fp32 logits and maxima written there: its STORE and RAW flags)."""
     from verl_fused_hook.ops.backends import triton_kernels
     from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG as c
     from verl_fused_hook.ops.backends.triton_backend import descriptor
 
     rows, hidden_size = hidden.shape
-    parts = torch.full((4, col_tiles, rows), float("nan"), device="cuda")
+    parts = torch.full((5 if squares else 4, col_tiles, rows), float("nan"), device="cuda")
+    stored = (None, None, None)
+    if kept is not None:
+        raw, tile_max, group_max = kept
+        stored = (descriptor(raw, [c.block_m, c.block_n // 2]), tile_max, descriptor(group_max, [c.block_m, 16]))
     per = 7  # any layout gives the same per-tile bits
     splits = -(-col_tiles // per)
     triton_kernels.forward_statistics_kernel[(-(-rows // c.block_m) * splits,)](
         descriptor(hidden, [c.block_m, c.block_k]), descriptor(weight, [c.block_n, c.block_k]), label_col, inv_temp,
-        parts, None, None, None, rows, hidden_size, weight.shape[0], col_tiles, per, splits,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=entropy, STORE=False,
+        parts, *stored, rows, hidden_size, weight.shape[0], col_tiles, per, splits,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, ENTROPY=entropy,
+        STORE=kept is not None, SQUARES=squares, RAW=kept is not None, GROUP_N=16,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return parts
+
+
+def _kept_buffers(rows, vocab, col_tiles):
+    """NaN-filled kept fp32 logits (rows 16-byte aligned, as KeptLogits allocates them), tile and group maxima."""
+    pitch = -(-vocab // 8) * 8
+    return (
+        torch.full((rows, pitch), float("nan"), device="cuda")[:, :vocab],
+        torch.full((rows, col_tiles), float("nan"), device="cuda"),
+        torch.full((rows, col_tiles * 16), float("nan"), device="cuda"),
+    )
+
+
+def _inputs(rows, hidden_size, vocab, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(rows, hidden_size, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 3 * hidden_size**-0.5).bfloat16()
+    label_col = torch.randint(-1, vocab, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    inv_temp = 1 / (torch.rand(rows, device="cuda", generator=g) + 0.5)
+    return hidden, weight, label_col, inv_temp
 
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no entropy"])
@@ -60,17 +87,42 @@ def _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, entropy):
 )
 def test_tile_partials_match_the_triton_kernel_bit_for_bit(rows, hidden_size, vocab, entropy):
     gluon = _gluon()
-    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
-    hidden = torch.randn(rows, hidden_size, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 3 * hidden_size**-0.5).bfloat16()
-    label_col = torch.randint(-1, vocab, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    inv_temp = 1 / (torch.rand(rows, device="cuda", generator=g) + 0.5)
+    hidden, weight, label_col, inv_temp = _inputs(rows, hidden_size, vocab, rows + vocab)
     col_tiles = -(-vocab // gluon.BLOCK_N)
     ours = torch.full((4, col_tiles, rows), float("nan"), device="cuda")
     gluon.tile_partials(hidden, gluon.weight_descriptor(weight), vocab, label_col, inv_temp, ours, entropy, 132)
     theirs = _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, entropy)
     assert not ours.isnan().any()
     assert torch.equal(ours, theirs), (ours != theirs).sum().item()
+
+
+@pytest.mark.parametrize("squares", [True, False], ids=["sum pi^2", "no squares"])
+@pytest.mark.parametrize(
+    "rows, hidden_size, vocab",
+    [(777, 520, 1500), (1536, 4096, 151936), (300, 64, 3000), (129, 4104, 9000), (1000, 1024, 100)],
+)
+def test_kept_logits_and_square_sums_match_the_triton_kernel_bit_for_bit(rows, hidden_size, vocab, squares):
+    """token_log_probs' top-k forward: the kept fp32 logits (every valid column written, nothing past the row's
+    last), each tile's and each 16-column group's max (groups of padding only: the padding logit), and the square
+    sums, the same bits as Triton's RAW kernel writes. Vocabularies: a padded last tile, the top-k's chunk of 1536
+    rows at 151936, and fewer columns than one tile."""
+    gluon = _gluon()
+    hidden, weight, label_col, inv_temp = _inputs(rows, hidden_size, vocab, rows * vocab)
+    col_tiles = -(-vocab // gluon.BLOCK_N)
+    planes = 5 if squares else 4
+    ours = torch.full((planes, col_tiles, rows), float("nan"), device="cuda")
+    ours_kept = _kept_buffers(rows, vocab, col_tiles)
+    gluon.tile_partials(hidden, gluon.weight_descriptor(weight), vocab, label_col, inv_temp, ours, True, 132, ours_kept)
+    theirs_kept = _kept_buffers(rows, vocab, col_tiles)
+    theirs = _triton_partials(hidden, weight, label_col, inv_temp, col_tiles, True, squares, theirs_kept)
+    assert not ours.isnan().any() and torch.equal(ours, theirs), (ours != theirs).sum().item()
+    for name, mine, other in zip(("logits", "tile maxima", "group maxima"), ours_kept, theirs_kept):
+        assert not mine.isnan().any(), name
+        assert torch.equal(mine, other), (name, (mine != other).sum().item())
+    pitch_tail = ours_kept[0].as_strided((rows, -(-vocab // 8) * 8 - vocab), (ours_kept[0].stride(0), 1), vocab)
+    assert pitch_tail.isnan().all(), "a store past the row's last column"
+    exact = (hidden.float() @ weight.float().T)[:, :vocab]
+    torch.testing.assert_close(ours_kept[0], exact, rtol=1e-4, atol=1e-4)  # fp32 accumulation of bf16 products
 
 
 def test_few_programs_walk_every_tile():

@@ -1,6 +1,7 @@
 """Hopper (sm_90) warp-specialized forward in Gluon: each [64, 256] tile of logits reduced to its per-row partials
-(max, sum, shifted dot, label logit), as triton_kernels.forward_statistics_kernel writes them without kept logits or
-square sums (the no-grad and training forwards).
+(max, sum, shifted dot, label logit; with SQUARES also sum e^(2(z-m))), as triton_kernels.forward_statistics_kernel
+writes them, and with RAW the tile's fp32 logits as computed, its row max and its 16-column groups' maxima
+(token_log_probs' top-k and ids read them). Only the fp16 kept logits of the fused loss stay Triton's.
 
 Why: Triton's kernel runs a tile's softmax epilogue (an exponential, a max, two sums per logit, the partials' store)
 after the tile's K loop on the same warps, so the tensor cores idle through it; on an H100 the forward took
@@ -12,8 +13,8 @@ two K steps behind the first, so that their epilogues meet the other's wgmmas ra
 steps deep, bounds how far apart they can drift). A consumer's [64, 256] half puts a row's 256 logits in the same
 threads and registers as the Triton kernel's 8-warp [128, 256] tile (NVMMA v3, warps [4, 1] against [8, 1],
 instruction [16, 256, 16]), and the epilogue is the same formula in the same order, so each tile's partials are the
-same bits (tests/gpu/test_gluon_forward.py) and every other path (kept logits, top-k, sum pi^2: still Triton's)
-agrees with it.
+same bits (tests/gpu/test_gluon_forward.py), and so are the kept fp32 logits and their maxima: the top-k and the
+ids' logits read the same values whichever kernel ran.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 NEG = gl.constexpr(-1.0e30)  # triton_kernels.NEG: the padding columns' logit
@@ -31,6 +38,9 @@ LN2 = gl.constexpr(0.6931471805599453)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 64
 # 4 stages of two [64, 64] hidden tiles and a [256, 64] weight tile: 192 KiB of the 227 KiB a block may have.
 STAGES = gl.constexpr(4)
+# RAW: each consumer stages its kept logits through one [64, 32] fp32 buffer (eight TMA stores a tile) and its group
+# maxima through one [64, 16]: 24 KiB beside the ring, where a [64, 64] staging buffer would not fit.
+RAW_COLUMNS, GROUP_COLUMNS = 32, 16
 # K steps the second consumer starts behind the first (1 and 3 timed the same on an H100, within the A/B's noise)
 STAGGER = gl.constexpr(2)
 # Programs running together (132 of them) share GROUP_M row blocks of 128 and take about four column tiles (16 blocks
@@ -119,12 +129,40 @@ def _mma_layout(BN):
 
 
 @gluon.jit
+def _halves(x):
+    """A [rows, W] register tile's columns [0, W/2) and [W/2, W): the same registers, relabelled."""
+    BM: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [BM, 2, W // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _store_staged(desc, buf, value, off_m, off_n):
+    """value -> global [off_m, off_n] through the shared buffer `buf` by TMA, once the buffer's last store read it."""
+    tma.store_wait(0)
+    buf.store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [off_m, off_n], buf)
+
+
+@gluon.jit
+def _store_quarter(raw_desc, raw_buf, quarter, off_m, off_n):
+    """A [64, 64] quarter of the tile's logits as two [64, 32] TMA stores (RAW_COLUMNS)."""
+    left, right = _halves(quarter)
+    _store_staged(raw_desc, raw_buf, left, off_m, off_n)
+    _store_staged(raw_desc, raw_buf, right, off_m, off_n + raw_desc.block_type.shape[1])
+
+
+@gluon.jit
 def _statistics_consumer(
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr, parts_ptr,
-    rows, hidden_size, valid_columns, num_col_tiles, ENTROPY: gl.constexpr, ROLE: gl.constexpr,
+    kept, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY: gl.constexpr, SQUARES: gl.constexpr,
+    RAW: gl.constexpr, ROLE: gl.constexpr,
 ):  # fmt: skip
     """One half of each of the program's tiles (ROLE: which 64 rows): its mainloop, then
-    forward_statistics_kernel's epilogue, operation for operation (see there why each step is as it is)."""
+    forward_statistics_kernel's epilogue, operation for operation (see there why each step is as it is). With RAW
+    the tile's row max, group maxima and logits go out before the softmax sums: a store waits only for the TMA's read
+    of the staging buffer, and the other consumer's wgmmas keep the tensor cores busy meanwhile."""
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     layout: gl.constexpr = _mma_layout(BN)
@@ -150,6 +188,20 @@ def _statistics_consumer(
         if gl.max(((label_col >= off_n) & (label_col < off_n + BN)).to(gl.int32), axis=0) > 0:
             label_raw = gl.sum(gl.where(cols == gl.expand_dims(label_col, 1), acc, 0.0), axis=1)
         tile_max = gl.max(acc, axis=1)
+        if RAW:
+            raw_desc, raw_bufs, tile_max_ptr, group_max_desc, group_bufs = kept
+            raw_buf = raw_bufs.index(ROLE)
+            gl.store(tile_max_ptr + row_ids * num_col_tiles + pid_n, tile_max, mask=row_ok)
+            GROUPS: gl.constexpr = group_max_desc.block_type.shape[1]
+            group_max = gl.max(gl.reshape(acc, [BM, GROUPS, BN // GROUPS]), axis=2)
+            _store_staged(group_max_desc, group_bufs.index(ROLE), group_max, off_m, pid_n * GROUPS)
+            left, right = _halves(acc)
+            first, second = _halves(left)
+            _store_quarter(raw_desc, raw_buf, first, off_m, off_n)
+            _store_quarter(raw_desc, raw_buf, second, off_m, off_n + BN // 4)
+            third, fourth = _halves(right)
+            _store_quarter(raw_desc, raw_buf, third, off_m, off_n + BN // 2)
+            _store_quarter(raw_desc, raw_buf, fourth, off_m, off_n + 3 * (BN // 4))
         shifted = (acc - gl.expand_dims(tile_max, 1)) * gl.expand_dims(scale, 1)
         e = gl.exp2(shifted)
         if ENTROPY:
@@ -161,6 +213,10 @@ def _statistics_consumer(
         gl.store(where + plane, gl.sum(e, axis=1), mask=row_ok)
         gl.store(where + 2 * plane, dot, mask=row_ok)
         gl.store(where + 3 * plane, label_raw * inv_temp, mask=row_ok)
+        if SQUARES:
+            gl.store(where + 4 * plane, gl.sum(e * e, axis=1), mask=row_ok)
+    if RAW:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -181,20 +237,32 @@ def _barriers():
 def tile_partials_kernel(
     h_desc, w_desc,  # [rows, H], [valid_columns, H] bf16
     label_col_ptr, inv_temp_ptr,  # int32 [rows] (-1: the label is on another shard), fp32 [rows]
-    parts_ptr,  # fp32 [4, num_col_tiles, rows]: each column tile's max, sum, dot, label logit
+    parts_ptr,  # fp32 [4 (SQUARES: 5), num_col_tiles, rows]: each column tile's max, sum, dot, label (, squares)
+    raw_desc,  # RAW: fp32 [rows, valid_columns] logits as computed, [BLOCK_M, RAW_COLUMNS] blocks
+    tile_max_ptr,  # RAW: fp32 [rows, num_col_tiles], each tile's row max
+    group_max_desc,  # RAW: fp32 [rows, num_col_tiles x BLOCK_N / GROUP_COLUMNS], each group's max
     rows, hidden_size, valid_columns, num_col_tiles,
     ENTROPY: gl.constexpr,
+    SQUARES: gl.constexpr = False,
+    RAW: gl.constexpr = False,
 ):  # fmt: skip
     """Persistent: each program strides the [2 BLOCK_M, BLOCK_N] tiles, each consumer taking one half of every tile."""
     a_bufs = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    kept = ()  # a partition's arguments are IR values: without RAW none
+    if RAW:
+        raw_bufs = gl.allocate_shared_memory(gl.float32, [2] + raw_desc.block_type.shape, raw_desc.layout)
+        group_bufs = gl.allocate_shared_memory(gl.float32, [2] + group_max_desc.block_type.shape, group_max_desc.layout)
+        kept = (raw_desc, raw_bufs, tile_max_ptr, group_max_desc, group_bufs)
     ready, empty, start = _barriers()
     gl.warp_specialize(
         [
             (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr,
-                                    parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 0)),
+                                    parts_ptr, kept, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY,
+                                    SQUARES, RAW, 0)),
             (_statistics_consumer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, label_col_ptr, inv_temp_ptr,
-                                    parts_ptr, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY, 1)),
+                                    parts_ptr, kept, rows, hidden_size, valid_columns, num_col_tiles, ENTROPY,
+                                    SQUARES, RAW, 1)),
             (_load_partition, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, rows, hidden_size, num_col_tiles)),
         ],
         [4, 1],
@@ -205,6 +273,8 @@ def tile_partials_kernel(
 # The tiles' shared-memory layouts, made once: host time before the launch is GPU idle time at small N.
 _HIDDEN_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
 _WEIGHT_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+_RAW_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, RAW_COLUMNS], gl.float32)
+_GROUP_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // GROUP_COLUMNS], gl.float32)
 
 
 def weight_descriptor(weight: torch.Tensor) -> TensorDescriptor:
@@ -221,13 +291,25 @@ def tile_partials(
     parts: torch.Tensor,
     entropy: bool,
     programs: int,
+    kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """parts (fp32 [4, column tiles, rows], contiguous) <- each column tile's partials of `hidden`'s rows (bf16
-    [rows, H], TMA-ready), on at most `programs` persistent programs (one an SM)."""
+    """parts (fp32 [4 or 5, column tiles, rows], contiguous; 5: with the square sums) <- each column tile's partials
+    of `hidden`'s rows (bf16 [rows, H], TMA-ready), on at most `programs` persistent programs (one an SM). `kept`:
+    (raw fp32 [rows, valid_columns] with 16-byte aligned rows, tile maxima [rows, column tiles], group maxima [rows,
+    column tiles x BLOCK_N / GROUP_COLUMNS]) written as well."""
     rows, hidden_size = hidden.shape
     col_tiles = parts.shape[1]
+    stores = (None, None, None)
+    if kept is not None:
+        raw, tile_max, group_max = kept
+        stores = (
+            TensorDescriptor.from_tensor(raw, [BLOCK_M, RAW_COLUMNS], _RAW_LAYOUT),
+            tile_max,
+            TensorDescriptor.from_tensor(group_max, [BLOCK_M, BLOCK_N // GROUP_COLUMNS], _GROUP_LAYOUT),
+        )
     grid = (max(1, min(triton.cdiv(rows, 2 * BLOCK_M) * col_tiles, programs)),)
     tile_partials_kernel[grid](
         TensorDescriptor.from_tensor(hidden, [BLOCK_M, BLOCK_K], _HIDDEN_LAYOUT), w_desc, label_col, inv_temp, parts,
-        rows, hidden_size, valid_columns, col_tiles, ENTROPY=entropy, num_warps=4, maxnreg=MAX_REGS,
+        *stores, rows, hidden_size, valid_columns, col_tiles, ENTROPY=entropy, SQUARES=parts.shape[0] == 5,
+        RAW=kept is not None, num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip

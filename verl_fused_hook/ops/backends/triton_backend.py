@@ -1,5 +1,5 @@
 """The Triton backend's host side (CUDA, Hopper first): availability, launches, and the passes both drivers walk.
-Its kernels are triton_kernels.py's (and, for the plain forward on Hopper, gluon_forward.py's). No float atomics.
+Its kernels are triton_kernels.py's (on Hopper the forward's, but for fp16 kept logits, gluon_forward.py's).
 
 Forward (both ops): one kernel reduces each scored row's logits to one Partial per column tile; logits never reach
 memory. Another merges a row's tiles with softmax_math's formulas in an order fixed by the shard's width, so a row's
@@ -11,13 +11,12 @@ d_logits (bf16); two cuBLAS GEMMs then add that tile's share of d_hidden into an
 chunk's d_weight rows. Tiles, groups and chunk widths come from fixed budgets, shapes and the GPU's SM count
 (backward_plan.py): the same chunks at every N from ~12000 rows, fewer and wider ones below.
 
-Kept logits: the forward kernel can also keep the logits, as fp16 differences to each tile's row max
-(`StoredLogits`), and `stored_grad_logits` later overwrites them in place with d_logits in the input dtype: two
-bytes read and two written per logit, no second buffer, the recompute's arithmetic. The loss-inside op
-(`StoredLogitsPasses`) keeps every chunk's logits (chunks chunking.py plans from `loss_inside_cost`): each chunk's
-logits are computed once. The two-pass op keeps those of as many scored rows as keep_logits_bytes holds, and those
-rows skip the recompute; a kept buffer the GPU cannot give must not stop a training step: that call then
-recomputes every row, and a warning says so once.
+Kept logits: the forward kernel can also keep the logits as fp16 differences to each tile's row max
+(`StoredLogits`), which `stored_grad_logits` overwrites in place with d_logits (two bytes read and two written a
+logit, the recompute's arithmetic). The loss-inside op (`StoredLogitsPasses`) keeps every chunk's logits (chunks
+from chunking.py's `loss_inside_cost`); the two-pass op those of as many scored rows as keep_logits_bytes holds,
+which skip the recompute. A kept buffer the GPU cannot give must not stop a step: the call recomputes every row
+and a warning says so once.
 """
 
 from __future__ import annotations
@@ -229,25 +228,26 @@ def forward_partials(
     *,
     squares: bool = False,
     stored: tuple | None = None,
-    raw: bool = False,
-    group_columns: int = 16,
+    kept_raw: tuple[Tensor, Tensor, Tensor] | None = None,
     config: TileConfig | None = None,
     per_split: int | None = None,
 ) -> Tensor:
     """fp32 [4, rows] (with `squares` [5, rows]): the merged partials of `hidden`'s rows (p.valid_columns > 0), the
-    forward kernel's per-tile partials merged by `merge_tiles`. `stored`: the kernel's (store_desc, tile_max,
-    group_max_desc) arguments (STORE; RAW with `raw`), whose rows are one bounded chunk; without, rows past
-    TILE_PARTIALS_BUDGET_BYTES of partials run as further launches, each with its own fastest split layout. Plain
-    statistics on Hopper run the warp-specialized Gluon kernel (the same bits per tile; gluon_choice.py says where)."""
+    forward kernel's per-tile partials merged by `merge_tiles`. `stored`: (store_desc, tile_max, None) for fp16
+    kept logits; `kept_raw`: fp32 (logits, tile maxima, group maxima) written too; either one chunk of rows. Without,
+    rows past TILE_PARTIALS_BUDGET_BYTES run as further launches. On Hopper all but fp16 stores run in Gluon."""
     from . import triton_kernels as kernels
 
     n = hidden.shape[0]
-    plain = stored is None and not squares and config is None and per_split is None
-    gluon = gluon_forward_kernel(hidden.device) if plain else None
+    gluon = gluon_forward_kernel(hidden.device) if stored is None and config is None and per_split is None else None
     c = FORWARD_CONFIG if config is None else config
     col_tiles = -(-p.valid_columns // c.block_n)
     planes = 5 if squares else 4
-    group = n if stored is not None else tile_partial_rows(col_tiles, planes, c.block_m)
+    group = n if stored or kept_raw else tile_partial_rows(col_tiles, planes, c.block_m)
+    groups = 16 if kept_raw is None else kept_raw[2].shape[1] // col_tiles  # group maxima a tile
+    if kept_raw is not None and not gluon:
+        raw, tile_max, group_max = kept_raw
+        stored = descriptor(raw, [c.block_m, c.block_n // 2]), tile_max, descriptor(group_max, [c.block_m, groups])
     valid_weight = weight[: p.valid_columns]
     w_desc = gluon.weight_descriptor(valid_weight) if gluon else descriptor(valid_weight, [c.block_n, c.block_k])
     merged = torch.empty(planes, n, dtype=torch.float32, device=hidden.device)
@@ -258,7 +258,7 @@ def forward_partials(
         parts = buffer[: planes * col_tiles * rows].view(planes, col_tiles, rows)
         if gluon:
             gluon.tile_partials(hidden[span], w_desc, p.valid_columns, label_col[span], inv_temp[span], parts,
-                                p.calculate_entropy, num_sms(hidden.device))  # fmt: skip
+                                p.calculate_entropy, num_sms(hidden.device), kept_raw)  # fmt: skip
         else:
             row_blocks = -(-rows // c.block_m)
             per = split_layout(row_blocks, col_tiles, hidden.device, c) if per_split is None else per_split
@@ -268,7 +268,7 @@ def forward_partials(
                 *(stored or (None, None, None)), rows, hidden.shape[1], p.valid_columns, col_tiles, per, splits,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                 ENTROPY=p.calculate_entropy, STORE=stored is not None, num_warps=c.num_warps, num_stages=c.num_stages,
-                SQUARES=squares, RAW=raw, GROUP_N=group_columns,
+                SQUARES=squares, RAW=kept_raw is not None, GROUP_N=c.block_n // groups,
             )  # fmt: skip
         merge_tiles(parts, merged[:, span])
     return merged

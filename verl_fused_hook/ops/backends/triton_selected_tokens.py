@@ -41,7 +41,6 @@ from ..weight_gradient import WeightGradientSum
 from . import RowBlock, SavedPasses
 from . import triton_backend as backend  # its tile configurations read at call time
 from .triton_backend import (
-    descriptor,
     forward_partials,
     recomputed_gradients,
     stored_layout,
@@ -155,15 +154,7 @@ def statistics_with_squares(
 ) -> tuple[Partials, Tensor | None]:
     """This rank's partials of `hidden`'s rows and, with `squares`, their square sums relative to the row max: the
     forward kernel with its SQUARES flag, its tiles merged as triton_backend.local_statistics' are; with `kept`, the
-    rows' raw logits and group maxima written there (STORE and RAW)."""
-    c = backend.FORWARD_CONFIG
-    stored = None
-    if kept is not None:
-        stored = (
-            descriptor(kept.raw, [c.block_m, c.block_n // 2]),
-            kept.tile_max,
-            descriptor(kept.group_max, [c.block_m, c.block_n // kept.group_columns]),
-        )
+    rows' raw logits, tile and group maxima written there (RAW; on Hopper the Gluon kernel writes the same bits)."""
     merged = forward_partials(
         p,
         hidden,
@@ -171,9 +162,7 @@ def statistics_with_squares(
         label_col,
         inv_temp,
         squares=squares,
-        stored=stored,
-        raw=kept is not None,
-        group_columns=GROUP_COLUMNS if kept is None else kept.group_columns,
+        kept_raw=None if kept is None else (kept.raw, kept.tile_max, kept.group_max),
     )
     return Partials(*merged[:4]), merged[4] if squares else None
 
