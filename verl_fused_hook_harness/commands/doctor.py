@@ -208,7 +208,8 @@ def check_device_and_backends(hidden_size: int, dtype: torch.dtype) -> list[Find
 
 
 def forward_kernel_finding(device: torch.device) -> Finding:
-    """Which kernel computes the triton backend's plain forward here: the warp-specialized Gluon one (Hopper) or
+    """Which kernel computes the triton backend's forward here (the plain statistics, Σπ² and the top-k's kept fp32
+    logits; the fused loss's fp16 kept logits are always Triton's): the warp-specialized Gluon one (Hopper) or
     Triton's, and why (the same bits per tile either way)."""
     reason = why_not_gluon(device.index)  # check_device_and_backends names the device's index
     if reason is None:
