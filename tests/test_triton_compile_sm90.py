@@ -178,7 +178,7 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     """top_k_kernel holds a row's tile maxima (1024 tiles: V = 262144 at TP 1), then its picked tiles' group maxima
     and its picked groups' logits in registers at the launch's warps: compiled for sm_90 without spills up to
     k = 512 (distillation's 32-128 among them); at the kernel's largest k (sampling replay's wider pass, 513 by
-    default) 16 warps spill 120 bytes a thread (32 warps 208)."""
+    default) 16 warps spill 120 bytes a thread with Triton 3.8 (32 warps 208), 124 with 3.6 (torch 2.11's)."""
     from verl_fused_hook.ops.backends.triton_selected_tokens import (
         MAX_SELECTION_TILES,
         MAX_SELECTION_TOP_K,
@@ -206,7 +206,8 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     warps = top_k_warps(MAX_SELECTION_TILES, top_k, GROUP_COLUMNS, per_tile)
     compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)
     assert compiled.metadata.shared <= SHARED_LIMIT
-    assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 120)
+    old_triton = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
+    assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 124 if old_triton else 120)
 
 
 @pytest.mark.parametrize(
