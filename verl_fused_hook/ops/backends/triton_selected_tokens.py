@@ -122,8 +122,8 @@ def _selection_blocks(columns: int, width: int, wanted: int) -> tuple[int, int] 
 def top_k_warps(block_t: int, block_k: int, group: int, per_tile: int) -> int:
     """`top_k_kernel`'s warps: one (its searches then reduce within a warp, no block barrier) up to 32 values a
     thread, past that one per SELECTION_VALUES_A_WARP of the values it ranks at once (hiding the searches'
-    latency). H100, 1536 rows of 151936 columns: k = 32 and 64 fastest on one warp, k = 128 on four (121 us against
-    133 on two and 182 on one)."""
+    latency). H100, 1536 rows of 151936 columns: k = 32 and 64 fastest on one warp, k = 128 on four (90 us against
+    160 on one; before the search stopped early, 121 against 133 on two and 182 on one)."""
     largest = max(block_t, block_k * per_tile, block_k * group)
     return 1 if largest <= 32 * 32 else min(16, largest // SELECTION_VALUES_A_WARP)
 
