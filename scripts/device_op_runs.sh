@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The op's runs on one H200 that no device has made yet (docs/benchmarks.md, "Not yet measured on the GPU"):
-# the GPU tests after the ops/ regrouping (issue 41), batch invariance and its cost (issue 42), distillation from
-# hidden states (issue 43). Eight device calls of at most 9 minutes; steps 1, 3 and 4 first when time is short.
+# The op's device runs: the GPU tests, and the benchmarks a card's column needs (issue 55: every figure per card,
+# one run per card). Steps 3-8 are the earlier runs whose files results/README.md lists, kept as their commands;
+# a card's run today is steps 1, 9 and 2, one call each.
 #
 # Here (with network), once:  bash scripts/device_wheels.sh
 #                             mkdir -p build/ab && git archive f29c1ef verl_fused_hook > build/ab/f29c1ef.tar
 # Each call: carry [".whl", "build/ab"] and run `bash scripts/device_op_runs.sh STEP...` (several steps share one call's
-# time); results come back in $OUT.
+# time); results come back in $OUT, their names ending in the card (h100, h200).
 #
-#   step 1 (~4 min): the op's GPU tests (kernels, batch invariance, token_log_probs, main_grad, the fused loss),
-#                    then `doctor` (its invariance line on the H200)
+#   step 1 (~5 min): the op's GPU tests (kernels, the Gluon forward, batch invariance, token_log_probs, replay,
+#                    main_grad, the fused loss), then `doctor` (its forward-kernel and invariance lines)
 #   step 2 (~8 min): the engine-level GPU tests (ab-parity, BSHD, MTP, e2e parity, tensor parallelism, train-parity)
 #   step 3 (~5 min): the batch-invariant op against f29c1ef (the per-N layout) in rounds: the cost, <= 1% wanted
 #   step 4 (~8 min): forward_kl_topk and sum pi^2 from hidden states against verl's paths, k = 128 and 32, at 16k,
@@ -24,14 +24,17 @@
 #                    1 GiB, k = 128, in rounds with each step's peak memory. The base is the same code: here
 #                    `git archive HEAD verl_fused_hook > build/ab/main.tar` first. (`bench --top-k-chunk-bytes`
 #                    reads it against the floor in one run: 4 GiB gave no gain, EXPERIMENTS.md.)
+#   step 9 (~6 min): issue 55's figures on this card: its six shapes, ours and verl's kernel against the four-GEMM
+#                    floor and the no-grad forward against one GEMM; kl_topk and sum pi^2 at k = 32, 64 and 128,
+#                    16k and 64k tokens (targets: 1.05x the floor; the forward 1.08x one GEMM from 4096 rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
 source scripts/device_steps.sh
 
 # the tests new since the last H200 run first: a call cut at its limit has run them
-OP_TESTS=(test_batch_invariance_cuda test_selected_tokens_cuda test_main_grad_cuda test_fused_loss_cuda
-    test_triton_backend test_triton_chunk_kernels test_triton_label_is_max test_torch_backend_cuda
+OP_TESTS=(test_gluon_forward test_batch_invariance_cuda test_selected_tokens_cuda test_replay_cuda test_main_grad_cuda
+    test_fused_loss_cuda test_triton_backend test_triton_chunk_kernels test_triton_label_is_max test_torch_backend_cuda
     test_autocast_cuda test_verl_backend_cuda)
 # Its tests read the CUDA caching allocator's state, so they run in a process of their own: after the modules above
 # in one process (H200, 2026-12-05) the cache held 1.0-1.4 GB free pieces they cannot place their segments around.
@@ -40,6 +43,13 @@ ENGINE_TESTS=(test_ab_parity_cuda test_ab_parity_mtp_cuda test_bshd_cuda test_e2
     test_parallel_cuda test_train_parity_cuda)
 DISTILL_SHAPES="16384,4096,151936;65536,4096,151936;131072,4096,151936"
 DISTILL_METHODS=floor,kl_topk,verl_kl_topk,verl_kl_topk_chunked,sum_pi_squared
+ISSUE55_SHAPES="24576,3584,152064;12288,5120,152064;49152,4096,128256;4096,4096,151936;2048,3584,152064;1024,4096,151936"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$CARD" in
+*H200*) CARD=h200 ;;
+*H100*) CARD=h100 ;;
+*) CARD=gpu ;;
+esac
 
 gpu_tests() {
     local name=$1 seconds=$2
@@ -49,13 +59,13 @@ gpu_tests() {
 }
 
 step1() {
-    gpu_tests gpu_op_tests 380 "${OP_TESTS[@]/%/.py}"
-    gpu_tests gpu_memory_tests 60 "$MEMORY_TESTS.py"
-    run 90 doctor
+    gpu_tests "gpu_op_tests_$CARD" 400 "${OP_TESTS[@]/%/.py}"
+    gpu_tests "gpu_memory_tests_$CARD" 60 "$MEMORY_TESTS.py"
+    run 60 doctor
 }
 
 step2() {
-    gpu_tests gpu_engine_tests 520 "${ENGINE_TESTS[@]/%/.py}"
+    gpu_tests "gpu_engine_tests_$CARD" 520 "${ENGINE_TESTS[@]/%/.py}"
 }
 
 step3() {
@@ -106,13 +116,23 @@ step8() {
     done
 }
 
+step9() {
+    local k
+    run 220 bench --shapes "$ISSUE55_SHAPES" --methods floor,triton,verl --warmup 1 --repeats 3 --accuracy-shape '' \
+        --out "$OUT/bench_issue55_$CARD"
+    for k in 32 64 128; do
+        run 100 bench --shapes "16384,4096,151936;65536,4096,151936" --methods floor,kl_topk,sum_pi_squared \
+            --topk "$k" --warmup 1 --repeats 3 --accuracy-shape '' --out "$OUT/bench_distill_k${k}_$CARD"
+    done
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
     *)
-        echo "usage: $0 STEP... (1-8; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-9; see the top of this file)" >&2
         exit 2
         ;;
     esac
