@@ -446,8 +446,8 @@ def _order_keys(x):
 def _first_largest(keys, n):
     """Mask of exactly n of `keys` (uint32, 0 where empty; n at most the non-empty ones): those above the n-th
     largest, then the ones equal to it by lower position. A search one bit at a time from the top for the largest t
-    that at least n keys reach, stopped as soon as exactly n reach it (they are the n largest then): ~12-16 of the 32
-    steps for a few thousand spread values, each step a reduction over the block."""
+    that at least n keys reach, stopped as soon as exactly n reach it (they are the n largest then): 8-25 of the 32
+    steps, each a reduction over the block, on random logits at k = 32-128 (ties at the n-th run all 32)."""
     found = tl.max(tl.zeros_like(keys), axis=0)
     reach = n + 1  # keys reaching `found`, once a step has counted them; n + 1 before: not known to be exactly n
     bit = 0
