@@ -22,6 +22,8 @@ from verl_fused_hook.ops.backends.triton_selected_tokens import GROUP_COLUMNS, H
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+# Triton before 3.7 (torch 2.11's 3.6, the device's) spills a little more in two kernels than 3.8 (CI's): their bounds.
+OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
 
 
 def _compile(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3):
@@ -206,8 +208,7 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     warps = top_k_warps(MAX_SELECTION_TILES, top_k, GROUP_COLUMNS, per_tile)
     compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)
     assert compiled.metadata.shared <= SHARED_LIMIT
-    old_triton = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
-    assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 124 if old_triton else 120)
+    assert _spilled_bytes(compiled) <= (0 if top_k <= 512 else 124 if OLD_TRITON else 120)
 
 
 @pytest.mark.parametrize(
@@ -248,8 +249,7 @@ def test_gluon_forward_kernel_fits_hopper(entropy, squares, raw):
     # Triton 3.6 (torch 2.11's) spills ~412 bytes keeping fp32 logits: loop invariants (the staging stores' shared
     # addresses), stored once before the tile loop and reloaded after each tile's K loop (its SASS: every STL in the
     # prologue), not the accumulator. 3.8 spills nothing.
-    old_triton = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
-    assert _spilled_bytes(compiled) <= (416 if raw and old_triton else 0)
+    assert _spilled_bytes(compiled) <= (416 if raw and OLD_TRITON else 0)
 
 
 def test_gluon_forward_tiles_are_the_triton_kernels_columns():
