@@ -40,7 +40,7 @@ def main() -> None:
     inv_temp = torch.rand(rows, device="cuda", generator=g) + 0.5
     report = {"device": torch.cuda.get_device_name(), "rows": rows, "columns": columns, "us": {}}
     for k in args.topk:
-        values, ids = selected.top_candidates(kept, inv_temp, k, 0)
+        values, ids, _ = selected.top_candidates(kept, inv_temp, k, 0)
         expected = torch.sort(raw, dim=1, descending=True, stable=True).indices[:, :k]
         exact = torch.equal(ids.sort(1).values, expected.sort(1).values)
         block_t, block_k = selected._selection_blocks(columns, width, k)
@@ -50,9 +50,10 @@ def main() -> None:
 
             def launch(warps=warps):
                 kernels.top_k_kernel[(rows,)](
-                    raw, raw.stride(0), kept.tile_max, kept.tile_max.stride(0), kept.group_max,
+                    raw, raw.stride(0), None, None, 0, kept.tile_max, kept.tile_max.stride(0), kept.group_max,
                     kept.group_max.stride(0), inv_temp, scratch, values, ids, k, tiles, columns, k, 0,
-                    GROUP=group, PER_TILE=per_tile, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=warps,
+                    GROUP=group, PER_TILE=per_tile, BLOCK_T=block_t, BLOCK_K=block_k, TOKENS_BLOCK=0,
+                    num_warps=warps,
                 )  # fmt: skip
 
             us = triton.testing.do_bench(launch, warmup=5, rep=50) * 1000

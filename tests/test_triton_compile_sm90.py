@@ -178,19 +178,22 @@ def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_cou
 @pytest.mark.parametrize("top_k", [32, 128, 512, 1024], ids=["k=32", "k=128", "k=512", "the kernel's largest k"])
 def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     """top_k_kernel holds a row's tile maxima (1024 tiles: V = 262144 at TP 1), then its picked tiles' group maxima
-    and its picked groups' logits in registers at the launch's warps: compiled for sm_90 without spills up to
+    and its picked groups' logits in registers at the launch's warps, reading asked columns too: compiled for
+    sm_90 without spills up to
     k = 512 (distillation's 32-128 among them); at the kernel's largest k (sampling replay's wider pass, 513 by
     default) 16 warps spill 120 bytes a thread with Triton 3.8 (32 warps 208), 124 with 3.6 (torch 2.11's)."""
     from verl_fused_hook.ops.backends.triton_selected_tokens import (
         MAX_SELECTION_TILES,
         MAX_SELECTION_TOP_K,
+        TOP_K_TOKENS_BLOCK,
         _selection_blocks,
         top_k_warps,
     )
 
     fp32, i32 = "*fp32", "i32"
     signature = {
-        "raw_ptr": fp32, "raw_stride": i32, "tile_max_ptr": fp32, "tile_stride": i32, "group_max_ptr": fp32,
+        "raw_ptr": fp32, "raw_stride": i32, "token_columns_ptr": "*i64", "token_logits_ptr": fp32, "tokens": i32,
+        "tile_max_ptr": fp32, "tile_stride": i32, "group_max_ptr": fp32,
         "group_stride": i32, "inv_temp_ptr": fp32,
         "scratch_ptr": "*i32", "values_ptr": fp32, "ids_ptr": "*i64", "out_stride": i32, "tiles": i32,
         "valid_columns": i32, "wanted": i32, "vocab_start": i32,
@@ -203,7 +206,8 @@ def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     assert _selection_blocks(columns, width, MAX_SELECTION_TOP_K + 1) is None
     per_tile = width // GROUP_COLUMNS
     constants = dict(
-        GROUP=GROUP_COLUMNS, PER_TILE=per_tile, BLOCK_T=MAX_SELECTION_TILES, BLOCK_K=top_k
+        GROUP=GROUP_COLUMNS, PER_TILE=per_tile, BLOCK_T=MAX_SELECTION_TILES, BLOCK_K=top_k,
+        TOKENS_BLOCK=TOP_K_TOKENS_BLOCK,
     )  # fmt: skip
     warps = top_k_warps(MAX_SELECTION_TILES, top_k, GROUP_COLUMNS, per_tile)
     compiled = _compile(kernels.top_k_kernel, signature, constants, num_warps=warps, num_stages=1)

@@ -235,11 +235,16 @@ def _top_k_cases() -> list[dict]:
     handler.emit = lambda record: said.append(record.getMessage())
     selected.logger.addHandler(handler)
     selected.logger.setLevel(logging.INFO)
+    # asked columns (a teacher's ids): 130, more than the kernel reads at once, some held by no column (-1)
+    asked = torch.randint(-1, columns, (rows, 130), generator=generator)
+    asked[:, :5] = -1
+    want_asked = torch.where(asked >= 0, logits.gather(1, asked.clamp_min(0)) * inv_temp[:, None], 0.0)
     results = []
     for wanted in (24, 128, 400, 2000):  # 2000: past MAX_SELECTION_TOP_K (1024), torch.topk over every column
         said.clear()
         kept = selected.KeptLogits(logits, tile_max, group_max, width, 16)
-        values, ids = selected.top_candidates(kept, inv_temp, wanted, start)
+        values, ids, asked_logits = selected.top_candidates(kept, inv_temp, wanted, start, asked)
+        plain_values, plain_ids, none = selected.top_candidates(kept, inv_temp, wanted, start)
         by_column = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :wanted]
         want_values, want_ids = select_top(logits.gather(1, by_column) * inv_temp[:, None], by_column + start, wanted)
         alone = all(
@@ -250,7 +255,7 @@ def _top_k_cases() -> list[dict]:
                         inv_temp[r : r + 1],
                         wanted,
                         start,
-                    ),
+                    )[:2],
                     1,
                 ),
                 torch.cat([values[r : r + 1], ids[r : r + 1].to(values.dtype)], 1),
@@ -263,6 +268,8 @@ def _top_k_cases() -> list[dict]:
                 "kernel": selected._selection_blocks(columns, width, wanted) is not None,
                 "same_ids": torch.equal(ids, want_ids),
                 "same_values": torch.equal(values, want_values),
+                "asked_logits": torch.equal(asked_logits, want_asked),
+                "without_asked": none is None and torch.equal(plain_values, values) and torch.equal(plain_ids, ids),
                 "rows_alone": alone,
                 "said": list(said),
             }
@@ -272,15 +279,21 @@ def _top_k_cases() -> list[dict]:
     kept = selected.KeptLogits(
         logits[:, :100], narrow.amax(1, keepdim=True), narrow.view(rows, 16, 16).amax(2), width, 16
     )
-    values, ids = selected.top_candidates(kept, inv_temp, 120, start)
+    values, ids, asked_logits = selected.top_candidates(kept, inv_temp, 120, start, asked.clamp_max(99)[:, :20])
     order = torch.sort(logits[:, :100], dim=1, descending=True, stable=True).indices
     want_values, want_ids = select_top(logits[:, :100].gather(1, order) * inv_temp[:, None], order + start, 100)
+    narrow_asked = asked.clamp_max(99)[:, :20]
+    want_asked_narrow = torch.where(
+        narrow_asked >= 0, logits.gather(1, narrow_asked.clamp_min(0)) * inv_temp[:, None], 0.0
+    )
     results.append(
         {
             "wanted": 120,
             "kernel": True,
             "same_ids": torch.equal(ids[:, :100], want_ids) and bool((ids[:, 100:] == -1).all()),
             "same_values": torch.equal(values[:, :100], want_values) and bool((values[:, 100:] == float("-inf")).all()),
+            "asked_logits": torch.equal(asked_logits, want_asked_narrow),
+            "without_asked": True,
             "rows_alone": True,
             "said": [],
         }
@@ -319,11 +332,13 @@ def test_token_log_probs_triton_path_in_the_interpreter():
 def test_top_k_kernel_against_a_full_sort():
     """Every top-k of the Triton path is the exact top `wanted` by (logit, then lower id), whatever bunches the largest
     logits into a tile or a group, equal values (all, many, signed zeros), magnitudes of 1e4, a shard narrower than
-    k; past the kernel's limits torch.topk gives the same, and a log line says so (the kernel's cases say nothing)."""
+    k; past the kernel's limits torch.topk gives the same, and a log line says so (the kernel's cases say nothing).
+    The asked columns' logits read in the same launch are the bits of a torch gather (130 columns, -1 among them)."""
     cases = _run_interpreted("_top_k_cases")
     assert [case["kernel"] for case in cases] == [True, True, True, False, True], cases
     for case in cases:
         assert case["same_ids"] and case["same_values"] and case["rows_alone"], case
+        assert case["asked_logits"] and case["without_asked"], case  # the asked columns' logits, the same bits
         assert len(case["said"]) == (0 if case["kernel"] else 1), case
     (line,) = cases[3]["said"]
     assert "top_k=2000" in line and "top_k <= 1024" in line and "torch.topk over every column" in line, line

@@ -463,10 +463,13 @@ def _first_largest(keys, n):
     return above | ((tie != 0) & (tl.cumsum(tie, axis=0) - tie < room))
 
 
-@triton.jit(do_not_specialize=["tiles", "valid_columns", "wanted", "vocab_start"])
+@triton.jit(do_not_specialize=["tiles", "valid_columns", "wanted", "vocab_start", "tokens"])
 def top_k_kernel(
     raw_ptr,  # fp32 [rows, raw_stride]: the forward kernel's kept logits (RAW), valid_columns of each row
     raw_stride,
+    token_columns_ptr,  # int64 [rows, tokens]: asked columns, -1 where none (read when TOKENS_BLOCK > 0)
+    token_logits_ptr,  # fp32 [rows, tokens]: their logits z = raw / T, 0 where the column is -1
+    tokens,
     tile_max_ptr,  # fp32 [rows, tile_stride]: each tile's max, `tiles` a row
     tile_stride,
     group_max_ptr,  # fp32 [rows, group_stride]: each GROUP columns' max, PER_TILE groups a tile
@@ -484,6 +487,7 @@ def top_k_kernel(
     PER_TILE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # a power of two >= tiles
     BLOCK_K: tl.constexpr,  # a power of two >= wanted
+    TOKENS_BLOCK: tl.constexpr,  # asked columns read at once; 0: none asked
 ):
     """One program: one row's top `wanted` logits of its shard, exact, equal logits by lower column first (so the set
     depends on the row alone), ordered as token_math.select_top orders them. The wanted largest lie in the `wanted`
@@ -491,8 +495,11 @@ def top_k_kernel(
     above the maxima of those picked; on equal maxima the lower one holds the lower columns), so the program ranks
     the row's tile maxima, then the picked tiles' group maxima, then the picked groups' logits: at k = 128 of
     151936 columns 594, 2048 and 2048 values, each by a bitwise search (`_first_largest`) in registers, each read
-    in one load."""
+    in one load. The asked ids' logits (distillation's teacher ids) are read here too, saving a chunk's five
+    elementwise launches."""
     row = tl.program_id(0).to(tl.int64)
+    inv_temp = tl.load(inv_temp_ptr + row)
+
     picks = scratch_ptr + row * BLOCK_K
     tile = tl.arange(0, BLOCK_T)
     maxima = tl.load(tile_max_ptr + row * tile_stride + tile, mask=tile < tiles)
@@ -524,7 +531,6 @@ def top_k_kernel(
     slot = tl.arange(0, BLOCK_K)
     kept = slot < wanted
     column = tl.load(picks + slot, mask=kept, other=0)
-    inv_temp = tl.load(inv_temp_ptr + row)
     z = tl.load(raw_ptr + row * raw_stride + column, mask=kept, other=0.0) * inv_temp
     order = (_order_keys(z).to(tl.uint64) << 32) | (column.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
     order = tl.sort(tl.where(kept, order, 0), descending=True)
@@ -532,3 +538,11 @@ def top_k_kernel(
     z = tl.load(raw_ptr + row * raw_stride + column, mask=kept, other=0.0) * inv_temp
     tl.store(values_ptr + row * out_stride + slot, z, mask=kept)
     tl.store(ids_ptr + row * out_stride + slot, column.to(tl.int64) + vocab_start, mask=kept)
+    if TOKENS_BLOCK > 0:
+        for start in range(0, tokens, TOKENS_BLOCK):
+            token = start + tl.arange(0, TOKENS_BLOCK)
+            asked = token < tokens
+            asked_column = tl.load(token_columns_ptr + row * tokens + token, mask=asked, other=-1)
+            held = asked_column >= 0
+            asked_raw = tl.load(raw_ptr + row * raw_stride + asked_column, mask=held, other=0.0)
+            tl.store(token_logits_ptr + row * tokens + token, tl.where(held, asked_raw * inv_temp, 0.0), mask=asked)

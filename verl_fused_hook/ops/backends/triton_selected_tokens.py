@@ -62,6 +62,8 @@ MAX_SELECTION_TILES = 1024
 MAX_SELECTION_TOP_K = 1024  # sampling replay's wider pass asks max_kept + 1 = 513 by default
 # `top_k_kernel`'s values ranked at once a warp past one warp (`top_k_warps`).
 SELECTION_VALUES_A_WARP = 512
+# Asked columns `top_k_kernel` reads at once (a loop over more).
+TOP_K_TOKENS_BLOCK = 128
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
@@ -197,35 +199,49 @@ def kept_token_logits(kept: KeptLogits, columns: Tensor, inv_temp: Tensor) -> Te
     return torch.where(columns >= 0, raw * inv_temp[:, None], 0.0)
 
 
-def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int) -> tuple[Tensor, Tensor]:
+def top_candidates(
+    kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: int, columns: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """The shard's top_k (fp32 logits z = raw / T, global ids, highest first; -inf / -1 padding) of the rows whose
-    logits `kept` holds, equal logits by lower id first, so the set depends on the row alone: `top_k_kernel`, one
-    program a row reading its tile maxima, its best tiles' group maxima and its best groups' logits; past the
-    kernel's limits (a shard over MAX_SELECTION_TILES tiles, top_k over MAX_SELECTION_TOP_K) torch.topk over every
-    column, said in a log line."""
+    logits `kept` holds, equal logits by lower id first, so the set depends on the row alone, and the logits of
+    `columns` (int64 [rows, entries], -1: none; as `kept_token_logits`, None when not given): `top_k_kernel`, one
+    program a row reading its tile maxima, its best tiles' group maxima, its best groups' logits and the asked
+    columns; past the kernel's limits (a shard over MAX_SELECTION_TILES tiles, top_k over MAX_SELECTION_TOP_K)
+    torch.topk over every column, said in a log line."""
     from . import triton_kernels as kernels
 
-    raw, rows, columns = kept.raw, kept.raw.shape[0], kept.raw.shape[1]
-    wanted = min(top_k, columns)
-    blocks = _selection_blocks(columns, kept.tile_columns, wanted)
+    raw, rows, valid = kept.raw, kept.raw.shape[0], kept.raw.shape[1]
+    wanted = min(top_k, valid)
+    blocks = _selection_blocks(valid, kept.tile_columns, wanted)
     if blocks is None:
         log_once(
             logger,
-            f"token_log_probs: top_k={top_k} of {columns} columns is past the top-k kernel's limits (top_k <= "
+            f"token_log_probs: top_k={top_k} of {valid} columns is past the top-k kernel's limits (top_k <= "
             f"{MAX_SELECTION_TOP_K}, {MAX_SELECTION_TILES} tiles of {kept.tile_columns} columns); its rows are "
             "ranked by torch.topk over every column",
         )
-        positions = top_positions(raw, torch.arange(columns, device=raw.device), wanted, True)
+        positions = top_positions(raw, torch.arange(valid, device=raw.device), wanted, True)
         values, ids = select_top(kept_token_logits(kept, positions, inv_temp), positions + vocab_start, wanted)
-        return pad_candidates(values, ids, top_k)
+        logits = None if columns is None else kept_token_logits(kept, columns, inv_temp)
+        return (*pad_candidates(values, ids, top_k), logits)
     values = torch.empty(rows, wanted, dtype=torch.float32, device=raw.device)
     ids = torch.empty(rows, wanted, dtype=torch.int64, device=raw.device)
+    logits = None
+    if columns is not None:
+        columns = columns.contiguous()
+        logits = torch.empty(columns.shape, dtype=torch.float32, device=raw.device)
     if rows:
         block_t, block_k = blocks
         per_tile = kept.tile_columns // kept.group_columns
+        tokens_block = 0
+        if columns is not None:
+            tokens_block = min(TOP_K_TOKENS_BLOCK, max(16, 1 << (columns.shape[1] - 1).bit_length()))
         kernels.top_k_kernel[(rows,)](
             raw,
             raw.stride(0),
+            columns,
+            logits,
+            0 if columns is None else columns.shape[1],
             kept.tile_max,
             kept.tile_max.stride(0),
             kept.group_max,
@@ -236,16 +252,17 @@ def top_candidates(kept: KeptLogits, inv_temp: Tensor, top_k: int, vocab_start: 
             ids,
             wanted,
             kept.tile_max.shape[1],
-            columns,
+            valid,
             wanted,
             vocab_start,
             GROUP=kept.group_columns,
             PER_TILE=per_tile,
             BLOCK_T=block_t,
             BLOCK_K=block_k,
+            TOKENS_BLOCK=tokens_block,
             num_warps=top_k_warps(block_t, block_k, kept.group_columns, per_tile),
         )
-    return pad_candidates(values, ids, top_k)
+    return (*pad_candidates(values, ids, top_k), logits)
 
 
 class TritonTokenPasses:
@@ -283,14 +300,11 @@ class TritonTokenPasses:
             p, block.hidden, self.weight, block.label_col, block.inv_temp, request.sum_squares, kept
         )
         logits = top_values = top_ids = None
-        if request.token_columns is not None:
-            columns = request.token_columns[block.span]
-            if kept is not None:
-                logits = kept_token_logits(kept, columns, block.inv_temp)
-            else:
-                logits = token_logits(block.hidden, self.weight, columns, block.inv_temp)
+        columns = None if request.token_columns is None else request.token_columns[block.span]
         if kept is not None:
-            top_values, top_ids = top_candidates(kept, block.inv_temp, request.top_k, p.vocab_start)
+            top_values, top_ids, logits = top_candidates(kept, block.inv_temp, request.top_k, p.vocab_start, columns)
+        elif columns is not None:
+            logits = token_logits(block.hidden, self.weight, columns, block.inv_temp)
         return partials, TokenPartials(logits, squares, top_values, top_ids)
 
     def token_gradients(
