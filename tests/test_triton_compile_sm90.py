@@ -178,10 +178,10 @@ def test_the_tile_merge_adds_a_rows_tiles_inside_one_thread_whatever_the_row_cou
 @pytest.mark.parametrize("top_k", [32, 128, 512, 1024], ids=["k=32", "k=128", "k=512", "the kernel's largest k"])
 def test_the_top_k_kernel_keeps_a_row_in_registers_for_hopper(top_k):
     """top_k_kernel holds a row's tile maxima (1024 tiles: V = 262144 at TP 1), then its picked tiles' group maxima
-    and its picked groups' logits in registers at the launch's warps, reading asked columns too: compiled for
-    sm_90 without spills up to
-    k = 512 (distillation's 32-128 among them); at the kernel's largest k (sampling replay's wider pass, 513 by
-    default) 16 warps spill 120 bytes a thread with Triton 3.8 (32 warps 208), 124 with 3.6 (torch 2.11's)."""
+    and its picked groups' logits in registers at the launch's warps, reading asked columns too: compiled for sm_90
+    without spills up to k = 512 (distillation's 32-128 among them); at the kernel's largest k (sampling replay's
+    wider pass, 513 by default) 16 warps spill 120 bytes a thread with Triton 3.8 (32 warps 208), 124 with 3.6
+    (torch 2.11's)."""
     from verl_fused_hook.ops.backends.triton_selected_tokens import (
         MAX_SELECTION_TILES,
         MAX_SELECTION_TOP_K,

@@ -279,10 +279,10 @@ def _top_k_cases() -> list[dict]:
     kept = selected.KeptLogits(
         logits[:, :100], narrow.amax(1, keepdim=True), narrow.view(rows, 16, 16).amax(2), width, 16
     )
-    values, ids, asked_logits = selected.top_candidates(kept, inv_temp, 120, start, asked.clamp_max(99)[:, :20])
+    narrow_asked = asked.clamp_max(99)[:, :20]
+    values, ids, asked_logits = selected.top_candidates(kept, inv_temp, 120, start, narrow_asked)
     order = torch.sort(logits[:, :100], dim=1, descending=True, stable=True).indices
     want_values, want_ids = select_top(logits[:, :100].gather(1, order) * inv_temp[:, None], order + start, 100)
-    narrow_asked = asked.clamp_max(99)[:, :20]
     want_asked_narrow = torch.where(
         narrow_asked >= 0, logits.gather(1, narrow_asked.clamp_min(0)) * inv_temp[:, None], 0.0
     )
