@@ -24,7 +24,7 @@ import torch
 from verl_fused_hook.ops import token_log_probs
 
 from ...support.compare import relative_scalar
-from ...support.reference import relative_error
+from ...support.reference import loss_reference, relative_error
 
 # verl's DistillationLossConfig.log_prob_min_clamp default.
 LOG_PROB_MIN_CLAMP = -10.0
@@ -165,11 +165,9 @@ def ours_sum_pi_squared(backend: str = "auto"):
 def kl_accuracy(fn, k: int, clamp: float | None, hidden, weight, labels, temperature) -> dict:
     """Relative error of a method's summed loss and both gradients against fp64 logits and the same loss."""
     ids, teacher = teacher_top_k(hidden.shape[0], weight.shape[0], k, str(hidden.device))
-    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
-    want = forward_kl_topk(log_softmax.gather(-1, ids), teacher.double(), clamp).sum()
-    del log_softmax
-    want_dh, want_dw = torch.autograd.grad(want, (hd, wd))
+    want, want_dh, want_dw = loss_reference(
+        hidden, weight, ids, lambda lp, _: forward_kl_topk(lp, teacher.double(), clamp).sum(), temperature=temperature
+    )
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     loss = fn(h, w, labels, temperature, None)
     dh, dw = torch.autograd.grad(loss, (h, w))

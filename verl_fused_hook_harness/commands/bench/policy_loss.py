@@ -21,7 +21,7 @@ from verl_fused_hook.verl_integration.loss_support import ppo_loss_name
 from verl_fused_hook.verl_integration.ppo_loss import ppo_loss_of_rows, ppo_loss_on_host, ppo_row_gradients, row_groups
 
 from ...support.compare import relative_scalar
-from ...support.reference import relative_error
+from ...support.reference import loss_reference, relative_error
 
 SEQUENCE_TOKENS = 2048
 
@@ -133,13 +133,9 @@ def verl_loss_method(verl_kernel: Callable | None, mode: str = "vanilla"):
 def loss_accuracy(fn, hidden, weight, labels, temperature) -> dict:
     """Relative error of a loss method's loss and both gradients against fp64 logits and the same loss."""
     loss_fn = row_loss(hidden.shape[0], str(hidden.device), fn.loss_mode)[0]
-    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    log_softmax = torch.log_softmax(hd @ wd.t() / temperature, dim=-1)
-    lp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    ent = -(log_softmax.exp() * log_softmax).sum(-1)
-    del log_softmax
-    want_loss = loss_fn(lp, ent)[0]
-    want_dh, want_dw = torch.autograd.grad(want_loss, (hd, wd))
+    want_loss, want_dh, want_dw = loss_reference(
+        hidden, weight, labels, lambda lp, ent: loss_fn(lp, ent)[0], temperature=temperature
+    )
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     loss = fn(h, w, labels, temperature, None)
     dh, dw = torch.autograd.grad(loss, (h, w))
