@@ -27,6 +27,11 @@
 #   step 9 (~6 min): issue 55's figures on this card: its six shapes, ours and verl's kernel against the four-GEMM
 #                    floor and the no-grad forward against one GEMM; kl_topk and sum pi^2 at k = 32, 64 and 128,
 #                    16k and 64k tokens (targets: 1.05x the floor; the forward 1.08x one GEMM from 4096 rows)
+#   step 10 (~8 min): a branch that changes token_log_probs' top-k (distillation, replay), before it lands: here
+#                    `git archive main verl_fused_hook > build/ab/main.tar`, then from the branch: its GPU tests
+#                    (token_log_probs, replay, batch invariance), the A/B against main at k = 128 and 32, kl_topk and
+#                    sum pi^2 at k = 128 against the floor, and where the backward's time goes at 65536 tokens
+#   step 11 (~3 min): the accuracy table's 16384-row column on this card (ours, into main_grad, verl against fp64)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -126,13 +131,34 @@ step9() {
     done
 }
 
+step10() {
+    local base=(--base main) k
+    [ -d .git ] || base+=(--base-archive build/ab/main.tar)
+    gpu_tests "gpu_tests_top_k_$CARD" 200 test_selected_tokens_cuda.py test_replay_cuda.py test_batch_invariance_cuda.py
+    for k in 128 32; do
+        run_command 100 python3 scripts/ab_op_revisions.py "${base[@]}" --topk "$k" --rounds 3 \
+            --shapes "16384,4096,151936;65536,4096,151936" --out "$OUT/ab_top_k_k${k}_$CARD.json"
+    done
+    run 90 bench --shapes "16384,4096,151936;65536,4096,151936" --methods floor,kl_topk,sum_pi_squared --topk 128 \
+        --warmup 1 --repeats 3 --accuracy-shape '' --out "$OUT/bench_distill_k128_$CARD"
+    run_command 80 python3 scripts/profile_token_log_probs.py --shape 65536,4096,151936 --topk 128 --backward \
+        --sum-pi-squared --out "$OUT/profile_kl_topk_backward_65536_$CARD.json"
+    rm -f "$OUT"/*.png  # a call brings back a handful of files: the data, not the plots
+}
+
+step11() {
+    run 180 bench --quick --shapes 1024,4096,151936 --methods triton,triton_main_grad,verl --warmup 1 --repeats 1 \
+        --accuracy-shape 16384,4096,151936 --out "$OUT/bench_accuracy_16384_$CARD"
+    rm -f "$OUT"/*.png
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 | 10 | 11) ;;
     *)
-        echo "usage: $0 STEP... (1-9; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-11; see the top of this file)" >&2
         exit 2
         ;;
     esac
