@@ -37,6 +37,7 @@ def make_case(
     seed=0,
     per_row_temperature=True,
     masked=True,
+    ignored_row=True,
     extreme=False,
     tp=1,
     dtype=torch.float32,
@@ -44,7 +45,8 @@ def make_case(
     weight_scale=0.5,
 ) -> Case:
     """Ids on every shard of `tp` (each row's first id on the last shard's first column, its second the same as
-    its first: a duplicate), labels among the ids on some rows, every third row masked, ignore_index on row 1."""
+    its first: a duplicate), labels among the ids on some rows, every third row masked, ignore_index on row 1
+    (`masked`, `ignored_row` False: every row scored)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g)
     weight = torch.randn(padded, h, generator=g) * weight_scale
@@ -59,7 +61,8 @@ def make_case(
     if k > 2:
         token_ids[:, 1] = token_ids[:, 0]
         token_ids[::4, 2] = labels[::4]
-    labels[1] = -100
+    if ignored_row:
+        labels[1] = -100
     temperature = torch.rand(n, generator=g) + 0.5 if per_row_temperature else 0.7
     score_mask = (torch.arange(n) % 3 != 2) if masked else None
     grads = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)

@@ -29,10 +29,17 @@ def run(case, top_k=0, backend="torch", tile_rows=8, **kwargs) -> tuple[TokenLog
     [
         {},
         {"per_row_temperature": False, "masked": False},
+        {"masked": False, "ignored_row": False},  # d_hidden written by row span, not by index
         {"padded": 211, "vocab": 211, "k": 1},
         {"k": 40},  # more ids than a tile has rows, many duplicates
     ],
-    ids=["per_row_temperature_masked", "one_temperature_every_row", "no_padding_one_id", "forty_ids"],
+    ids=[
+        "per_row_temperature_masked",
+        "one_temperature_every_row",
+        "every_row_scored",
+        "no_padding_one_id",
+        "forty_ids",
+    ],
 )
 def test_against_fp64(options):
     case = make_case(**options)

@@ -251,10 +251,13 @@ class _SelectedTokens(torch.autograd.Function):
         owner, ctx.main_grad_owner = ctx.main_grad_owner, None
         grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if ctx.needs_input_grad[0] else None
         grad_weight = None
-        if ctx.needs_input_grad[1] and owner is None:
-            grad_weight = torch.zeros(weight_shape, dtype=weight_dtype, device=device)
+        if ctx.needs_input_grad[1] and owner is None:  # the valid rows are all written below: zero only the padding
+            grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
+            grad_weight[valid_columns:].zero_()
         nothing_flows = grad_log_probs is None and grad_entropy is None and grad_token_log_probs is None
         if valid_columns == 0 or row_max.numel() == 0 or nothing_flows:
+            if grad_weight is not None:
+                grad_weight.zero_()
             return grad_hidden, grad_weight if owner is None else returned_weight_grad(owner), None, None, None
         passes = ctx.rebuild_passes(*tensors)
         weight_sum = None
@@ -262,6 +265,7 @@ class _SelectedTokens(torch.autograd.Function):
             weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
         elif grad_weight is not None:
             weight_sum = WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
+        every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
         for block in passes.blocks():
             span, rows = block.span, block.rows
             g_lp = _scored(grad_log_probs, rows)
@@ -271,7 +275,9 @@ class _SelectedTokens(torch.autograd.Function):
                 row_max[span], log_sum[span], shifted_mean[span], dense, _scored(grad_entropy, rows)
             )
             d_hidden = passes.token_gradients(block, inputs, sparse, grad_hidden is not None, weight_sum)
-            if d_hidden is not None:
+            if d_hidden is not None and every_row_scored:  # one rounding copy, no index_copy of a rounded copy
+                grad_hidden[span].copy_(d_hidden)
+            elif d_hidden is not None:
                 grad_hidden.index_copy_(0, rows, d_hidden.to(hidden_dtype))
             del d_hidden
         if weight_sum is not None:
