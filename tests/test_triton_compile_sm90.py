@@ -18,7 +18,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from verl_fused_hook.ops.backends import triton_kernels as kernels  # noqa: E402
 from verl_fused_hook.ops.backends.triton_backend import FORWARD_CONFIG, GRAD_BLOCK, GRAD_CONFIG  # noqa: E402
-from verl_fused_hook.ops.backends.triton_selected_tokens import GROUP_COLUMNS, HIDDEN_BLOCK, TOKEN_BLOCK  # noqa: E402
+from verl_fused_hook.ops.backends.triton_selected_tokens import (  # noqa: E402
+    GROUP_COLUMNS,
+    HIDDEN_BLOCK,
+    SPARSE_ADD_BLOCK,
+    TOKEN_BLOCK,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -118,7 +123,8 @@ def test_grad_logits_kernel_fits_hopper():
 
 
 def test_the_elementwise_kernels_compile_for_hopper():
-    """The kept logits' gradient pass and token_log_probs' gather-dot and sparse add (no TMA, small shared use)."""
+    """The kept logits' gradient pass and token_log_probs' gather-dot, sparse sort and add (no TMA, small shared
+    use)."""
     fp32 = "*fp32"
     stored = {
         "shifted_ptr": "*fp16",
@@ -136,18 +142,25 @@ def test_the_elementwise_kernels_compile_for_hopper():
         "h_ptr": "*bf16", "h_stride": "i32", "w_ptr": "*bf16", "w_stride": "i32", "columns_ptr": "*i64",
         "inv_temp_ptr": fp32, "out_ptr": fp32, "entries": "i32", "H": "i32",
     }  # fmt: skip
+    sort_sparse = {
+        "columns_ptr": "*i64", "coefficients_ptr": fp32, "entries": "i32", "out_columns_ptr": "*i32",
+        "out_coefficients_ptr": fp32, "bounds_ptr": "*i32", "chunk_width": "i32", "chunks": "i32",
+    }  # fmt: skip
     sparse = {
-        "dz_ptr": "*bf16", "dz_stride": "i32", "columns_ptr": "*i64", "coefficients_ptr": fp32, "inv_temp_ptr": fp32,
-        "entries": "i32", "chunk_start": "i32", "chunk_width": "i32",
+        "dz_ptr": "*bf16", "dz_stride": "i32", "columns_ptr": "*i32", "coefficients_ptr": fp32, "bounds_ptr": "*i32",
+        "bounds_stride": "i32", "inv_temp_ptr": fp32, "entries": "i32", "chunk": "i32", "chunk_start": "i32",
     }  # fmt: skip
     launches = [
         (kernels.stored_grad_logits_kernel, stored, dict(TILE_N=FORWARD_CONFIG.block_n, BLOCK=GRAD_BLOCK), 8),
         (kernels.token_logits_kernel, gather, dict(BLOCK_T=TOKEN_BLOCK, BLOCK_H=HIDDEN_BLOCK), 4),
-        (kernels.add_sparse_gradient_kernel, sparse, dict(BLOCK=256), 4),
+        (kernels.add_sparse_gradient_kernel, sparse, dict(BLOCK=SPARSE_ADD_BLOCK), 1),
     ]
     for kernel, signature, constants, warps in launches:
         compiled = _compile(kernel, signature, constants, warps)
         assert compiled.metadata.shared <= SHARED_LIMIT, (kernel.fn.__name__, compiled.metadata.shared)
+    for block in (256, 2048):  # the sort's row in registers: k = 128 ids, and 1024 with the label (no spills)
+        compiled = _compile(kernels.sort_sparse_gradient_kernel, sort_sparse, dict(BLOCK=block), 4)
+        assert compiled.metadata.shared <= SHARED_LIMIT and _spilled_bytes(compiled) == 0, block
 
 
 @pytest.mark.parametrize("planes", [4, 5], ids=["statistics", "with square sums"])

@@ -50,17 +50,50 @@ def _kernel_cases() -> dict:
     want = torch.where(columns >= 0, want, 0.0)
     results = {"gather_dot": (got.double() - want).abs().max().item()}
 
-    # the fix-up on an fp16 chunk [n, 64] at columns 40..103 of the shard, duplicates combined first
-    sparse = combine_duplicate_columns(torch.randint(-1, v, (n, k), generator=g), torch.randn(n, k, generator=g))
-    dz = torch.randn(n, 80, generator=g).half()[:, :64]  # a strided chunk, as the backward's tile
-    expected = dz.float().clone()
-    inside = (sparse.columns >= 40) & (sparse.columns < 104)
-    for row, j in inside.nonzero().tolist():
-        expected[row, sparse.columns[row, j] - 40] += sparse.coefficients[row, j] * inv_temp[row]
-    triton_kernels.add_sparse_gradient_kernel[(n,)](
-        dz, dz.stride(0), sparse.columns.contiguous(), sparse.coefficients.contiguous(), inv_temp, k, 40, 64, BLOCK=32
+    # the sparse part: sorted by column and combined once (against combine_duplicate_columns, bit for bit, with runs
+    # of up to ~6 equal columns, -1 among them, a -0.0 coefficient), then added to each chunk of 40 columns of an
+    # fp16 d_logits row tile [n, 40] (a strided view, as the backward's tile), chunk by chunk
+    from verl_fused_hook.ops.backends.triton_selected_tokens import _sparse_adder
+    from verl_fused_hook.ops.token_math import SparseLogitGradient
+
+    columns = torch.randint(-1, v, (n, k), generator=g)
+    columns[:, 5:11] = columns[:, 4:5]  # a run of seven
+    columns[3] = torch.randint(-1, 3, (k,), generator=g)  # runs of ~6
+    coefficients = torch.randn(n, k, generator=g)
+    coefficients[:, 2] = -0.0
+    combined = combine_duplicate_columns(columns, coefficients)
+    chunks = -(-v // 40)
+    by_column = torch.empty(n, k, dtype=torch.int32)
+    sums = torch.empty(n, k)
+    bounds = torch.empty(n, chunks + 1, dtype=torch.int32)
+    triton_kernels.sort_sparse_gradient_kernel[(n,)](
+        columns, coefficients, k, by_column, sums, bounds, 40, chunks, BLOCK=32
     )
-    results["fix_up"] = (dz.float() - expected.half().float()).abs().max().item()
+    sums_exact = True
+    for row in range(n):
+        kept = combined.columns[row] >= 0
+        order = torch.sort(combined.columns[row][kept]).indices
+        owners = by_column[row] >= 0
+        sums_exact &= torch.equal(by_column[row][owners].long(), combined.columns[row][kept][order])
+        sums_exact &= torch.equal(sums[row][owners], combined.coefficients[row][kept][order])  # bit for bit
+        sums_exact &= bool((sums[row][~owners] == 0).all())
+        sorted_columns = torch.sort(columns[row]).values
+        want_bounds = [int((sorted_columns < c * 40).sum()) for c in range(chunks + 1)]
+        sums_exact &= bounds[row].tolist() == want_bounds
+    add = _sparse_adder(SparseLogitGradient(columns, coefficients), inv_temp, v, 40)
+    chunk_exact = True
+    for start in range(0, v, 40):
+        width = min(40, v - start)
+        dz = torch.randn(n, 48, generator=g).half()[:, :width]
+        expected = dz.float().clone()
+        inside = (combined.columns >= start) & (combined.columns < start + width)
+        for row, j in inside.nonzero().tolist():
+            expected[row, combined.columns[row, j] - start] += combined.coefficients[row, j] * inv_temp[row]
+        add(dz[:13], slice(0, 13), start)  # two row tiles, as the backward's
+        add(dz[13:], slice(13, n), start)
+        chunk_exact &= torch.equal(dz.float(), expected.half().float())
+    results["fix_up_exact"] = chunk_exact
+    results["sorted_sums_exact"] = sums_exact
 
     # the SQUARES flag: square sums per row (several splits merged) against the torch math
     labels = torch.randint(0, v, (n,), generator=g)
@@ -308,7 +341,8 @@ def _run_interpreted(function: str):
 def test_selected_token_kernels_in_the_interpreter():
     results = _run_interpreted("_kernel_cases")
     assert results["gather_dot"] <= VALUE_TOL, results
-    assert results["fix_up"] == 0.0, results  # fp16(old + c / T), the same rounding as the torch expectation
+    assert results["sorted_sums_exact"], results  # the torch combine's bits, sorted by column; the chunk bounds
+    assert results["fix_up_exact"], results  # fp16(old + c / T), the same rounding as the torch expectation
     assert results["squares"] <= VALUE_TOL and results["row_max"] <= VALUE_TOL, results
     assert results["kept_raw"] <= 1e-6 and results["group_max_exact"] and results["tile_max_exact"], results
 

@@ -26,9 +26,9 @@ from .arguments import LogProbProblem, build_problem
 from .backends import BACKEND_CHOICES, BACKENDS, check_backend_name, resolve_backend
 from .softmax_math import LogitGradientInputs, Partials, combine_row_statistics, no_column_partials
 from .token_math import (
+    SparseLogitGradient,
     TokenPartials,
     TokenRequest,
-    combine_duplicate_columns,
     merge_token_partials,
     no_column_token_partials,
 )
@@ -296,7 +296,7 @@ def _dense_and_sparse(
     label_col: Tensor, g_lp: Tensor | None, token_columns: Tensor | None, span: slice, g_tokens: Tensor | None
 ):
     """The dense coefficient per row (g_lp + sum_j c_j; None when neither flows) and the sparse part: the label's
-    column with g_lp and the ids' columns with c_j, duplicates combined."""
+    column with g_lp and the ids' columns with c_j (a column may repeat: the backends combine them)."""
     label = label_col.long().unsqueeze(1)
     columns, coefficients, dense = [], [], None
     if g_lp is not None:
@@ -309,5 +309,5 @@ def _dense_and_sparse(
         dense = g_tokens.sum(dim=1) if dense is None else dense + g_tokens.sum(dim=1)
     if not columns:
         empty = torch.empty(label.shape[0], 0, device=label.device)
-        return None, combine_duplicate_columns(empty.long(), empty)
-    return dense, combine_duplicate_columns(torch.cat(columns, 1), torch.cat(coefficients, 1))
+        return None, SparseLogitGradient(empty.long(), empty)
+    return dense, SparseLogitGradient(torch.cat(columns, 1), torch.cat(coefficients, 1))

@@ -9,8 +9,9 @@ candidates are gathered and selected again (with one rank they are already in or
 
 The gradient of sum_j c_j log p(id_j) with respect to the logits is sum_j c_j e_(id_j) - (sum_j c_j) p: a dense
 part, the label gradient's with coefficient sum_j c_j, plus a sparse part at k columns per row
-(`SparseLogitGradient`). Duplicate columns are combined first (`combine_duplicate_columns`), in a fixed order and
-onto the first occurrence, so that adding the sparse part needs no atomics and its result no order.
+(`SparseLogitGradient`). Before it is added, duplicate columns are combined (`combine_duplicate_columns`, or the
+Triton backend's kernel in the same order), onto the first occurrence, so that adding it needs no atomics and its
+result no order.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class TokenResults(NamedTuple):
 
 
 class SparseLogitGradient(NamedTuple):
-    """The sparse part of a block's d_logits: per row, `columns` int64 [R, m] of this shard (each at most once,
+    """The sparse part of a block's d_logits: per row, `columns` int64 [R, m] of this shard (a column may repeat;
     -1: nothing) get `coefficients` fp32 [R, m] / T added."""
 
     columns: Tensor
@@ -215,8 +216,9 @@ def combine_duplicate_columns(columns: Tensor, coefficients: Tensor) -> SparseLo
 
 def add_sparse_gradient(grad: Tensor, sparse: SparseLogitGradient, inv_temp: Tensor) -> Tensor:
     """grad [R, C] (fp32 d_logits of the raw logits) plus coefficient / T at each row's columns, in place. The columns
-    are unique per row (combine_duplicate_columns) and -1 entries add an exact 0 at column 0, so the result is the
-    same in any order."""
+    are combined first (unique per row) and -1 entries add an exact 0 at column 0, so the result is the same in any
+    order."""
+    sparse = combine_duplicate_columns(*sparse)
     columns = sparse.columns.clamp_min(0)
     values = torch.where(sparse.columns >= 0, sparse.coefficients * inv_temp.unsqueeze(1), 0.0)
     return grad.scatter_add_(1, columns, values)

@@ -301,12 +301,12 @@ def recomputed_gradients(
     want_hidden: bool,
     weight_sum: WeightGradientSum | None,
     kept: StoredLogits | None = None,
-    add_sparse=None,
+    sparse_adder=None,
 ) -> Tensor | None:
     """fp32 d_hidden of the block (or None); its share of d_weight[:valid_columns] chunk by chunk through
     weight_sum. The block's first rows, when `kept` holds their logits, are one more row tile whose d_logits
-    come from there. `inputs`: no gradient None. `add_sparse(dz, rows, chunk_start)` (token_log_probs): adds a
-    sparse part to each recomputed d_logits tile before its GEMMs."""
+    come from there. `inputs`: no gradient None. `sparse_adder(chunk_columns)` (token_log_probs) returns
+    `add(dz, rows, chunk_start)`, adding a sparse part to each recomputed d_logits tile before its GEMMs."""
     from . import triton_kernels as kernels
 
     hidden = block.hidden
@@ -318,8 +318,7 @@ def recomputed_gradients(
     tiles = ([(0, k)] if k else []) + [(k + first, count) for first, count in tiling.tiles(n - k)]
     dz_buffer = torch.empty(tiling.rows, tiling.columns, dtype=hidden.dtype, device=hidden.device) if n > k else None
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if want_hidden else None
-    # Several row tiles of the only block add into a chunk's d_weight rows: in fp32, rounded once into d_weight.
-    # (Row groups add into the sum's own fp32 buffer.)
+    # The only block's row tiles add into a chunk's d_weight rows in fp32, rounded once (row groups: the sum's buffer)
     dw_chunk = None
     if (
         weight_sum is not None
@@ -329,6 +328,7 @@ def recomputed_gradients(
     ):
         dw_chunk = torch.empty(tiling.columns, h, dtype=torch.float32, device=hidden.device)
     w_desc = descriptor(weight[:valid_columns], [c.block_n, c.block_k])
+    add_sparse = None if sparse_adder is None else sparse_adder(tiling.columns)
     row_args = (block.label_col, block.inv_temp, *inputs)
     for start in range(0, valid_columns, tiling.columns):
         cols = min(tiling.columns, valid_columns - start)

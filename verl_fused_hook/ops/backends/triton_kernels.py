@@ -6,9 +6,9 @@
 - `merge_tiles_kernel`: the forward's per-tile partials merged into one per row, in one launch;
 - `grad_logits_kernel`: the same GEMM with a d_logits epilogue (the two-pass op's recomputing backward);
 - `stored_grad_logits_kernel`: d_logits formed in place over the logits the forward kernel kept;
-- `token_logits_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits of given ids without top-k (a
-  gather-dot in a fixed order over H) and the sparse part of its d_logits, added to a chunk the gradient kernel
-  wrote;
+- `token_logits_kernel`, `sort_sparse_gradient_kernel`, `add_sparse_gradient_kernel`: `token_log_probs`' logits
+  of given ids without top-k (a gather-dot in a fixed order over H) and the sparse part of its d_logits, sorted by
+  column once, then added to each chunk the gradient kernel wrote;
 - `top_k_kernel`: `token_log_probs`' exact top-k of a row from the kept fp32 logits and their tile and group maxima;
 - `kept_rows_gradient_kernel`, `kept_columns_gradient_kernel`: `replayed_log_probs`' backward (its forward is the
   gather-dot): d_hidden as each row's weighted sum of its kept weight rows, and d_weight as each kept column's
@@ -350,30 +350,73 @@ def token_logits_kernel(
 
 
 @triton.jit
-def add_sparse_gradient_kernel(
-    dz_ptr,
-    dz_stride,  # [rows, chunk_width] d_logits of one vocabulary chunk (the input dtype)
+def sort_sparse_gradient_kernel(
     columns_ptr,
-    coefficients_ptr,
-    inv_temp_ptr,  # int64 / fp32 [rows, entries], fp32 [rows]
+    coefficients_ptr,  # int64 / fp32 [rows, entries]: a row's columns (-1: none; repeats allowed), coefficients
     entries,
-    chunk_start,
+    out_columns_ptr,
+    out_coefficients_ptr,  # int32 / fp32 [rows, entries]: by column, repeats summed onto the first (the rest -1, 0)
+    bounds_ptr,  # int32 [rows, chunks + 1]: where each vocabulary chunk's entries begin in the sorted row
     chunk_width,
-    BLOCK: tl.constexpr,
+    chunks,
+    BLOCK: tl.constexpr,  # a power of two >= entries
 ):
-    """One program per row: dz[column - chunk_start] += coefficient / T for the row's columns inside the chunk. The
-    columns are unique per row (duplicates combined beforehand, the rest -1), so no two lanes touch one element: no
-    atomics, and the result has no order."""
+    """One program per row: its entries sorted by column (equal columns in their order), each run of equal columns
+    summed onto its first entry in the order of token_math.combine_duplicate_columns (a suffix scan doubling its
+    step: the same bits), and where each chunk of `chunk_width` columns begins, so that the gradient kernel's
+    chunks each read only their own entries."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ok = j < entries
     column = tl.load(columns_ptr + row * entries + j, mask=ok, other=-1)
-    local = column - chunk_start
-    inside = ok & (column >= 0) & (local >= 0) & (local < chunk_width)
-    add = tl.load(coefficients_ptr + row * entries + j, mask=inside, other=0.0) * tl.load(inv_temp_ptr + row)
-    where = dz_ptr + row * dz_stride + local
-    old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
-    tl.store(where, (old + add).to(dz_ptr.dtype.element_ty), mask=inside)
+    key = tl.where(ok, ((column + 1) << 24) | j, 0x7FFFFFFFFFFFFFFF)
+    key = tl.sort(key)
+    sorted_column = (key >> 24) - 1
+    sums = tl.load(coefficients_ptr + row * entries + (key & 0xFFFFFF), mask=ok, other=0.0)
+    step = 1
+    while step < entries:
+        later = tl.minimum(j + step, BLOCK - 1)
+        same_run = (j + step < entries) & (tl.gather(sorted_column, later, 0) == sorted_column)
+        sums = tl.where(same_run, sums + tl.gather(sums, later, 0), sums)
+        step *= 2
+    before = tl.gather(sorted_column, tl.maximum(j - 1, 0), 0)
+    owner = ok & (sorted_column >= 0) & ((j == 0) | (before != sorted_column))
+    tl.store(out_columns_ptr + row * entries + j, tl.where(owner, sorted_column, -1).to(tl.int32), mask=ok)
+    tl.store(out_coefficients_ptr + row * entries + j, tl.where(owner, sums + 0.0, 0.0), mask=ok)
+    for chunk in range(0, chunks + 1):
+        below = tl.sum((ok & (sorted_column < chunk * chunk_width)).to(tl.int32), axis=0)
+        tl.store(bounds_ptr + row * (chunks + 1) + chunk, below)
+
+
+@triton.jit
+def add_sparse_gradient_kernel(
+    dz_ptr,
+    dz_stride,  # [rows, chunk_width] d_logits of one vocabulary chunk (the input dtype)
+    columns_ptr,
+    coefficients_ptr,  # int32 / fp32 [rows, entries]: sort_sparse_gradient_kernel's sorted, unique entries
+    bounds_ptr,  # int32 [rows, bounds_stride]: its chunk bounds
+    bounds_stride,
+    inv_temp_ptr,  # fp32 [rows]
+    entries,
+    chunk,
+    chunk_start,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: dz[column - chunk_start] += coefficient / T for the row's entries of this chunk (between
+    its two bounds). The columns are unique per row, so no two lanes touch one element: no atomics, and the result
+    has no order."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.load(bounds_ptr + row * bounds_stride + chunk)
+    last = tl.load(bounds_ptr + row * bounds_stride + chunk + 1)
+    inv_temp = tl.load(inv_temp_ptr + row)
+    for start in range(first, last, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        column = tl.load(columns_ptr + row * entries + j, mask=j < last, other=-1)
+        inside = column >= 0
+        add = tl.load(coefficients_ptr + row * entries + j, mask=inside, other=0.0) * inv_temp
+        where = dz_ptr + row * dz_stride + (column - chunk_start)
+        old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+        tl.store(where, (old + add).to(dz_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -10,9 +10,11 @@ the two-pass op's own per-row memory (its d_hidden sum), nothing grows with N bu
 
 Backward: `triton_backend.recomputed_gradients` (the two-pass op's walk over vocabulary chunks and row tiles, row
 groups as there), with the label's spike left out of the gradient kernel (label column -1, dense coefficient
-g_lp + sum_j c_j) and `add_sparse_gradient_kernel` adding the label's and the ids' coefficients to each d_logits
-tile before its two GEMMs: the same three GEMMs as the two-pass op. The tile's d_logits are already rounded to bf16
-there, so the k + 1 sparse entries per row are rounded twice (each rounding 2^-9 relative).
+g_lp + sum_j c_j) and the label's and the ids' coefficients added to each d_logits tile before its two GEMMs: the
+same three GEMMs as the two-pass op. The coefficients are sorted by column and their repeats combined once
+(`sort_sparse_gradient_kernel`), so each chunk's `add_sparse_gradient_kernel` reads only its own entries. The
+tile's d_logits are already rounded to bf16 there, so the k + 1 sparse entries per row are rounded twice (each
+rounding 2^-9 relative).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ MAX_SELECTION_TOP_K = 1024  # sampling replay's wider pass asks max_kept + 1 = 5
 SELECTION_VALUES_A_WARP = 512
 # Asked columns `top_k_kernel` reads at once (a loop over more).
 TOP_K_TOKENS_BLOCK = 128
+# The sparse entries a chunk's add reads at once (about k / 18 of them fall in one chunk of a 151936 shard).
+SPARSE_ADD_BLOCK = 32
 # The gather-dot's entries per program and hidden units per step (a fixed order over H: part of the op's results).
 TOKEN_BLOCK = 16
 HIDDEN_BLOCK = 128
@@ -265,6 +269,52 @@ def top_candidates(
     return (*pad_candidates(values, ids, top_k), logits)
 
 
+def _sparse_adder(sparse: SparseLogitGradient, inv_temp: Tensor, valid_columns: int, chunk_columns: int):
+    """`sparse` sorted by column and its repeats combined once (`sort_sparse_gradient_kernel`, with where each
+    chunk of `chunk_columns` begins); the returned add(dz, rows, chunk_start) adds a chunk's entries to its d_logits
+    tile, each launch reading only that chunk's entries (at k = 128 and 18 chunks, 1/18 of them)."""
+    from . import triton_kernels as kernels
+
+    rows, entries = sparse.columns.shape
+    chunks = -(-valid_columns // chunk_columns)
+    device = sparse.columns.device
+    columns = torch.empty(rows, entries, dtype=torch.int32, device=device)
+    coefficients = torch.empty(rows, entries, dtype=torch.float32, device=device)
+    bounds = torch.empty(rows, chunks + 1, dtype=torch.int32, device=device)
+    if rows and entries:
+        kernels.sort_sparse_gradient_kernel[(rows,)](
+            sparse.columns.contiguous(),
+            sparse.coefficients.float().contiguous(),
+            entries,
+            columns,
+            coefficients,
+            bounds,
+            chunk_columns,
+            chunks,
+            BLOCK=max(16, 1 << (entries - 1).bit_length()),
+        )
+
+    def add(dz: Tensor, tile: slice, chunk_start: int) -> None:
+        if not entries or dz.shape[0] == 0:
+            return
+        kernels.add_sparse_gradient_kernel[(dz.shape[0],)](
+            dz,
+            dz.stride(0),
+            columns[tile],
+            coefficients[tile],
+            bounds[tile],
+            chunks + 1,
+            inv_temp[tile],
+            entries,
+            chunk_start // chunk_columns,
+            chunk_start,
+            BLOCK=SPARSE_ADD_BLOCK,
+            num_warps=1,
+        )
+
+    return add
+
+
 class TritonTokenPasses:
     """The scored rows compacted into one block; the forward walks it in chunks under top_k (`spans`), the backward
     in the groups of `row_groups`."""
@@ -321,28 +371,14 @@ class TritonTokenPasses:
             g_lp=zeros if inputs.g_lp is None else inputs.g_lp, g_ent=zeros if inputs.g_ent is None else inputs.g_ent
         )
         no_label = replace(block, label_col=torch.full_like(block.label_col, -1))
-        columns, coefficients = sparse.columns.contiguous(), sparse.coefficients.contiguous()
-
-        def add_sparse(dz: Tensor, rows: slice, chunk_start: int) -> None:
-            from . import triton_kernels as kernels
-
-            entries = columns.shape[1]
-            if not entries or dz.shape[0] == 0:
-                return
-            kernels.add_sparse_gradient_kernel[(dz.shape[0],)](
-                dz,
-                dz.stride(0),
-                columns[rows],
-                coefficients[rows],
-                block.inv_temp[rows],
-                entries,
-                chunk_start,
-                dz.shape[1],
-                BLOCK=max(16, 1 << (entries - 1).bit_length()),
-            )
-
         return recomputed_gradients(
-            no_label, self.weight, self.valid_columns, inputs, want_hidden, weight_sum, add_sparse=add_sparse
+            no_label,
+            self.weight,
+            self.valid_columns,
+            inputs,
+            want_hidden,
+            weight_sum,
+            sparse_adder=functools.partial(_sparse_adder, sparse, block.inv_temp, self.valid_columns),
         )
 
     def for_backward(self) -> SavedPasses:
