@@ -32,6 +32,12 @@
 #                    (token_log_probs, replay, batch invariance), the A/B against main at k = 128 and 32, kl_topk and
 #                    sum pi^2 at k = 128 against the floor, and where the backward's time goes at 65536 tokens
 #   step 11 (~3 min): the accuracy table's 16384-row column on this card (ours, into main_grad, verl against fp64)
+#   step 12 (~5 min): the other models and layouts on this card (benchmarks.md "Other models and layouts"): the MoE
+#                    shapes, the padded layout and one MTP layer against verl as it ships, 2 layers each. On the H100
+#                    (2026-12-07) it shared its call with TE's build pinned to the other half of the cores:
+#                    bash scripts/device_te.sh install && (setsid taskset -c 8-15 bash scripts/device_te.sh build
+#                    >/tmp/te_build.log 2>&1 </dev/null &); taskset -c 0-7 bash scripts/device_op_runs.sh 12;
+#                    bash scripts/device_te.sh wait && bash scripts/device_te.sh keep "$OUT"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -152,13 +158,21 @@ step11() {
     rm -f "$OUT"/*.png
 }
 
+step12() {
+    run 100 e2e-bench --moe --sizes 8192 --modes legacy,hook+verl,hook+ours+mask --warmups 1 --repeats 2 \
+        --out "$OUT/e2e_moe_$CARD"
+    run 200 e2e-bench --layout bshd --sizes 16384,32768,65536 --warmups 1 --repeats 2 --out "$OUT/e2e_bshd_$CARD"
+    run 200 e2e-bench --mtp 1 --sizes 16384,32768,65536 --warmups 1 --repeats 2 --out "$OUT/e2e_mtp_$CARD"
+    rm -f "$OUT"/*/*.md "$OUT"/*/*.png
+}
+
 # One or more steps per call (`3 4`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 | 10 | 11) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 | 10 | 11 | 12) ;;
     *)
-        echo "usage: $0 STEP... (1-11; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-12; see the top of this file)" >&2
         exit 2
         ;;
     esac

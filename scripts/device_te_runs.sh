@@ -40,6 +40,9 @@
 #                    Carry build/apex (with step 7's prebuilt extension) and build/fa3 too: Megatron-Bridge turns
 #                    on gradient_accumulation_fusion where TE imports (the output layer then needs apex), and
 #                    verl's Megatron-Bridge build sets attention_backend=flash (TE then needs a FlashAttention)
+#   step 9 (~7 min): issue 55's full-depth columns on another card (the H100, 2026-12-07): step 3 at 16k and 32k
+#                    tokens, legacy / hook+verl / hook+ours+mask, the decoder alone timed too; the results' names
+#                    end in the card
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh
@@ -131,13 +134,21 @@ step8() {
         --modes legacy,hook-verl,hook-auto-fused-loss --out "$OUT/train_parity_te_megatron_bridge"
 }
 
+step9() {
+    local card
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr 'H' 'h')
+    run 520 e2e-bench --hf-config "$QWEN7B" --layers 28 --recompute --layer-specs local,te --output-layer-share \
+        --sizes 16384,32768 --warmups 1 --repeats 2 --modes legacy,hook+verl,hook+ours+mask --out "$OUT/e2e_7b_$card"
+    rm -f "$OUT"/*/*.png
+}
+
 # One or more steps per call (`8 7`): they share the call's LIMIT seconds, and a command without time left is skipped.
 [ $# -gt 0 ] || set -- ""
 for step in "$@"; do
     case "$step" in
-    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
     *)
-        echo "usage: $0 STEP... (1-8; see the top of this file)" >&2
+        echo "usage: $0 STEP... (1-9; see the top of this file)" >&2
         exit 2
         ;;
     esac
