@@ -33,7 +33,7 @@ from .token_math import (
     no_column_token_partials,
 )
 from .two_pass import fp32_backward
-from .weight_gradient import WeightGradientSum, returned_weight_grad
+from .weight_gradient import InputGradients
 
 DRIVER = "token_log_probs"
 
@@ -249,23 +249,15 @@ class _SelectedTokens(torch.autograd.Function):
         device = row_max.device
         grad_entropy = grad_entropy if calculate_entropy else None
         owner, ctx.main_grad_owner = ctx.main_grad_owner, None
-        grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1] and owner is None:  # the valid rows are all written below: zero only the padding
-            grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
-            grad_weight[valid_columns:].zero_()
+        grads = InputGradients(
+            ctx.needs_input_grad, (hidden_shape, hidden_dtype), (weight_shape, weight_dtype), valid_columns,
+            row_max.numel(), owner, device,
+        )  # fmt: skip
         nothing_flows = grad_log_probs is None and grad_entropy is None and grad_token_log_probs is None
         if valid_columns == 0 or row_max.numel() == 0 or nothing_flows:
-            if grad_weight is not None:
-                grad_weight.zero_()
-            return grad_hidden, grad_weight if owner is None else returned_weight_grad(owner), None, None, None
+            return *grads.finish(), None, None, None
         passes = ctx.rebuild_passes(*tensors)
-        weight_sum = None
-        if owner is not None:  # main_grad read now, as megatron's layers do
-            weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
-        elif grad_weight is not None:
-            weight_sum = WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
-        every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
+        grads.start(passes.block_count)
         for block in passes.blocks():
             span, rows = block.span, block.rows
             g_lp = _scored(grad_log_probs, rows)
@@ -274,18 +266,10 @@ class _SelectedTokens(torch.autograd.Function):
             inputs = LogitGradientInputs(
                 row_max[span], log_sum[span], shifted_mean[span], dense, _scored(grad_entropy, rows)
             )
-            d_hidden = passes.token_gradients(block, inputs, sparse, grad_hidden is not None, weight_sum)
-            if d_hidden is not None and every_row_scored:  # one rounding copy, no index_copy of a rounded copy
-                grad_hidden[span].copy_(d_hidden)
-            elif d_hidden is not None:
-                grad_hidden.index_copy_(0, rows, d_hidden.to(hidden_dtype))
-            del d_hidden
-        if weight_sum is not None:
-            weight_sum.finish()
-        if owner is not None:
-            del weight_sum  # its fp32 buffer (a 16-bit main_grad's) is free before the placeholder is allocated
-            grad_weight = returned_weight_grad(owner)
-        return grad_hidden, grad_weight, None, None, None
+            d_hidden = passes.token_gradients(block, inputs, sparse, grads.hidden is not None, grads.weight_sum)
+            grads.store_hidden(block, d_hidden)
+            del d_hidden  # gone before the next block's fp32 d_hidden is allocated
+        return *grads.finish(), None, None, None
 
 
 def _scored(grad: Tensor | None, rows: Tensor) -> Tensor | None:

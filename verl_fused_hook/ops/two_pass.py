@@ -35,7 +35,7 @@ from .softmax_math import (
     no_column_partials,
     scatter_rows,
 )
-from .weight_gradient import WeightGradientSum, returned_weight_grad
+from .weight_gradient import InputGradients
 
 logger = logging.getLogger(__name__)
 
@@ -256,22 +256,14 @@ class _TwoPass(torch.autograd.Function):
         if not calculate_entropy:
             grad_entropy = None
         owner, ctx.main_grad_owner = ctx.main_grad_owner, None
-        grad_hidden = grad_weight = weight_sum = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device)
-        if ctx.needs_input_grad[1] and owner is None:
-            grad_weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
-            grad_weight[valid_columns:].zero_()
+        grads = InputGradients(
+            ctx.needs_input_grad, (hidden_shape, hidden_dtype), (weight_shape, weight_dtype), valid_columns,
+            row_max.numel(), owner, device,
+        )  # fmt: skip
         if valid_columns == 0 or row_max.numel() == 0 or (grad_log_probs is None and grad_entropy is None):
-            if grad_weight is not None:
-                grad_weight.zero_()
-            return grad_hidden, grad_weight if owner is None else returned_weight_grad(owner), None, None
+            return *grads.finish(), None, None
         passes = ctx.rebuild_passes(*tensors)
-        if owner is not None:  # main_grad read now, as megatron's layers do
-            weight_sum = WeightGradientSum(owner.main_grad[:valid_columns], passes.block_count, accumulate=True)
-        elif grad_weight is not None:
-            weight_sum = WeightGradientSum(grad_weight[:valid_columns], passes.block_count)
-        every_row_scored = row_max.numel() == hidden_shape[0]  # then a block's rows are its span
+        grads.start(passes.block_count)
         for block in passes.blocks():
             span = block.span
             inputs = LogitGradientInputs(
@@ -280,16 +272,6 @@ class _TwoPass(torch.autograd.Function):
                 shifted_mean[span],
                 _scored(grad_log_probs, block.rows),
                 _scored(grad_entropy, block.rows),
-            )
-            d_hidden = passes.gradients(block, inputs, grad_hidden is not None, weight_sum)
-            if d_hidden is not None and every_row_scored:
-                grad_hidden[span].copy_(d_hidden)
-            elif d_hidden is not None:
-                grad_hidden.index_copy_(0, block.rows, d_hidden.to(hidden_dtype))
-            del d_hidden  # gone before the next block's fp32 d_hidden is allocated
-        if weight_sum is not None:
-            weight_sum.finish()
-        if owner is not None:
-            del weight_sum  # its fp32 buffer (a 16-bit main_grad's) is free before the placeholder is allocated
-            grad_weight = returned_weight_grad(owner)
-        return grad_hidden, grad_weight, None, None
+            )  # the block's d_hidden is gone before the next block's fp32 one is allocated
+            grads.store_hidden(block, passes.gradients(block, inputs, grads.hidden is not None, grads.weight_sum))
+        return *grads.finish(), None, None

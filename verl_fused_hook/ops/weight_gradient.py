@@ -93,6 +93,54 @@ class WeightGradientSum:
         return self.target
 
 
+class InputGradients:
+    """What a two-pass backward (two_pass.py, selected_tokens.py) returns for hidden and weight, built block by block.
+
+    d_hidden starts as zeros (rows nobody scores keep them). d_weight starts empty with only its padding columns
+    zeroed: the sum writes every valid one. With `owner` (a weight whose gradient goes into its `main_grad`) the
+    sum adds there and the weight's returned gradient is Megatron's placeholder. A block's d_hidden is copied into
+    its row span when every row is scored (one rounding copy), else index-copied to its rows.
+    """
+
+    def __init__(self, wants: tuple[bool, bool], hidden: tuple, weight: tuple, valid_columns: int, scored_rows: int,
+                 owner: Tensor | None, device: torch.device):  # fmt: skip
+        """`wants`: ctx.needs_input_grad of (hidden, weight); `hidden`, `weight`: their (shape, dtype)."""
+        (hidden_shape, hidden_dtype), (weight_shape, weight_dtype) = hidden, weight
+        want_hidden, want_weight = wants[0], wants[1]
+        self.owner, self.valid_columns = owner, valid_columns
+        self.every_row_scored = scored_rows == hidden_shape[0]  # then a block's rows are its span
+        self.hidden = torch.zeros(hidden_shape, dtype=hidden_dtype, device=device) if want_hidden else None
+        self.weight = None
+        if want_weight and owner is None:
+            self.weight = torch.empty(weight_shape, dtype=weight_dtype, device=device)
+            self.weight[valid_columns:].zero_()
+        self.weight_sum: WeightGradientSum | None = None
+
+    def start(self, products: int) -> None:
+        """The d_weight sum over `products` blocks (main_grad read now, as Megatron's layers do)."""
+        if self.owner is not None:
+            self.weight_sum = WeightGradientSum(self.owner.main_grad[: self.valid_columns], products, accumulate=True)
+        elif self.weight is not None:
+            self.weight_sum = WeightGradientSum(self.weight[: self.valid_columns], products)
+
+    def store_hidden(self, block, d_hidden: Tensor | None) -> None:
+        if d_hidden is None:
+            return
+        if self.every_row_scored:
+            self.hidden[block.span].copy_(d_hidden)
+        else:
+            self.hidden.index_copy_(0, block.rows, d_hidden.to(self.hidden.dtype))
+
+    def finish(self) -> tuple[Tensor | None, Tensor | None]:
+        """(d_hidden, d_weight); with no block added (nothing flowed back) d_weight is zeros, main_grad untouched."""
+        if self.weight_sum is not None:
+            self.weight_sum.finish()
+            self.weight_sum = None  # its fp32 buffer (a 16-bit main_grad's) is free before the placeholder
+        elif self.weight is not None:
+            self.weight.zero_()
+        return self.hidden, self.weight if self.owner is None else returned_weight_grad(self.owner)
+
+
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
