@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from table_titles import assert_every_table_names
 
 from verl_fused_hook_harness.support.distributed import run_in_processes
@@ -276,3 +277,22 @@ def test_synthetic_kept_sets_hold_their_label_first_and_distinct_ids():
             assert valid.unique().numel() == valid.numel() and bool((valid < 1000).all())
             sizes.append(valid.numel())
     assert 1 <= min(sizes) and max(sizes) <= 50 and len(set(sizes)) > 5  # sizes vary, as top-p's do
+
+
+def test_a_reference_kept_on_the_host_is_a_copy_and_compares_where_the_other_sample_lives():
+    """The reference's gradients go to the host (`to_cpu`: on the GPU they were held twice beside a second 7B model
+    and ran legacy out of memory on an 80 GB card): a copy even on the CPU, where megatron's DDP zeroes its gradient
+    buffer in place for the next step, and compared on the other sample's device."""
+    from verl_fused_hook_harness.commands.e2e.common import snapshot_gradients
+    from verl_fused_hook_harness.support.compare import worst_gradient
+
+    layer = torch.nn.Linear(3, 2)
+    layer.weight.main_grad = torch.full((2, 3), 2.0)
+    layer.bias.grad = torch.ones(2)
+    kept = snapshot_gradients(layer, to_cpu=True)
+    layer.weight.main_grad.zero_()
+    layer.bias.grad.mul_(4.0)
+    assert torch.equal(kept["weight"], torch.full((2, 3), 2.0)) and torch.equal(kept["bias"], torch.ones(2))
+    later = snapshot_gradients(layer)
+    assert worst_gradient(kept, later) == (3.0, "bias")
+    assert worst_gradient(kept, later, relative=True) == (3.0, "bias")

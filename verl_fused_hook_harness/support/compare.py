@@ -11,14 +11,18 @@ VALUES = ("log_probs", "entropy", "policy_loss")
 
 
 def max_abs(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """Largest absolute difference in float64; inf when the shapes differ, 0 for empty tensors."""
+    """Largest absolute difference in float64, on `other`'s device (a reference may be kept on the CPU); inf when
+    the shapes differ, 0 for empty tensors."""
     if reference.shape != other.shape:
         return float("inf")
+    reference = reference.to(other.device)
     return (reference.double() - other.double()).abs().max().item() if reference.numel() else 0.0
 
 
 def error(reference: torch.Tensor, other: torch.Tensor, *, relative: bool = False) -> float:
-    """max_abs, or (relative) max_abs over the reference's largest magnitude (max_abs itself where that is 0)."""
+    """max_abs, or (relative) max_abs over the reference's largest magnitude (max_abs itself where that is 0);
+    computed on `other`'s device."""
+    reference = reference.to(other.device)
     difference = max_abs(reference, other)
     if not relative or difference in (0.0, float("inf")):
         return difference

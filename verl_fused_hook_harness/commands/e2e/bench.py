@@ -290,8 +290,11 @@ def prime_mode(step, row, entry, repeatable, args, reference_name, parity_key, r
     returns the parity sample."""
     model = step.model
     free_step_memory(model)
-    sample = parity_sample(step, repeatable)  # first warm-up
-    if step.mode.name == reference_name:
+    # first warm-up; the reference's gradients kept on the host: with two 7B models on an 80 GB card (two layer
+    # specs in the same rounds) the reference and its rerun's gradients on the card ran legacy out of memory
+    is_reference = step.mode.name == reference_name
+    sample = parity_sample(step, repeatable, gradients_to_cpu=is_reference and args.device == "cuda")
+    if is_reference:
         if args.device == "cuda" and reference_name == "legacy":
             free_step_memory(model)
             entry["legacy_rerun"] = compare_samples(sample, parity_sample(step, repeatable))

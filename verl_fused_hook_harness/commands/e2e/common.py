@@ -232,10 +232,11 @@ def free_step_memory(model) -> None:
 
 def snapshot_gradients(model, *, to_cpu: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter gradient by name (megatron DDP's `main_grad` where the model has one), detached copies (on
-    the CPU with `to_cpu`, so another mode's peak is not charged for them)."""
+    the CPU with `to_cpu`, so another mode's peak is not charged for them and a 7B model's gradients are not held
+    twice on the card; a copy there too: a CPU model's gradient buffer is zeroed in place by the next step)."""
     grads = {name: getattr(p, "main_grad", p.grad) for name, p in model.named_parameters()}
     return {
-        name: (grad.detach().cpu() if to_cpu else grad.detach().clone())
+        name: (grad.detach().to("cpu", copy=True) if to_cpu else grad.detach().clone())
         for name, grad in grads.items()
         if grad is not None
     }

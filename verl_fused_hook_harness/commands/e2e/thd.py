@@ -143,20 +143,21 @@ def step_replay(model, data, kept_sets: str, forward_only: bool):
     return replay_of_step(data, plan, {}, forward_only)
 
 
-def parity_sample(step: Step, repeatable) -> dict:
-    """One forward+backward inside `repeatable()` (deterministic on CUDA), as a snapshot."""
+def parity_sample(step: Step, repeatable, *, gradients_to_cpu: bool = False) -> dict:
+    """One forward+backward inside `repeatable()` (deterministic on CUDA), as a snapshot (its gradients on the CPU
+    with `gradients_to_cpu`: a reference held while other modes run)."""
     with repeatable():
         output, loss = step.train()
-    return snapshot(step, output, loss)
+    return snapshot(step, output, loss, gradients_to_cpu=gradients_to_cpu)
 
 
-def snapshot(step: Step, output, loss) -> dict:
+def snapshot(step: Step, output, loss, *, gradients_to_cpu: bool = False) -> dict:
     return {
         "log_probs": response_values(output["log_probs"], step.data).detach().float(),
         "entropy": response_values(output["entropy"], step.data).detach().float(),
         "all_log_probs": output["log_probs"].values().detach().float(),
         "policy_loss": loss.detach().float().reshape(1),
-        "grads": snapshot_gradients(step.model),
+        "grads": snapshot_gradients(step.model, to_cpu=gradients_to_cpu),
     }
 
 
