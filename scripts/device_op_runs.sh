@@ -33,11 +33,9 @@
 #                    sum pi^2 at k = 128 against the floor, and where the backward's time goes at 65536 tokens
 #   step 11 (~3 min): the accuracy table's 16384-row column on this card (ours, into main_grad, verl against fp64)
 #   step 12 (~5 min): the other models and layouts on this card (benchmarks.md "Other models and layouts"): the MoE
-#                    shapes, the padded layout and one MTP layer against verl as it ships, 2 layers each. On the H100
-#                    (2026-12-07) it shared its call with TE's build pinned to the other half of the cores:
-#                    bash scripts/device_te.sh install && (setsid taskset -c 8-15 bash scripts/device_te.sh build
-#                    >/tmp/te_build.log 2>&1 </dev/null &); taskset -c 0-7 bash scripts/device_op_runs.sh 12;
-#                    bash scripts/device_te.sh wait && bash scripts/device_te.sh keep "$OUT"
+#                    shapes, the padded layout and one MTP layer against verl as it ships, 2 layers each (on the
+#                    H100, 2026-12-08, only its MoE run and the padded layout at 16k and 32k tokens ran, by hand, in
+#                    what was left of the session's device time: results/README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh

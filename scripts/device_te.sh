@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 on the GPU device machine (an H200: no network, at most 64 MiB carried per call), so that
 # mbridge's Transformer Engine layer spec and TE's packed-sequence attention run there. Timings and what was seen:
-# docs/benchmarks.md ("Transformer Engine on the H200"); the runs made with it: scripts/device_te_runs.sh.
+# docs/benchmarks.md ("Transformer Engine (H200; H100 rows)"); the runs made with it: scripts/device_te_runs.sh.
 #
 # Here (with network):  scripts/device_te.sh pack
 #   fills build/te (git-ignored, ~40 MB): the core wheel's files with libtransformer_engine.so cut to its sm_90

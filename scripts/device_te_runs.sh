@@ -3,7 +3,7 @@
 # Megatron-Bridge), measured end to end. One device call a step, at most 9 minutes each; steps 1-4 ran on 2026-12-05
 # (about 20 minutes with the machine's start), 5 and 6 in a later session that day (7 and 6.5 minutes, start
 # included), 7 and 8 in a third (3.6 and 2.4 minutes). What each measures, and the figures it gave:
-# docs/benchmarks.md, "Transformer Engine on the H200".
+# docs/benchmarks.md, "Transformer Engine (H200; H100 rows)".
 #
 # Here (with network), once:  bash scripts/device_wheels.sh && bash scripts/device_te.sh pack
 #                             (step 6: bash scripts/device_fa3.sh pack/build/keep; step 7: device_apex.sh pack)
@@ -42,7 +42,9 @@
 #                    verl's Megatron-Bridge build sets attention_backend=flash (TE then needs a FlashAttention)
 #   step 9 (~7 min): issue 55's full-depth columns on another card (the H100, 2026-12-07): step 3 at 16k and 32k
 #                    tokens, legacy / hook+verl / hook+ours+mask, the decoder alone timed too; the results' names
-#                    end in the card
+#                    end in the card. With the repository at 4.5 MB, .whl and build/te pass 64 MiB: move
+#                    build/te/wheels/nvidia_cudnn_frontend-*.whl aside first, as for step 8 (H100, 2026-12-08: 343 s
+#                    with TE's build)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_steps.sh

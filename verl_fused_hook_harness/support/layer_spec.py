@@ -37,7 +37,7 @@ FLASH_ATTENTION_MODULES = {
 FLASH_ATTENTION_2_MODULE = "flash_attn.flash_attn_interface"
 APEX_WEIGHT_GRADIENT_MODULE = "fused_weight_gradient_mlp_cuda"
 VERL_MEGATRON_OVERRIDES = "actor_rollout_ref.actor.megatron.override_transformer_config"
-# What was seen on the H200 (docs/benchmarks.md, "Transformer Engine on the H200"), for the refusals' words.
+# What was seen on the H200 (docs/benchmarks.md, "Transformer Engine (H200; H100 rows)"), for the refusals' words.
 H200_FLASH_NOTE = (
     "on the H200 TransformerConfig(batch_invariant_mode=True) raised 'AssertionError: Batch invariant mode only "
     "supports FlashAttention (--attention-backend flash)'; FlashAttention is not installed there, has no wheel on "
